@@ -123,14 +123,14 @@ def copy_bandwidth(dev) -> float:
     return 2 * 256 * 1024 * 1024 * 4 / (t * 1e-3)
 
 
-def make_runner(model, cfg, batch: int, ctx: int, steps: int, dev):
+def make_runner(model, cfg, batch: int, ctx: int, steps: int, dev, graphs: bool = False):
     B = 64
     per_seq_tok = -(-(ctx + steps + 256) // B) + 1
     sizes = PoolSizes(block_size=B, c4_block_size=64, c128_block_size=8,
                       num_blocks=batch * 8 + per_seq_tok + 8,
                       num_c4_blocks=batch * (-(-(ctx + steps) // 256) + 1),
                       num_c128_blocks=batch * (-(-(ctx + steps) // 1024) + 1))
-    runner = ModelRunner(model, sizes, dev)
+    runner = ModelRunner(model, sizes, dev, cuda_graphs=graphs, max_graph_batch=batch)
     seqs = []
     for _ in range(batch):
         s = runner.new_sequence()
@@ -164,7 +164,7 @@ def time_decode(runner, seqs, steps: int, warmup: int, vocab: int, expert_log: l
     return statistics.median(times) * 1e3
 
 
-def bench_ours(fmt: str, batches, ctxs, steps, warmup, dev, bw, rows, backend, toy=False):
+def bench_ours(fmt: str, batches, ctxs, steps, warmup, dev, bw, rows, backend, toy=False, modes=("eager",)):
     cfg = preset("toy-v4").replace(n_mtp_layers=0, compress_ratios=(0, 0, 4, 128, 4, 128, 4)) if toy else flash3()
     torch.manual_seed(0)
     model = build_model(cfg, torch.bfloat16, "exact").to(dev).eval()
@@ -173,43 +173,44 @@ def bench_ours(fmt: str, batches, ctxs, steps, warmup, dev, bw, rows, backend, t
         to_official_formats_(model)
     other, per_expert = weight_bytes(model)
     picked: dict[int, set] = {}
-    hooks = []
-    for lid, blk in enumerate(model.layers):
-        def hook(mod, inp, out, lid=lid):
-            picked.setdefault(lid, set()).update(out[1].reshape(-1).tolist())
-        hooks.append(blk.ffn.gate.register_forward_hook(hook))
+
+    def hook(mod, inp, out, lid):
+        picked.setdefault(lid, set()).update(out[1].reshape(-1).tolist())
+
     for ctx in ctxs:
         for batch in batches:
-            try:
-                runner, seqs = make_runner(model, cfg, batch, ctx, warmup + steps + 2, dev)
-                with atb_ops.use_backend(backend):
-                    # one step with the routing hook on: experts a step actually reads
-                    picked.clear()
-                    runner.step(seqs, [[7 + i] for i in range(batch)])
-                    act = {lid: len(v) for lid, v in picked.items()}
-                    for h in hooks:
-                        h.remove()
-                    hooks.clear()
-                    ms = time_decode(runner, seqs, steps, warmup, cfg.vocab_size)
-            except torch.cuda.OutOfMemoryError:
-                print(f"| {fmt} | {batch} | {ctx} | OOM |", flush=True)
+            act = None
+            for mode in modes:
+                graphs = mode == "graph"
+                try:
+                    runner, seqs = make_runner(model, cfg, batch, ctx, warmup + steps + 2, dev, graphs)
+                    with atb_ops.use_backend(backend):
+                        if act is None:  # one eager step with a routing hook: the experts a step reads
+                            picked.clear()
+                            hs = [blk.ffn.gate.register_forward_hook(lambda m, i, o, lid=lid: hook(m, i, o, lid))
+                                  for lid, blk in enumerate(model.layers)]
+                            with torch.inference_mode():
+                                ids, c = runner.prepare(seqs, [[7 + i] for i in range(batch)])
+                                model(ids, c)
+                            for h in hs:
+                                h.remove()
+                            act = {lid: len(v) for lid, v in picked.items()}
+                            runner.commit(seqs, c)
+                        ms = time_decode(runner, seqs, steps, warmup, cfg.vocab_size)
+                except torch.cuda.OutOfMemoryError:
+                    print(f"| ours ({backend}, {mode}) | {fmt} | {batch} | {ctx} | OOM |", flush=True)
+                    torch.cuda.empty_cache()
+                    continue
+                byt = (other + sum(per_expert[l] * act.get(l, 0) for l in per_expert)
+                       + batch * kv_bytes_per_seq(cfg, ctx, 2))
+                floor = byt / bw * 1e3
+                row = dict(impl=f"ours-{backend}-{mode}", fmt=fmt, batch=batch, ctx=ctx, ms=ms,
+                           tok_s=batch / ms * 1e3, bytes=byt, floor_ms=floor, pct_floor=100 * floor / ms, experts=act)
+                rows.append(row)
+                print(f"| ours ({backend}, {mode}) | {fmt} | {batch} | {ctx} | {ms:.2f} | {row['tok_s']:.0f} | "
+                      f"{byt / 1e9:.2f} | {floor:.2f} | {row['pct_floor']:.1f} |", flush=True)
+                del runner, seqs
                 torch.cuda.empty_cache()
-                continue
-            byt = other + sum(per_expert[l] * act.get(l, 0) for l in per_expert) + batch * kv_bytes_per_seq(cfg, ctx, 2)
-            floor = byt / bw * 1e3
-            row = dict(impl=f"ours-{backend}", fmt=fmt, batch=batch, ctx=ctx, ms=ms, tok_s=batch / ms * 1e3,
-                       bytes=byt, floor_ms=floor, pct_floor=100 * floor / ms, experts=act)
-            rows.append(row)
-            print(f"| ours ({backend}) | {fmt} | {batch} | {ctx} | {ms:.2f} | {row['tok_s']:.0f} | {byt / 1e9:.2f} | "
-                  f"{floor:.2f} | {row['pct_floor']:.1f} |", flush=True)
-            del runner, seqs
-            torch.cuda.empty_cache()
-            for lid, blk in enumerate(model.layers):
-                def hook(mod, inp, out, lid=lid):
-                    picked.setdefault(lid, set()).update(out[1].reshape(-1).tolist())
-                hooks.append(blk.ffn.gate.register_forward_hook(hook))
-    for h in hooks:
-        h.remove()
     del model
     torch.cuda.empty_cache()
 
@@ -262,7 +263,8 @@ def main() -> None:
     ap.add_argument("--formats", default="bf16,fp8")
     ap.add_argument("--backends", default="cuda", help="comma list of atb_ops backends to time (cuda, reference)")
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=6)
+    ap.add_argument("--modes", default="eager,graph", help="eager and/or graph (CUDA-graph-captured decode)")
     ap.add_argument("--hf", action="store_true", help="also time transformers eager (bf16, batch 8)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--toy", action="store_true", help="the toy model instead (smoke test of this script)")
@@ -280,7 +282,7 @@ def main() -> None:
     ctxs = [int(x) for x in a.ctx.split(",")]
     for backend in a.backends.split(","):
         for fmt in a.formats.split(","):
-            bench_ours(fmt, batches, ctxs, a.steps, a.warmup, dev, bw, rows, backend, a.toy)
+            bench_ours(fmt, batches, ctxs, a.steps, a.warmup, dev, bw, rows, backend, a.toy, tuple(a.modes.split(",")))
     if a.hf:
         for ctx in ctxs:
             bench_hf(8, ctx, a.steps, a.warmup, dev, rows)

@@ -155,8 +155,8 @@ class LLMEngine:
                 owner.extend([i] * m)
             off += len(t)
         with torch.inference_mode():
-            streams = runner.model(ids, ctx)
-            logits = runner.model.logits(streams, torch.tensor(rows, dtype=torch.long, device=ids.device)).float().cpu()
+            streams, logits = runner.forward(ids, ctx, rows)  # a captured CUDA graph for decode steps
+            logits = logits.float().cpu()
         self.stats.steps += 1
         committed = [len(c) for c in chunks]
         by_req: dict[int, list[int]] = {}

@@ -17,10 +17,15 @@ from .kv_pools import PoolSizes, SeqBlocks
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, sizes: PoolSizes, device: torch.device | str = "cpu",
-                 kv_dtype: torch.dtype | None = None):
+                 kv_dtype: torch.dtype | None = None, cuda_graphs: bool = False, max_graph_batch: int = 256):
         self.model = model
         self.device = torch.device(device)
         self.pools = model.make_pools(sizes, kv_dtype or model.dtype, self.device)
+        self.graphs = None  # captured decode steps (CUDA, DeepSeek-V4 pools), see engine/cuda_graphs.py
+        if cuda_graphs and self.device.type == "cuda" and hasattr(self.pools, "csa_layers"):
+            from .cuda_graphs import CudaGraphDecoder
+
+            self.graphs = CudaGraphDecoder(model, self.pools, max_graph_batch)
 
     def new_sequence(self) -> SeqBlocks:
         return SeqBlocks()
@@ -37,14 +42,32 @@ class ModelRunner:
             s.num_tokens += n
             self.pools.trim(s)
 
+    def forward(self, ids: torch.Tensor, ctx: StepContext, rows: Sequence[int]):
+        """(streams, float32 logits of token rows ``rows``): a captured graph for decode steps when enabled,
+        else the eager model."""
+        if self.graphs is not None:
+            key = self.graphs.key(ctx, rows)
+            if key is not None:
+                out = self.graphs.run(ids, ctx, key)
+                if out is not None:
+                    return out
+        streams = self.model(ids, ctx)
+        return streams, self.model.logits(streams, torch.tensor(list(rows), dtype=torch.long, device=ids.device))
+
     @torch.inference_mode()
     def step(self, seqs: Sequence[SeqBlocks], tokens: Sequence[Sequence[int]], logits: str = "last",
              return_streams: bool = False):
         """Run the new ``tokens[s]`` of every ``seqs[s]``; returns float32 logits [rows, vocab]
         (rows per ``logits``: "last" = one per sequence, "all" = every token), and the streams if asked."""
         ids, ctx = self.prepare(seqs, tokens, logits)
-        streams = self.model(ids, ctx)
-        out = self.model.logits(streams, ctx.logits_index)
+        lens = [len(t) for t in tokens]
+        if logits == "last":
+            rows = [sum(lens[: i + 1]) - 1 for i in range(len(lens)) if lens[i] > 0]
+        elif logits == "all":
+            rows = list(range(sum(lens)))
+        else:
+            rows = []
+        streams, out = self.forward(ids, ctx, rows)
         self.commit(seqs, ctx)
         return (out, streams, ctx, ids) if return_streams else out
 

@@ -36,6 +36,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--numerics", default="exact", help="exact | reference (official FP8/FP4 activation rounding)")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--weights-seed", type=int, default=0, help="seed of the random weights of a preset")
+    g.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode steps eagerly (no CUDA graph capture)")
 
     i = sub.add_parser("info", help="print the config, parameter count, KV bytes per token and memory needs")
     _add_model_args(i)
@@ -77,6 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--block-size", type=int, default=16, help="tokens per KV page")
     s.add_argument("--max-queue", type=int, default=256, help="waiting requests before answering 429")
     s.add_argument("--enable-prefix-caching", action="store_true", help="reuse KV pages of shared prompt prefixes")
+    s.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode steps eagerly (no CUDA graph capture)")
     s.add_argument("--num-speculative-tokens", type=int, default=0, help="MTP draft tokens per step (0 or 1)")
     s.add_argument("--chat-template", default=None, help="Jinja2 chat template (file or string) overriding the "
                    "model folder's; default: tokenizer_config.json's, else DeepSeek's chat format")
@@ -128,7 +130,7 @@ def _generate(a: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                             seed=a.seed)
     llm = LLM(model=a.model, backend=a.backend, dtype=a.dtype, numerics=a.numerics, device=a.device,
-              seed=a.weights_seed, max_model_len=a.max_model_len)
+              seed=a.weights_seed, max_model_len=a.max_model_len, enforce_eager=a.enforce_eager)
 
     def emit(_rid: int, text: str) -> None:
         sys.stdout.write(text)
@@ -154,7 +156,8 @@ def _serve(a: argparse.Namespace) -> int:
     llm = LLM(model=a.model, backend=a.backend, dtype=a.dtype, numerics=a.numerics, device=a.device,
               seed=a.weights_seed, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
               max_num_batched_tokens=a.max_num_batched_tokens, block_size=a.block_size,
-              enable_prefix_caching=a.enable_prefix_caching, num_speculative_tokens=a.num_speculative_tokens)
+              enable_prefix_caching=a.enable_prefix_caching, num_speculative_tokens=a.num_speculative_tokens,
+              enforce_eager=a.enforce_eager)
     run_server(llm, host=a.host, port=a.port, api_key=a.api_key or os.environ.get("ASCEND_DSV4_API_KEY"),
                served_model_name=a.served_model_name or a.model, max_queue=a.max_queue,
                model_dir=a.model if os.path.isdir(a.model) else None, chat_template=a.chat_template,

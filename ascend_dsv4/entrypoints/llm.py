@@ -70,6 +70,7 @@ class LLM:
         msmodelslim_path: str = "int",
         allow_float_mtp: bool = False,
         msmodelslim_act_sim: str | None = None,
+        enforce_eager: bool = False,
     ):
         if numerics not in NUMERICS:
             raise ConfigError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
@@ -116,7 +117,12 @@ class LLM:
             net = net.to(self.device).eval()
         self.model = net
         self.tokenizer = load_tokenizer(folder, cfg.bos_token_id, cfg.eos_token_id, cfg.vocab_size)
-        self.runner = ModelRunner(net, self._pool_sizes(block_size), self.device)
+        # CUDA graphs for decode steps (vLLM's default; ``enforce_eager`` turns them off) when the Triton
+        # kernels run the ops: the reference ops are not capture-safe (host synchronisations)
+        graphs = (self.device.type == "cuda" and not enforce_eager and cfg.model_type == "deepseek_v4"
+                  and self.backend in (None, "cuda"))
+        self.runner = ModelRunner(net, self._pool_sizes(block_size), self.device, cuda_graphs=graphs,
+                                  max_graph_batch=max_num_seqs)
         self.engine = LLMEngine(self.runner, self.tokenizer, self.max_model_len, max_num_seqs, max_num_batched_tokens,
                                 enable_prefix_caching=enable_prefix_caching,
                                 num_speculative_tokens=num_speculative_tokens)

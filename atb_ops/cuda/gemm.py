@@ -5,8 +5,8 @@
 - ``dense``: W tile loaded in its dtype;
 - ``fp8_block``: e4m3 tile converted exactly to the compute dtype; the 128x128 block scale (float32, or E8M0
   decoded in the kernel) multiplies the tile's partial product (BN and BK divide 128, so one scale per tile);
-- ``fp4``: bytes split into low (element 2c) and high (element 2c+1) e2m1 codes, decoded, multiplied by
-  2^(E8M0 - 127) per 32 inputs; exact in bfloat16.
+- ``fp4``: bytes split into low (element 2c) and high (element 2c+1) e2m1 codes, each decoded with its
+  E8M0 scale folded into the exponent bits (exact in bfloat16), multiplied with the even / odd columns of x.
 
 Accumulation is float32. For the grouped op, rows are sorted by expert (stable argsort) and cut into tiles
 of BM rows that never cross an expert; the tile table (expert, first row, end row) is built on the device
@@ -34,13 +34,14 @@ def _e8m0(b):
 
 
 @triton.jit
-def _fp4_value(c):
-    """float32 value of e2m1 codes c (0..15): magnitude [0, .5, 1, 1.5, 2, 3, 4, 6][c & 7], sign bit 8."""
+def _fp4_scaled(c, sc):
+    """float32 e2m1(c) * 2^(sc - 127) built from bits: sign << 31 | (e - 1 + sc) << 23 | m << 22 for exponent
+    bits e > 0, 2^(sc - 128) for code 1 (0.5), 0 for code 0 (sc in [2, 253], as real scales are)."""
     e = (c >> 1) & 3
-    m = (c & 1).to(tl.float32)
-    p = tl.where(e == 1, 1.0, tl.where(e == 2, 2.0, 4.0))
-    mag = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * p)
-    return tl.where((c & 8) != 0, -mag, mag)
+    m = c & 1
+    sign = (c & 8) << 28
+    bits = tl.where(e > 0, ((e - 1 + sc) << 23) | (m << 22), tl.where(m != 0, (sc - 1) << 23, 0))
+    return (bits | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -71,7 +72,8 @@ def _gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, order_ptr, tile_e_ptr, tile_r0_pt
         for k0 in range(0, K, BK):
             k = k0 + tl.arange(0, BK)
             km = k < K
-            a = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=rm[:, None] & km[None, :], other=0.0).to(CT)
+            if FMT != 2:
+                a = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=rm[:, None] & km[None, :], other=0.0).to(CT)
             if FMT == 0:
                 wt = tl.load(w_base + n[:, None].to(tl.int64) * K + k[None, :], mask=nm[:, None] & km[None, :],
                              other=0.0).to(CT)
@@ -85,17 +87,22 @@ def _gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, order_ptr, tile_e_ptr, tile_r0_pt
                     sv = _e8m0(sv)
                 acc += mma(a, tl.trans(wt), PREC) * sv.to(tl.float32)
             else:
-                kh = k0 // 2 + tl.arange(0, BK // 2)
-                b = tl.load(w_base + n[:, None].to(tl.int64) * (K // 2) + kh[None, :],
-                            mask=nm[:, None] & (kh < K // 2)[None, :], other=0).to(tl.int32) & 0xFF
-                lo = _fp4_value(b & 0xF)
-                hi = _fp4_value(b >> 4)
-                wv = tl.reshape(tl.join(lo, hi), (BN, BK))
-                kb = k0 // 32 + tl.arange(0, BK // 32)
-                sc = _e8m0(tl.load(s_base + n[:, None].to(tl.int64) * (K // 32) + kb[None, :],
-                                   mask=nm[:, None] & (kb < K // 32)[None, :], other=127))
-                wv = tl.reshape(tl.reshape(wv, (BN, BK // 32, 32)) * sc[:, :, None], (BN, BK)).to(CT)
-                acc += mma(a, tl.trans(wv), PREC)
+                # FP4: element 2c is the low nibble of byte c, 2c+1 the high one; instead of interleaving the
+                # decoded halves, the activations are read as their even and odd columns (two dots)
+                c = tl.arange(0, BK // 2)
+                kh = k0 // 2 + c
+                cm = nm[:, None] & (kh < K // 2)[None, :]
+                b = tl.load(w_base + n[:, None].to(tl.int64) * (K // 2) + kh[None, :], mask=cm, other=0)
+                b = b.to(tl.int32) & 0xFF
+                sc = tl.load(s_base + n[:, None].to(tl.int64) * (K // 32) + (k0 + 2 * c[None, :]) // 32, mask=cm,
+                             other=127).to(tl.int32) & 0xFF
+                lo = _fp4_scaled(b & 0xF, sc).to(CT)
+                hi = _fp4_scaled(b >> 4, sc).to(CT)
+                ke = k0 + 2 * c
+                am = rm[:, None] & (ke < K)[None, :]
+                a_lo = tl.load(x_ptr + rows[:, None] * K + ke[None, :], mask=am, other=0.0).to(CT)
+                a_hi = tl.load(x_ptr + rows[:, None] * K + ke[None, :] + 1, mask=am, other=0.0).to(CT)
+                acc += mma(a_lo, tl.trans(lo), PREC) + mma(a_hi, tl.trans(hi), PREC)
     tl.store(out_ptr + rows[:, None] * N + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=rm[:, None] & nm[None, :])
 
 
@@ -124,6 +131,8 @@ def _tiles(m: int, n: int, k: int, fmt: str, compute: torch.dtype) -> tuple[int,
     bm = 16 if m <= 16 else (32 if m <= 32 else 64)
     bk = 128 if fmt != "dense" else 64
     bn = 64 if m <= 64 else 128
+    if triton.cdiv(m, bm) * triton.cdiv(n, bn) < 264:  # a decode GEMV: more, narrower column tiles
+        bn = 32
     if compute == torch.float32:
         bk, bn = min(bk, 64), min(bn, 64)
     return bm, bn, bk
