@@ -87,22 +87,21 @@ def _gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, order_ptr, tile_e_ptr, tile_r0_pt
                     sv = _e8m0(sv)
                 acc += mma(a, tl.trans(wt), PREC) * sv.to(tl.float32)
             else:
-                # FP4: element 2c is the low nibble of byte c, 2c+1 the high one; instead of interleaving the
-                # decoded halves, the activations are read as their even and odd columns (two dots)
+                # FP4: element 2c is the low nibble of byte c, 2c+1 the high one; codes decoded with the E8M0
+                # scale of their group of 32 folded into the exponent bits, then interleaved back in K order
                 c = tl.arange(0, BK // 2)
                 kh = k0 // 2 + c
                 cm = nm[:, None] & (kh < K // 2)[None, :]
                 b = tl.load(w_base + n[:, None].to(tl.int64) * (K // 2) + kh[None, :], mask=cm, other=0)
-                b = b.to(tl.int32) & 0xFF
-                sc = tl.load(s_base + n[:, None].to(tl.int64) * (K // 32) + (k0 + 2 * c[None, :]) // 32, mask=cm,
-                             other=127).to(tl.int32) & 0xFF
-                lo = _fp4_scaled(b & 0xF, sc).to(CT)
-                hi = _fp4_scaled(b >> 4, sc).to(CT)
-                ke = k0 + 2 * c
-                am = rm[:, None] & (ke < K)[None, :]
-                a_lo = tl.load(x_ptr + rows[:, None] * K + ke[None, :], mask=am, other=0.0).to(CT)
-                a_hi = tl.load(x_ptr + rows[:, None] * K + ke[None, :] + 1, mask=am, other=0.0).to(CT)
-                acc += mma(a_lo, tl.trans(lo), PREC) + mma(a_hi, tl.trans(hi), PREC)
+                b = tl.reshape(b.to(tl.int32) & 0xFF, (BN, BK // 32, 16))
+                kb = k0 // 32 + tl.arange(0, BK // 32)
+                sc = tl.load(s_base + n[:, None].to(tl.int64) * (K // 32) + kb[None, :],
+                             mask=nm[:, None] & (kb < K // 32)[None, :], other=127).to(tl.int32) & 0xFF
+                lo = _fp4_scaled(b & 0xF, sc[:, :, None])
+                hi = _fp4_scaled(b >> 4, sc[:, :, None])
+                wv = tl.reshape(tl.join(lo, hi), (BN, BK)).to(CT)
+                a = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=rm[:, None] & km[None, :], other=0.0).to(CT)
+                acc += mma(a, tl.trans(wv), PREC)
     tl.store(out_ptr + rows[:, None] * N + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=rm[:, None] & nm[None, :])
 
 
