@@ -164,6 +164,22 @@ def time_decode(runner, seqs, steps: int, warmup: int, vocab: int, expert_log: l
     return statistics.median(times) * 1e3
 
 
+PROFILE = False
+
+
+def profile_steps(runner, seqs, vocab: int, label: str, n: int = 3) -> None:
+    """Device time by kernel over ``n`` decode steps (torch.profiler sees the kernels of graph replays)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    g = torch.Generator().manual_seed(3)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            runner.step(seqs, [[int(x)] for x in torch.randint(0, vocab, (len(seqs),), generator=g)])
+        torch.cuda.synchronize()
+    print(f"profile ({label}, {n} steps, device time by kernel):")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
+
+
 def bench_ours(fmt: str, batches, ctxs, steps, warmup, dev, bw, rows, backend, toy=False, modes=("eager",)):
     cfg = preset("toy-v4").replace(n_mtp_layers=0, compress_ratios=(0, 0, 4, 128, 4, 128, 4)) if toy else flash3()
     torch.manual_seed(0)
@@ -197,6 +213,8 @@ def bench_ours(fmt: str, batches, ctxs, steps, warmup, dev, bw, rows, backend, t
                             act = {lid: len(v) for lid, v in picked.items()}
                             runner.commit(seqs, c)
                         ms = time_decode(runner, seqs, steps, warmup, cfg.vocab_size)
+                        if PROFILE and graphs:
+                            profile_steps(runner, seqs, cfg.vocab_size, f"{fmt} batch {batch} ctx {ctx}")
                 except torch.cuda.OutOfMemoryError:
                     print(f"| ours ({backend}, {mode}) | {fmt} | {batch} | {ctx} | OOM |", flush=True)
                     torch.cuda.empty_cache()
@@ -269,7 +287,10 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--toy", action="store_true", help="the toy model instead (smoke test of this script)")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--profile", action="store_true", help="print a per-kernel device-time profile (graph mode)")
     a = ap.parse_args()
+    global PROFILE
+    PROFILE = a.profile
     dev = torch.device(a.device)
     if dev.type == "cpu":  # smoke test only
         torch.cuda.synchronize = lambda *args: None

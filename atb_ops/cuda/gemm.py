@@ -16,6 +16,8 @@ Dense ``linear`` stays on cuBLAS (torch.matmul), which is the ceiling for that c
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -24,6 +26,11 @@ from .._dispatch import register
 from ._util import mma, dot_precision, pow2, tl_dtype
 
 _FMT = {"dense": 0, "fp8_block": 1, "fp4": 2}
+
+
+def _fp4_split() -> bool:
+    """FP4 kernel variant: ATB_CUDA_FP4=split (two dots over even / odd columns) or join (default)."""
+    return os.environ.get("ATB_CUDA_FP4", "join") == "split"
 
 
 @triton.jit
@@ -47,7 +54,7 @@ def _fp4_scaled(c, sc):
 @triton.jit
 def _gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, order_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr,
                  M, N, K, stride_we, stride_se,
-                 FMT: tl.constexpr, SCALE_E8M0: tl.constexpr, GROUPED: tl.constexpr,
+                 FMT: tl.constexpr, SCALE_E8M0: tl.constexpr, GROUPED: tl.constexpr, FP4_SPLIT: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, CT: tl.constexpr, PREC: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -99,9 +106,14 @@ def _gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, order_ptr, tile_e_ptr, tile_r0_pt
                              mask=nm[:, None] & (kb < K // 32)[None, :], other=127).to(tl.int32) & 0xFF
                 lo = _fp4_scaled(b & 0xF, sc[:, :, None])
                 hi = _fp4_scaled(b >> 4, sc[:, :, None])
-                wv = tl.reshape(tl.join(lo, hi), (BN, BK)).to(CT)
                 a = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=rm[:, None] & km[None, :], other=0.0).to(CT)
-                acc += mma(a, tl.trans(wv), PREC)
+                if FP4_SPLIT:  # even / odd activation columns against the low / high codes: two dots
+                    a_lo, a_hi = tl.split(tl.reshape(a, (BM, BK // 2, 2)))
+                    acc += mma(a_lo, tl.trans(tl.reshape(lo, (BN, BK // 2)).to(CT)), PREC)
+                    acc += mma(a_hi, tl.trans(tl.reshape(hi, (BN, BK // 2)).to(CT)), PREC)
+                else:  # codes interleaved back into K order: one dot
+                    wv = tl.reshape(tl.join(lo, hi), (BN, BK)).to(CT)
+                    acc += mma(a, tl.trans(wv), PREC)
     tl.store(out_ptr + rows[:, None] * N + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=rm[:, None] & nm[None, :])
 
 
@@ -155,7 +167,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None = None
     s, e8 = _scale_arg(w_scale, w)
     xc = x.contiguous()
     _gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
-        xc, w.contiguous(), s, out, xc, xc, xc, xc, m, n, k, 0, 0, FMT=_FMT[fmt], SCALE_E8M0=e8, GROUPED=False,
+        xc, w.contiguous(), s, out, xc, xc, xc, xc, m, n, k, 0, 0, FMT=_FMT[fmt], SCALE_E8M0=e8, GROUPED=False, FP4_SPLIT=_fp4_split(),
         BM=bm, BN=bn, BK=bk, CT=tl_dtype(ct), PREC=dot_precision(ct), num_warps=4, num_stages=3)
     return out
 
@@ -205,6 +217,6 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor, w
     wc = w.contiguous()
     _gemm_kernel[(te.shape[0], triton.cdiv(n, bn))](
         x.contiguous(), wc, s, out, order, te, r0, r1, m, n, k, wc.stride(0), s.stride(0) if w_scale is not None else 0,
-        FMT=_FMT[fmt], SCALE_E8M0=e8, GROUPED=True, BM=bm, BN=bn, BK=bk, CT=tl_dtype(ct), PREC=dot_precision(ct),
+        FMT=_FMT[fmt], SCALE_E8M0=e8, GROUPED=True, FP4_SPLIT=_fp4_split(), BM=bm, BN=bn, BK=bk, CT=tl_dtype(ct), PREC=dot_precision(ct),
         num_warps=4, num_stages=3)
     return out

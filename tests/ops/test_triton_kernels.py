@@ -311,3 +311,13 @@ def test_every_hot_op_has_a_cuda_kernel():
                "sparse_attention", "moe_gate", "swiglu", "linear", "grouped_matmul", "fp8_act_round",
                "fp4_act_round", "mla_decode"):
         impls(op)
+
+
+def test_fp4_split_variant(monkeypatch):
+    monkeypatch.setenv("ATB_CUDA_FP4", "split")
+    cu, ref = impls("grouped_matmul")
+    g = gen(13)
+    w, s = _weights("fp4", 64, 160, g, e=3)
+    x = rnd(9, 160, g=g, dtype=torch.bfloat16)
+    ids = torch.randint(0, 3, (9,), generator=g).to(DEV)
+    assert rel(cu(x, w, ids, s, "fp4"), ref(x, w, ids, s, "fp4")) < 1e-2
