@@ -67,6 +67,8 @@ def ceilings(dev) -> dict:
 
 
 ROTATE = 8
+# tile variants of the attention kernel timed side by side: " [BH,BN,WARPS]" (see atb_ops/cuda/attention.py)
+ATTN_VARIANTS = ("", " [32,32,8]", " [64,32,8]", " [64,16,8]", " [64,32,16]")
 
 
 class Rotating:
@@ -139,8 +141,9 @@ def cases(dev, quick: bool):
         rows = T * (128 + k2)
         byt = rows * D * 2 + 2 * _nb(q) + _nb(win, ex)
         fl = 4 * T * h * (128 + k2) * D
-        yield (f"sparse_attention {kind} T={T} h={h} K=128+{k2}", "sparse_attention",
-               (q, swa, win, sink, D**-0.5, pool, ex), {}, byt, fl)
+        for variant in ([""] if quick else ATTN_VARIANTS):
+            yield (f"sparse_attention {kind} T={T} h={h} K=128+{k2}{variant}", "sparse_attention",
+                   (q, swa, win, sink, D**-0.5, pool, ex), {}, byt, fl)
 
     # V3 MLA decode (absorbed): H=128, C=512, R=64
     for T, L in ((1, 4096), (32, 4096)):
@@ -235,6 +238,10 @@ def main() -> None:
     print(hdr + "\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)
     for case_name, op, args, kw, byt, fl in cases(dev, a.quick):
         os.environ["ATB_CUDA_FP4"] = "split" if "fp4-split" in case_name else "join"
+        if "[" in case_name:
+            os.environ["ATB_CUDA_ATTN"] = case_name.split("[")[1].rstrip("]")
+        else:
+            os.environ.pop("ATB_CUDA_ATTN", None)
         cu = impl[op].get("cuda")
         ref = impl[op]["reference"]
         if cu is None:
