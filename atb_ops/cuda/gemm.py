@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .._dispatch import register
-from ._util import mma, dot_precision, pow2, tl_dtype
+from ._util import INTERPRET, dot_precision, mma, pow2, tl_dtype
 
 _FMT = {"dense": 0, "fp8_block": 1, "fp4": 2}
 
@@ -152,11 +152,13 @@ def _tiles(m: int, n: int, k: int, fmt: str, compute: torch.dtype) -> tuple[int,
 @register("linear", "cuda")
 def linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None = None, fmt: str = "dense") -> torch.Tensor:
     """y = x @ W^T, x [M, K]; dense weights on cuBLAS, fp8_block / fp4 through ``_gemm_kernel``."""
+    m, k = x.shape
     if fmt == "dense":
+        if w.dtype == torch.float32 and x.dtype == torch.float32 and 0 < m <= 256 and not INTERPRET:
+            return _fp32_gemv(x, w)
         if w.dtype == x.dtype:
             return x @ w.t()
         return (x.float() @ w.float().t()).to(x.dtype)
-    m, k = x.shape
     _check(fmt, k)
     n = w.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -172,6 +174,22 @@ def linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None = None
     return out
 
 
+def _fp32_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """float32 x [M <= 256, K] @ float32 W^T through the tensor cores in three TF32 passes ("tf32x3": about
+    float32 accuracy); cuBLAS's float32 path for these skinny shapes (the model's float32 head and compressor
+    projections) runs on FMA units at about half the HBM rate."""
+    m, k = x.shape
+    n = w.shape[0]
+    out = torch.empty(m, n, dtype=torch.float32, device=x.device)
+    bm = 16 if m <= 16 else (32 if m <= 32 else 64)
+    bn = 64 if triton.cdiv(m, bm) * triton.cdiv(n, 64) >= 264 else 32
+    xc = x.contiguous()
+    _gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+        xc, w.contiguous(), xc, out, xc, xc, xc, xc, m, n, k, 0, 0, FMT=0, SCALE_E8M0=False, GROUPED=False,
+        FP4_SPLIT=False, BM=bm, BN=bn, BK=32, CT=tl.float32, PREC="tf32x3", num_warps=4, num_stages=4)
+    return out
+
+
 def expert_tiles(expert_ids: torch.Tensor, n_experts: int, bm: int):
     """Device-side tile table of rows grouped by expert (no host synchronisation).
 
@@ -181,8 +199,16 @@ def expert_tiles(expert_ids: torch.Tensor, n_experts: int, bm: int):
     m = expert_ids.shape[0]
     dev = expert_ids.device
     ids = expert_ids.long()
-    order = torch.argsort(ids, stable=True)
     counts = torch.zeros(n_experts, dtype=torch.long, device=dev).scatter_add_(0, ids, torch.ones_like(ids))
+    if m * n_experts <= (1 << 22):
+        # stable counting sort (decode sizes): rank of each row among the rows of its expert via a one-hot
+        # cumulative sum; cheaper than a radix sort launch sequence
+        onehot = ids.unsqueeze(1) == torch.arange(n_experts, device=dev).unsqueeze(0)  # [M, E]
+        rank = torch.cumsum(onehot.to(torch.int32), 0).gather(1, ids.unsqueeze(1)).squeeze(1).long() - 1
+        dest = (torch.cumsum(counts, 0) - counts)[ids] + rank
+        order = torch.empty_like(ids).scatter_(0, dest, torch.arange(m, device=dev))
+    else:
+        order = torch.argsort(ids, stable=True)
     tiles = (counts + bm - 1) // bm
     tile_end = torch.cumsum(tiles, 0)
     tile_start = tile_end - tiles

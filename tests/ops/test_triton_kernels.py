@@ -321,3 +321,27 @@ def test_fp4_split_variant(monkeypatch):
     x = rnd(9, 160, g=g, dtype=torch.bfloat16)
     ids = torch.randint(0, 3, (9,), generator=g).to(DEV)
     assert rel(cu(x, w, ids, s, "fp4"), ref(x, w, ids, s, "fp4")) < 1e-2
+
+
+@pytest.mark.parametrize("m", [1, 37, 300])
+def test_linear_dense_float32(m):
+    """float32 skinny linears (the head, the compressor projections) run in three TF32 passes on the GPU."""
+    cu, ref = impls("linear")
+    g = gen(14)
+    w, x = rnd(200, 96, g=g), rnd(m, 96, g=g)
+    a, b = cu(x, w), ref(x, w)
+    assert a.dtype == torch.float32 and rel(a, b) < 1e-5
+
+
+def test_expert_tiles_cover_every_row_once():
+    from atb_ops.cuda.gemm import expert_tiles
+
+    g = gen(15)
+    for m, e, bm in [(37, 6, 16), (5, 64, 16), (200, 4, 64)]:
+        ids = torch.randint(0, e, (m,), generator=g).to(DEV)
+        order, te, r0, r1 = expert_tiles(ids, e, bm)
+        assert torch.equal(order.cpu(), torch.argsort(ids.cpu(), stable=True))
+        seen = torch.cat([order[a:b] for a, b in zip(r0.tolist(), r1.tolist())]).cpu()
+        assert sorted(seen.tolist()) == list(range(m))
+        for ex, a, b in zip(te.tolist(), r0.tolist(), r1.tolist()):
+            assert b - a <= bm and bool((ids[order[a:b]] == ex).all())
