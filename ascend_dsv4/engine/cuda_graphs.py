@@ -9,7 +9,7 @@ buffers (device-side copies, no host synchronisation) and replays:
   and their entries (all candidates -1) to a trash entry slot; nothing reads those slots;
 - every per-step list whose length depends on the data (entries completed this step, visible compressed
   entries) is padded to a static width with -1, which every op ignores;
-- widths grow in powers of two, so a sequence's growing context needs only log2-many graphs.
+- widths grow in steps of 1/8 of their power of two, so a growing context needs about 8 graphs per doubling.
 
 Inside the captured region the model runs exactly the eager code (the ops are capture-safe: no ``.item()``,
 no data-dependent shapes). Prefill, chunked prefill, MTP verification steps and batches above the largest
@@ -36,11 +36,13 @@ def _bucket(n: int, buckets) -> int | None:
     return None
 
 
-def _pow2(n: int, lo: int = 16) -> int:
-    p = lo
-    while p < n:
-        p *= 2
-    return p
+def _width(n: int, lo: int = 16) -> int:
+    """Static width for a list of n entries: the next multiple of max(lo, 2^floor(log2 n) / 8) (at most 12.5%
+    padding, 8 graphs per doubling of the context)."""
+    if n <= lo:
+        return lo
+    step = max(lo, (1 << (n.bit_length() - 1)) // 8)
+    return -(-n // step) * step
 
 
 class _Graph:
@@ -82,7 +84,7 @@ class CudaGraphDecoder:
         b = _bucket(t, self.buckets)
         if b is None:
             return None
-        widths = tuple((r, _pow2(cc.visible.shape[1])) for r, cc in sorted(ctx.compress.items()))
+        widths = tuple((r, _width(cc.visible.shape[1])) for r, cc in sorted(ctx.compress.items()))
         return (b,) + widths
 
     # ---- capture -------------------------------------------------------------------------------------

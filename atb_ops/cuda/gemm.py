@@ -151,7 +151,10 @@ def _tiles(m: int, n: int, k: int, fmt: str, compute: torch.dtype) -> tuple[int,
 
 @register("linear", "cuda")
 def linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None = None, fmt: str = "dense") -> torch.Tensor:
-    """y = x @ W^T, x [M, K]; dense weights on cuBLAS, fp8_block / fp4 through ``_gemm_kernel``."""
+    """y = x @ W^T, x [..., K]; dense weights on cuBLAS (float32 skinny ones in tf32x3 passes), fp8_block / fp4
+    through ``_gemm_kernel``."""
+    if x.dim() != 2:
+        return linear(x.reshape(-1, x.shape[-1]), w, w_scale, fmt).view(*x.shape[:-1], w.shape[0])
     m, k = x.shape
     if fmt == "dense":
         if w.dtype == torch.float32 and x.dtype == torch.float32 and 0 < m <= 256 and not INTERPRET:
@@ -200,7 +203,7 @@ def expert_tiles(expert_ids: torch.Tensor, n_experts: int, bm: int):
     dev = expert_ids.device
     ids = expert_ids.long()
     counts = torch.zeros(n_experts, dtype=torch.long, device=dev).scatter_add_(0, ids, torch.ones_like(ids))
-    if m * n_experts <= (1 << 22):
+    if m * n_experts <= (1 << 16):
         # stable counting sort (decode sizes): rank of each row among the rows of its expert via a one-hot
         # cumulative sum; cheaper than a radix sort launch sequence
         onehot = ids.unsqueeze(1) == torch.arange(n_experts, device=dev).unsqueeze(0)  # [M, E]

@@ -345,3 +345,14 @@ def test_expert_tiles_cover_every_row_once():
         assert sorted(seen.tolist()) == list(range(m))
         for ex, a, b in zip(te.tolist(), r0.tolist(), r1.tolist()):
             assert b - a <= bm and bool((ids[order[a:b]] == ex).all())
+
+
+def test_linear_leading_dims():
+    cu, ref = impls("linear")
+    g = gen(16)
+    w, x = rnd(40, 32, g=g), rnd(2, 3, 32, g=g)
+    a, b = cu(x, w), ref(x, w)
+    assert a.shape == (2, 3, 40) and rel(a, b) < 1e-5
+    w8, s8 = _weights("fp8_block", 40, 128, g)
+    x8 = rnd(2, 5, 128, g=g)
+    assert rel(cu(x8, w8, s8, "fp8_block"), ref(x8, w8, s8, "fp8_block")) < 1e-5
