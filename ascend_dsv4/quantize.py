@@ -68,14 +68,17 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional
 
 import torch
 
+from parallel.linear import Linear
+
 from .errors import AscendDSV4Error, ConfigError
+from .layers.experts import Experts
+from .models import ModelFamily, family_of
 
 QTYPES = ("w8a8_dynamic", "w8a8", "w4a8_dynamic")
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
@@ -93,13 +96,6 @@ COPY_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.jso
               "generation_config.json", "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt")
 
 # quantised linear prefixes (output names, without ".weight")
-_V4_Q = re.compile(r"^(?:layers|mtp)\.\d+\.(?:attn\.(?:wq_b|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123])$")
-_V4_ROUTED = re.compile(r"^(?:layers|mtp)\.\d+\.ffn\.experts\.\d+\.w[123]$")
-_V3_Q = re.compile(r"^model\.layers\.\d+\.(?:self_attn\.(?:q_a_proj|q_b_proj|q_proj|kv_a_proj_with_mqa|o_proj)"
-                   r"|mlp\.(?:gate_proj|up_proj|down_proj)|mlp\.shared_experts\.(?:gate_proj|up_proj|down_proj))$")
-_V3_ROUTED = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.(?:gate|up|down)_proj$")
-_V3_EXPERT_W = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-
 
 # ---------------------------------------------------------------------------------------------------------------
 # per-linear quantisers (pure functions; exactly the formulas of msmodelslim_notes §4 / §6)
@@ -209,36 +205,24 @@ def w8a8_static_tensors_from_qparams(w: torch.Tensor, input_scale: float, input_
 
 @dataclass
 class _Names:
-    """Our module names <-> the output (checkpoint) names of one model family."""
+    """Our module names <-> the output (checkpoint) names of one model family (asked of its family record)."""
 
-    family: str  # "v4" | "v3"
+    family: ModelFamily
     n_layers: int
+    n_mtp_layers: int = 0
 
     def out(self, ours: str) -> str:
         """Output name of one of our (non-stacked) parameter / buffer names."""
-        if self.family == "v4":
-            return ours
-        if ours in ("embed_tokens.weight", "norm.weight"):
-            return "model." + ours
-        if ours == "lm_head.weight":
-            return ours
-        m = re.match(r"^(layers|mtp)\.(\d+)\.(.+)$", ours)
-        if not m:
-            return ours
-        lid = int(m.group(2)) + (self.n_layers if m.group(1) == "mtp" else 0)
-        return f"model.layers.{lid}.{m.group(3)}"
+        return self.family.checkpoint_name(ours, self.n_layers)
 
     def expert(self, module: str, e: int, w: str) -> str:
         """Output prefix (no ``.weight``) of expert ``e`` weight ``w`` (w1/w2/w3) of the stacked ``module``."""
-        if self.family == "v4":
-            return f"{module}.{e}.{w}"
-        return self.out(f"{module}.{e}.{_V3_EXPERT_W[w]}.weight")[: -len(".weight")]
+        return self.family.expert_checkpoint_name(module, e, w, self.n_layers)
 
     def qtype_of(self, prefix: str, qtype: str) -> str:
         """Description type of the linear ``prefix`` (output name without ``.weight``) for ``--type qtype``."""
-        q_re, routed_re = (_V4_Q, _V4_ROUTED) if self.family == "v4" else (_V3_Q, _V3_ROUTED)
-        routed = bool(routed_re.match(prefix))
-        if not routed and not q_re.match(prefix):
+        routed = bool(self.family.routed_expert_re.match(prefix))
+        if not routed and not self.family.quant_linear_re.match(prefix):
             return FLOAT
         if qtype == "w8a8":
             return W8A8
@@ -249,21 +233,13 @@ class _Names:
 
 def names_for(cfg) -> _Names:
     """The name map of ``cfg``'s family."""
-    return _Names("v3" if cfg.model_type == "deepseek_v3" else "v4", cfg.n_layers)
+    return _Names(family_of(cfg), cfg.n_layers, cfg.n_mtp_layers)
 
 
-def _inventory_dtypes(cfg, family: str) -> dict[str, str]:
-    """Official (V4) / HF (V3) tensor name -> checkpoint dtype string, experts expanded, scales dropped."""
-    if family == "v4":
-        from .sizing import tensor_inventory
-
-        specs = tensor_inventory(cfg)
-    else:
-        from .sizing_v3 import tensor_inventory_v3
-
-        specs = tensor_inventory_v3(cfg)
+def _inventory_dtypes(cfg) -> dict[str, str]:
+    """Checkpoint tensor name -> checkpoint dtype string, experts expanded, scales dropped."""
     out: dict[str, str] = {}
-    for s in specs:
+    for s in family_of(cfg).tensor_inventory(cfg):
         if getattr(s, "scale", False):
             continue
         names = [s.name.format(e=e) for e in range(s.count)] if "{e}" in s.name else [s.name]
@@ -273,8 +249,8 @@ def _inventory_dtypes(cfg, family: str) -> dict[str, str]:
 
 
 def expected_tensor_names(cfg) -> set[str]:
-    """The (non-scale) tensor names of the official V4 / HF V3 checkpoint of ``cfg`` (what the output must hold)."""
-    return set(_inventory_dtypes(cfg, "v3" if cfg.model_type == "deepseek_v3" else "v4"))
+    """The (non-scale) tensor names of the published checkpoint of ``cfg`` (what the output must hold)."""
+    return set(_inventory_dtypes(cfg))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -311,14 +287,11 @@ class Calibration:
 def calibrate(llm, names: _Names, qtype_of: Callable[[str], str], n_tokens: int, seed: int) -> Calibration:
     """Run ``n_tokens`` random tokens through the float model (and its MTP layers) recording input ranges."""
     import atb_ops
-    from parallel.linear import Linear
-
-    from .models.v4_moe import Experts
 
     model, runner = llm.model, llm.runner
-    # w2's input: V4 multiplies the routing weight into the expert hidden before w2 (spec §8.9, our Experts);
+    # w2's input: V4 multiplies the routing weight into the expert hidden before w2 (our Experts);
     # DeepSeek-V3 (official / transformers, hence msModelSlim and vllm-ascend) weights the expert *output*
-    weighted_w2 = names.family == "v4"
+    weighted_w2 = not names.family.experts_weight_after_w2
     lin_ranges: dict[str, _Range] = {}
     moe_in: dict[str, _Range] = {}
     exp_ranges: dict[tuple[str, int, str], _Range] = {}
@@ -468,8 +441,6 @@ def checkpoint_tensors(llm, names: Optional[_Names] = None
 
     Output names are V4 official / V3 HF names (:func:`names_for`); routed experts come one slice per expert.
     """
-    from .models.v4_moe import Experts
-
     names = names or names_for(llm.cfg)
     model = llm.model
     mods = dict(model.named_modules())
@@ -488,11 +459,9 @@ def checkpoint_tensors(llm, names: Optional[_Names] = None
     for name, b in model.named_buffers():
         if name.endswith("tid2eid"):
             yield names.out(name), b, None
-    if names.family == "v3":  # DeepSeek's HF checkpoints store the MTP layer's copies of embed and head
-        for k in range(len(getattr(model, "mtp", None) or [])):
-            lid = names.n_layers + k
-            yield f"model.layers.{lid}.embed_tokens.weight", model.embed_tokens.weight, None
-            yield f"model.layers.{lid}.shared_head.head.weight", model.lm_head.weight, None
+    # tensors the checkpoint format stores twice (DeepSeek-V3 HF: the MTP layer's copies of embed and head)
+    for ck, ours in names.family.stored_copies(names.n_layers, len(getattr(model, "mtp", None) or [])):
+        yield ck, model.get_parameter(ours), None
 
 
 def _float_dtype(name: str, t: torch.Tensor, inv: dict[str, str], model_dtype: torch.dtype) -> torch.Tensor:
@@ -503,12 +472,7 @@ def _float_dtype(name: str, t: torch.Tensor, inv: dict[str, str], model_dtype: t
 
 def _config_dict(cfg, model_dtype: torch.dtype, qtype: str) -> dict:
     name = "bfloat16" if model_dtype == torch.bfloat16 else "float32"
-    if cfg.model_type == "deepseek_v3":
-        d = cfg.to_hf_dict()
-    else:
-        from .weights.random_checkpoint import hf_config_dict
-
-        d = hf_config_dict(cfg.replace(dtype="bf16", expert_dtype=None, scale_fmt=None))
+    d = cfg.dense().to_hf_dict()
     d.pop("quantization_config", None)
     d["torch_dtype"] = name
     if qtype == "w4a8_dynamic":  # what msModelSlim's DeepSeek adapter adds for W4A8 (notes §4, DeepSeek)
@@ -544,9 +508,8 @@ def quantize_model(model, qtype: str, out: str, calib_tokens: int = 64, seed: in
     src_dir = model if isinstance(model, str) and os.path.isdir(model) else None
     llm = _load_llm(model, seed) if isinstance(model, str) else model
     cfg = llm.cfg
-    family = "v3" if cfg.model_type == "deepseek_v3" else "v4"
     names = names_for(cfg)
-    inv = _inventory_dtypes(cfg, family)
+    inv = _inventory_dtypes(cfg)
     qtype_of = lambda prefix: names.qtype_of(prefix, qtype)  # noqa: E731
 
     cal = calibrate(llm, names, qtype_of, calib_tokens, seed) if qtype == "w8a8" else Calibration()
@@ -608,7 +571,7 @@ def quantize_model(model, qtype: str, out: str, calib_tokens: int = 64, seed: in
     total_bytes = sum(s["bytes"] for s in stats.values())
     total_params = sum(s["params"] for s in stats.values())
     summary = {
-        "model": model if isinstance(model, str) else (cfg.name or "model"), "family": family, "type": qtype,
+        "model": model if isinstance(model, str) else (cfg.name or "model"), "family": names.family.title, "type": qtype,
         "model_quant_type": qtype.upper(),
         "dtype": "bfloat16" if model_dtype == torch.bfloat16 else "float32", "out": out,
         "files": [os.path.basename(p) for p in files], "copied": copied, "per_type": stats,

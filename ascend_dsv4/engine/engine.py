@@ -46,7 +46,7 @@ class LLMEngine:
                  max_num_batched_tokens: int = 512, enable_prefix_caching: bool = False,
                  num_speculative_tokens: int = 0):
         self.runner, self.tokenizer, self.max_model_len = runner, tokenizer, max_model_len
-        self.cfg = runner.model.cfg
+        self.cfg = runner.cfg
         self.stats = EngineStats()
         prefix_cache = PrefixCache(runner.pools, self.stats) if enable_prefix_caching else None
         self.prefix_cache = prefix_cache
@@ -56,7 +56,7 @@ class LLMEngine:
         self.sampler = Sampler()
         if num_speculative_tokens not in (0, 1):
             raise RequestError("num_speculative_tokens must be 0 or 1 (one MTP draft per step)")
-        if num_speculative_tokens and not getattr(runner.model, "mtp", None):
+        if num_speculative_tokens and not runner.has_mtp:
             raise RequestError("speculative decoding needs a model with an MTP module")
         self.num_spec = num_speculative_tokens
         self.drafter = MTPDrafter(runner, self.sampler) if num_speculative_tokens else None
@@ -142,7 +142,6 @@ class LLMEngine:
         tokens = [c + d for c, d in zip(chunks, drafts)]
         seqs = [r.seq for r in reqs]
         starts = [s.num_tokens for s in seqs]
-        ids, ctx = runner.prepare(seqs, tokens, "none")
         # logits rows: every verified position of a drafting request, else the last token of a request
         # whose pending tokens are all in this step
         rows, owner = [], []
@@ -154,9 +153,7 @@ class LLMEngine:
                 rows.extend(range(off + len(t) - m, off + len(t)))
                 owner.extend([i] * m)
             off += len(t)
-        with torch.inference_mode():
-            streams = runner.model(ids, ctx)
-            logits = runner.model.logits(streams, torch.tensor(rows, dtype=torch.long, device=ids.device)).float().cpu()
+        logits, hidden = runner.execute(seqs, tokens, rows)
         self.stats.steps += 1
         committed = [len(c) for c in chunks]
         by_req: dict[int, list[int]] = {}
@@ -179,7 +176,7 @@ class LLMEngine:
                 n = committed[i] if not r.finished else 0
                 items.append((r, starts[i], n, torch.arange(off, off + n)))
                 off += len(t)
-            for i, ((r, *_), res) in enumerate(zip(items, self.drafter.catch_up(items, streams))):
+            for i, ((r, *_), res) in enumerate(zip(items, self.drafter.catch_up(items, hidden))):
                 keep = res is not None and i in by_req  # a draft only after a sampled token
                 r.draft, r.draft_probs = ([res[0]], res[1]) if keep else ([], None)
         for r, c in zip(reqs, chunks):

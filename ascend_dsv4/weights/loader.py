@@ -18,7 +18,7 @@ from torch import nn
 from parallel.linear import Linear
 
 from ..errors import CheckpointError
-from ..models.v4_moe import Experts
+from ..layers.experts import Experts
 from .checkpoint import Plan, plan_load
 
 log = logging.getLogger("ascend_dsv4")

@@ -23,11 +23,11 @@ import atb_ops
 from parallel.linear import Linear
 
 from ..errors import CheckpointError
-from ..models.common import RMSNorm
-from ..models.v4_moe import Experts
+from ..layers.experts import Experts
+from ..layers.norm import RMSNorm
+from ..models import family_of
 
 log = logging.getLogger("ascend_dsv4")
-_V3_W = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
 def is_msmodelslim_folder(folder: str) -> bool:
@@ -88,24 +88,6 @@ class SmoothedRMSNorm(nn.Module):
         return self.norm(x)
 
 
-def _ck_name(cfg, ours: str) -> str:
-    """Checkpoint name of one of our parameter / module names."""
-    if cfg.model_type == "deepseek_v4":
-        return ours
-    if ours.startswith("mtp."):
-        k, rest = ours[len("mtp."):].split(".", 1)
-        return f"model.layers.{cfg.n_layers + int(k)}.{rest}"
-    if ours == "lm_head" or ours.startswith("lm_head."):
-        return ours
-    return "model." + ours
-
-
-def _expert_name(cfg, mod: str, e: int, w: str) -> str:
-    if cfg.model_type == "deepseek_v4":
-        return f"{mod}.{e}.{w}"
-    return _ck_name(cfg, f"{mod}.{e}.{_V3_W[w]}")
-
-
 def _set(module: nn.Module, leaf: str, t: torch.Tensor, buffer: bool = False) -> None:
     if buffer:
         module._buffers[leaf] = t
@@ -120,14 +102,22 @@ def load_msmodelslim(model: nn.Module, folder: str, path: str = "int", allow_flo
     import quant.msmodelslim as msm
 
     cfg, dtype = model.cfg, model.dtype
+    fam = family_of(cfg)
+
+    def _ck_name(cfg, ours: str) -> str:
+        return fam.checkpoint_name(ours, cfg.n_layers)
+
+    def _expert_name(cfg, mod: str, e: int, w: str) -> str:
+        return fam.expert_checkpoint_name(mod, e, w, cfg.n_layers)
+
     try:
         ck = msm.load(folder, allow_float_mtp=allow_float_mtp, num_hidden_layers=cfg.n_layers)
     except ValueError as e:  # QuantFormatError names the keys already
         raise CheckpointError(f"{folder}: {e}") from None
     types = ck.types
     kw = {} if act_sim is None else {"act_sim": act_sim}  # float path: which activation fake-quant to apply
-    has_mtp = any(k.startswith("mtp.") if cfg.model_type == "deepseek_v4" else k.startswith(f"model.layers.{cfg.n_layers}.")
-                  for k in types)
+    mtp_prefix = fam.checkpoint_name("mtp.0", cfg.n_layers) + "."
+    has_mtp = any(k.startswith(mtp_prefix) for k in types)
     problems: list[str] = []
     n_quant = 0
     mods = dict(model.named_modules())
@@ -177,7 +167,7 @@ def load_msmodelslim(model: nn.Module, folder: str, path: str = "int", allow_flo
             else:
                 triples = [tuple(QuantLinearAdapter(ck.linear(keys[(e, w)], path=path, **kw), dtype) for w in ("w1", "w3", "w2"))
                            for e in range(E)]
-                setattr(parent, leaf, QuantExperts(triples, mod.limit, weight_after_w2=cfg.model_type == "deepseek_v3"))
+                setattr(parent, leaf, QuantExperts(triples, mod.limit, weight_after_w2=fam.experts_weight_after_w2))
                 replaced.add(name)
                 n_quant += 3 * E
             done.update({f"{name}.{w}" for w in ("w1", "w2", "w3")})
