@@ -13,6 +13,8 @@ import os
 
 import torch
 
+import atb_ops
+
 from quant.e8m0 import float_to_e8m0
 from quant.fp4_to_fp8 import fp4_to_fp8
 
@@ -47,7 +49,6 @@ def convert_checkpoint(src: str, dst: str, layout: str = "official", dequantize:
         raise ValueError("choose either dequantize or experts_fp8")
     if os.path.abspath(src) == os.path.abspath(dst):
         raise CheckpointError("the output folder must differ from the input folder")
-    from atb_ops.reference.linear import dequant_weight
 
     cfg = load_config(src)
     if not isinstance(cfg, DeepseekV4Config):
@@ -76,7 +77,7 @@ def convert_checkpoint(src: str, dst: str, layout: str = "official", dequantize:
                 outs = [(base + ".weight", w8), (base + ".scale", s8.view(torch.float8_e8m0fnu))]
             elif dequantize:
                 fmt = "fp4" if w.dtype == torch.int8 else "fp8_block"
-                outs = [(base + ".weight", dequant_weight(w, s, fmt).to(torch.bfloat16))]
+                outs = [(base + ".weight", atb_ops.dequantize_weight(w, s, fmt).to(torch.bfloat16))]
             else:
                 outs = [(base + ".weight", w), (base + ".scale", s)]
             for n, v in outs:

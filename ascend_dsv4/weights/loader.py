@@ -15,6 +15,7 @@ import os
 import torch
 from torch import nn
 
+import atb_ops
 from parallel.linear import Linear
 
 from ..errors import CheckpointError
@@ -244,10 +245,8 @@ class _Loader:
                     mod.w2.copy_(t)
 
     def _dequant_into(self, key: str, w: torch.Tensor, s: torch.Tensor, fmt: str) -> None:
-        from atb_ops.reference.linear import dequant_weight
-
         try:
-            self.storage[key].copy_(dequant_weight(w, s, fmt))
+            self.storage[key].copy_(atb_ops.dequantize_weight(w, s, fmt))
         except ValueError as e:  # QuantFormatError from the codecs
             self.problems.append(f"{key}: {e}")
 
