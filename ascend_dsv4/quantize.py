@@ -75,6 +75,7 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from parallel.linear import Linear
+from quant.shard_writer import ShardWriter
 
 from .errors import AscendDSV4Error, ConfigError
 from .layers.experts import Experts
@@ -379,59 +380,6 @@ def calibrate(llm, names: _Names, qtype_of: Callable[[str], str], n_tokens: int,
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# writer
-
-
-class _ShardedWriter:
-    """``quant_model_weights.safetensors`` or numbered shards + index (msModelSlim v1 layout, notes §3)."""
-
-    def __init__(self, out_dir: str, shard_bytes: int):
-        self.out_dir, self.shard_bytes = out_dir, max(1, shard_bytes)
-        self.tmp: list[str] = []
-        self.weight_map: dict[str, int] = {}
-        self.buf: dict[str, torch.Tensor] = {}
-        self.size = self.total = 0
-
-    def add(self, name: str, t: torch.Tensor) -> None:
-        if name in self.weight_map or name in self.buf:
-            raise AscendDSV4Error(f"tensor {name} written twice")
-        nbytes = t.numel() * t.element_size()
-        if self.size and self.size + nbytes > self.shard_bytes:
-            self._flush()
-        self.buf[name] = t.detach().cpu().clone().contiguous()  # own storage: views of one tensor cannot be saved
-        self.size += nbytes
-        self.total += nbytes
-
-    def _flush(self) -> None:
-        from safetensors.torch import save_file
-
-        if not self.buf:
-            return
-        path = os.path.join(self.out_dir, f".{WEIGHTS_STEM}-part{len(self.tmp):05d}.safetensors")
-        save_file(self.buf, path, metadata={"format": "pt"})
-        for k in self.buf:
-            self.weight_map[k] = len(self.tmp)
-        self.tmp.append(path)
-        self.buf, self.size = {}, 0
-
-    def close(self) -> list[str]:
-        self._flush()
-        n = len(self.tmp)
-        if n == 1:
-            final = [os.path.join(self.out_dir, f"{WEIGHTS_STEM}.safetensors")]
-        else:
-            final = [os.path.join(self.out_dir, f"{WEIGHTS_STEM}-{i + 1:05d}-of-{n:05d}.safetensors") for i in range(n)]
-        for a, b in zip(self.tmp, final):
-            os.replace(a, b)
-        if n > 1:
-            index = {"metadata": {"total_size": self.total},
-                     "weight_map": {k: os.path.basename(final[i]) for k, i in self.weight_map.items()}}
-            with open(os.path.join(self.out_dir, f"{WEIGHTS_STEM}.safetensors.index.json"), "w") as f:
-                json.dump(index, f, indent=2)
-        return final
-
-
-# ---------------------------------------------------------------------------------------------------------------
 # the model -> checkpoint walk
 
 
@@ -515,7 +463,7 @@ def quantize_model(model, qtype: str, out: str, calib_tokens: int = 64, seed: in
     cal = calibrate(llm, names, qtype_of, calib_tokens, seed) if qtype == "w8a8" else Calibration()
 
     os.makedirs(out, exist_ok=True)
-    writer = _ShardedWriter(out, int(shard_gb * (1 << 30)))
+    writer = ShardWriter(out, int(shard_gb * (1 << 30)), stem=WEIGHTS_STEM, single_file=True)
     desc: dict[str, object] = {}
     stats: dict[str, dict[str, int]] = {}
 

@@ -63,7 +63,7 @@ def main() -> int:
 
     from ascend_dsv4.models import preset
     from ascend_dsv4.weights.random_checkpoint import write_checkpoint
-    from ascend_dsv4.weights.safetensors_io import find_shards, read_header, sequential_read_throughput
+    from quant.safetensors_io import find_shards, read_header, sequential_read_throughput
 
     if not os.path.isfile(os.path.join(a.dir, "model.safetensors.index.json")):
         cfg = preset(a.preset).with_layers(a.layers).replace(n_routed_experts=a.experts)

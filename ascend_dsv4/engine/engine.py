@@ -20,6 +20,7 @@ from .model_runner import ModelRunner
 from .request import Request, RequestOutput, Status
 from .sampling import Sampler, SamplingParams, apply_penalties, make_generator
 from .prefix_cache import PrefixCache
+from .prompts import check_prompt_ids
 from .scheduler import Scheduler
 from .spec_decode import MTPDrafter, rejection_accept
 from .tokenizer import IncrementalDetokenizer
@@ -73,14 +74,7 @@ class LLMEngine:
             text, ids = prompt, self.tokenizer.encode(prompt)
         else:
             text, ids = None, list(prompt)
-        if not ids:
-            raise RequestError("the prompt is empty")
-        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.cfg.vocab_size]
-        if bad:
-            raise RequestError(f"prompt holds {bad[0]!r}, not a token id in [0, {self.cfg.vocab_size})")
-        if len(ids) >= self.max_model_len:
-            raise RequestError(f"the prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
-                               f"(the prompt must leave room for at least one generated token)")
+        ids = check_prompt_ids(ids, self.cfg.vocab_size, self.max_model_len)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         return Request(rid, text, ids, params, IncrementalDetokenizer(self.tokenizer), make_generator(params.seed))
 

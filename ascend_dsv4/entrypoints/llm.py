@@ -18,6 +18,7 @@ import atb_ops
 
 from ..engine.engine import LLMEngine
 from ..engine.model_runner import ModelRunner
+from ..engine.prompts import check_prompt_ids
 from ..engine.request import RequestOutput
 from ..engine.sampling import SamplingParams
 from ..engine.tokenizer import load_tokenizer
@@ -124,9 +125,7 @@ class LLM:
     def logits(self, token_ids: Sequence[int], prefill_len: int | None = None) -> torch.Tensor:
         """Logits [T, vocab] (float32, CPU) at every position of one sequence: the first ``prefill_len``
         tokens (default all) run as one prefill, the rest one decode step at a time."""
-        ids = self._check_ids(list(token_ids), "token_ids")
-        if not ids:
-            raise RequestError("token_ids is empty")
+        ids = check_prompt_ids(token_ids, self.cfg.vocab_size, self.max_model_len, "token_ids")
         p = len(ids) if prefill_len is None else prefill_len
         if not isinstance(p, int) or not 1 <= p <= len(ids):
             raise RequestError(f"prefill_len must be an integer in [1, {len(ids)}], got {prefill_len!r}")
@@ -140,15 +139,6 @@ class LLM:
         return torch.cat(rows).float().cpu()
 
     # ---- generation ----------------------------------------------------------------------------------
-    def _check_ids(self, ids: list[int], what: str) -> list[int]:
-        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.cfg.vocab_size]
-        if bad:
-            raise RequestError(f"{what} holds {bad[0]!r}, not a token id in [0, {self.cfg.vocab_size})")
-        if len(ids) >= self.max_model_len:
-            raise RequestError(f"{what} has {len(ids)} tokens; max_model_len is {self.max_model_len} "
-                               f"(the prompt must leave room for at least one generated token)")
-        return ids
-
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  on_text: Callable[[str, str], None] | None = None) -> list[RequestOutput]:
         """Generate for one prompt or a list (strings or token-id lists), batched continuously.
@@ -173,9 +163,8 @@ class LLM:
                 ids = list(p)
             else:
                 raise RequestError(f"prompt {i} must be a string or a list of token ids, got {type(p).__name__}")
-            if not ids:
-                raise RequestError(f"prompt {i} is empty")
-            encoded.append((p if isinstance(p, str) else ids, self._check_ids(ids, f"prompt {i}")))
+            ids = check_prompt_ids(ids, self.cfg.vocab_size, self.max_model_len, f"prompt {i}")
+            encoded.append((p if isinstance(p, str) else ids, ids))
         rids = [self.engine.add_request(p, sp) for (p, _ids), sp in zip(encoded, params)]
         final: dict[str, RequestOutput] = {}
         try:

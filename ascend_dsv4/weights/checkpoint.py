@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from parallel.linear import Linear
+from quant.safetensors_io import TensorInfo, checkpoint_inventory
 
 from ..errors import CheckpointError
 from ..layers.experts import Experts
 from ..models import family_of
 from ..models.deepseek_v4.names import expert_key
-from .safetensors_io import TensorInfo, checkpoint_inventory
 
 log = logging.getLogger("ascend_dsv4")
 

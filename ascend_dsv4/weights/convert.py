@@ -14,16 +14,15 @@ import os
 import torch
 
 import atb_ops
-
 from quant.e8m0 import float_to_e8m0
 from quant.fp4_to_fp8 import fp4_to_fp8
+from quant.safetensors_io import checkpoint_inventory, stream_tensors
+from quant.shard_writer import ShardWriter
 
 from ..errors import CheckpointError
 from ..models import load_config
 from ..models.deepseek_v4.config import DeepseekV4Config
 from ..models.deepseek_v4.names import canonical_name, hf_writer_name
-from .random_checkpoint import ShardWriter
-from .safetensors_io import checkpoint_inventory, stream_tensors
 
 
 def _to_layout(name: str, t: torch.Tensor, layout: str) -> tuple[str, torch.Tensor]:

@@ -163,7 +163,7 @@ class _Loader:
 
         from tqdm import tqdm
 
-        from .safetensors_io import _progress_enabled, find_shards, read_header
+        from quant.safetensors_io import _progress_enabled, find_shards, read_header
 
         plan = []
         for path in find_shards(folder):

@@ -15,10 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
+from quant.safetensors_io import ShardReader, checkpoint_inventory
+
 from ..errors import ConfigError
 from ..models.deepseek_v4.config import DeepseekV4Config
 from ..models.deepseek_v4.names import canonical_name
-from .safetensors_io import ShardReader, checkpoint_inventory
 
 _DIM0 = re.compile(r"(^embed\.weight$|^head\.weight$|\.attn\.(wq_b|wo_a|attn_sink|indexer\.wq_b|indexer\.weights_proj)"
                    r"\.(weight|scale)$|\.attn\.attn_sink$)")
