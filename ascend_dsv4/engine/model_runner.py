@@ -87,6 +87,8 @@ class ModelRunner:
         self.backend = backend  # atb_ops backend forced for every step (None: by tensor device)
         self.quant_summary = quant_summary
         self.pools = model.make_pools(sizes, kv_dtype or model.dtype, self.device)
+        self.max_model_len: int | None = None  # limits the pools were sized for (set by create)
+        self.max_num_batched_tokens: int | None = None
 
     @classmethod
     def create(cls, model: str, cfg, *, device: torch.device, dtype: torch.dtype, numerics: str = "exact",
@@ -97,7 +99,9 @@ class ModelRunner:
         with runner_ops:
             net, summary = build_model(model, cfg, dtype, device, numerics, **load)
         sizes = plan_pool_sizes(cfg, block_size, max_num_seqs, max_model_len, max_num_batched_tokens)
-        return cls(net, sizes, device, backend=backend, quant_summary=summary)
+        runner = cls(net, sizes, device, backend=backend, quant_summary=summary)
+        runner.max_model_len, runner.max_num_batched_tokens = max_model_len, max_num_batched_tokens
+        return runner
 
     # ---- properties the engine asks -----------------------------------------------------------------
     @property
@@ -146,14 +150,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def draft(self, seqs: Sequence[SeqBlocks], counts: Sequence[int], next_ids: Sequence[int], hidden,
-              rows: torch.Tensor) -> torch.Tensor:
+              rows: torch.Tensor, k: int = 0) -> torch.Tensor:
         """MTP draft logits (float32 CPU, one row per sequence: its last position) of ``counts[s]`` committed
         positions of every ``seqs[s]`` starting at its ``num_tokens``, given the main model's hidden states
-        ``hidden[rows]`` at those positions (from :meth:`execute`) and the true next token of each position."""
+        ``hidden[rows]`` at those positions (from :meth:`execute`) and the true next token of each position;
+        ``k``: which MTP module."""
         with self.ops():
             ctx = self.pools.build_context(list(seqs), list(counts), "last", self.device)
             nxt = torch.tensor(list(next_ids), dtype=torch.long, device=self.device)
-            return self.model.mtp_logits(hidden[rows], nxt, ctx, 0, ctx.logits_index).float().cpu()
+            return self.model.mtp_logits(hidden[rows], nxt, ctx, k, ctx.logits_index).float().cpu()
 
     @torch.inference_mode()
     def step(self, seqs: Sequence[SeqBlocks], tokens: Sequence[Sequence[int]], logits: str = "last",

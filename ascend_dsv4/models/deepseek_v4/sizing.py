@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 
 from ...errors import RequestError
-from ..sizing import DTYPE_BYTES, TensorSpec, fmt_bytes as _gib, fmt_ids as _ids, fmt_params as _params
+from ..sizing import TensorSpec, fmt_bytes as _gib, fmt_ids as _ids, fmt_params as _params
 from .config import DeepseekV4Config
 
 KINDS = ("swa", "csa", "hca", "mtp")
