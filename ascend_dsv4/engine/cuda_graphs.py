@@ -22,7 +22,7 @@ import logging
 
 import torch
 
-from .context import CompressCtx, StepContext
+from ..kv.context import CompressCtx, StepContext
 
 log = logging.getLogger("ascend_dsv4.cuda_graphs")
 
