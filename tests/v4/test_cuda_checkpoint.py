@@ -34,9 +34,8 @@ def _pair(folder, **kw):
     return cu, ref
 
 
-@pytest.mark.parametrize("numerics", ["exact", "reference"])
-def test_formats_are_kept_and_float32_matches(official, numerics):
-    cu, ref = _pair(official, dtype="float32", numerics=numerics)
+def test_formats_are_kept_and_float32_matches(official):
+    cu, ref = _pair(official, dtype="float32")
     layer = cu.model.layers[2]
     assert layer.attn.wq_a.fmt == "fp8_block" and layer.ffn.experts.fmt == "fp4"
     a, b = cu.logits(IDS, prefill_len=150), ref.logits(IDS, prefill_len=150)
@@ -51,13 +50,19 @@ def test_bfloat16_matches_by_cosine_and_top1(official):
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
 
 
-def test_bfloat16_reference_numerics_within_the_rounding_noise(official):
-    """With the official FP8/FP4 activation rounding, a bf16 difference of one ulp between two backends can move
-    a value across a rounding boundary (a 1/16 step for FP8, 1/4 for FP4) and flip a routing choice, so the
-    two backends agree only to the level of that noise (measured on an H100: cosine 0.966; the float32 test
-    above shows the kernels themselves agree to 1e-4). The rule of tests/v4/test_numerics.py for the same
-    noise (exact vs reference numerics): cosine > 0.97 in float32; here bf16 adds its own rounding."""
-    cu, ref = _pair(official, dtype="bfloat16", numerics="reference")
-    a, b = cu.logits(IDS, prefill_len=150), ref.logits(IDS, prefill_len=150)
-    assert _cos(a, b) > 0.95
-    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.75
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_reference_numerics_agree_as_well_as_the_reference_with_itself_across_devices(official, dtype):
+    """With the official FP8/FP4 activation rounding, a last-bit difference can move a value across a rounding
+    boundary (a 1/16 step for FP8) and then flip a routing choice, so the toy model is chaotic: the reference
+    backend on the GPU and on the CPU already disagree (measured on an H100 in float32: max row error 0.62,
+    top-1 0.92; CUDA kernels vs the reference on the GPU: 0.61, 0.91). The rule: the CUDA backend agrees with
+    the reference on the GPU about as well as the reference agrees with itself across devices."""
+    rc = LLM(model=official, device="cpu", backend="reference", dtype=dtype, numerics="reference", progress=False)
+    cu, rg = _pair(official, dtype=dtype, numerics="reference")
+    c, g, r = (m.logits(IDS, prefill_len=150) for m in (cu, rg, rc))
+
+    def top1(x, y):
+        return (x.argmax(-1) == y.argmax(-1)).float().mean().item()
+
+    assert top1(c, g) >= top1(g, r) - 0.05
+    assert _cos(c, g) >= _cos(g, r) - 0.02
