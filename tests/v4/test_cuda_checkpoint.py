@@ -50,19 +50,14 @@ def test_bfloat16_matches_by_cosine_and_top1(official):
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_reference_numerics_agree_as_well_as_the_reference_with_itself_across_devices(official, dtype):
+def test_reference_numerics_float32_matches_before_rounding_flips_cascade(official):
     """With the official FP8/FP4 activation rounding, a last-bit difference can move a value across a rounding
-    boundary (a 1/16 step for FP8) and then flip a routing choice, so the toy model is chaotic: the reference
-    backend on the GPU and on the CPU already disagree (measured on an H100 in float32: max row error 0.62,
-    top-1 0.92; CUDA kernels vs the reference on the GPU: 0.61, 0.91). The rule: the CUDA backend agrees with
-    the reference on the GPU about as well as the reference agrees with itself across devices."""
-    rc = LLM(model=official, device="cpu", backend="reference", dtype=dtype, numerics="reference", progress=False)
-    cu, rg = _pair(official, dtype=dtype, numerics="reference")
-    c, g, r = (m.logits(IDS, prefill_len=150) for m in (cu, rg, rc))
-
-    def top1(x, y):
-        return (x.argmax(-1) == y.argmax(-1)).float().mean().item()
-
-    assert top1(c, g) >= top1(g, r) - 0.05
-    assert _cos(c, g) >= _cos(g, r) - 0.02
+    boundary (a 1/16 step for FP8) and then flip a routing choice, after which the toy model diverges: the
+    reference backend on the GPU and on the CPU already disagree from token 41 of IDS on this checkpoint
+    (measured on an H100, float32: max row error 0.62, top-1 0.92 over 197 tokens; CUDA kernels vs the
+    reference on the GPU: first divergence at token 49, 0.61, 0.91). So the comparison runs over the first 36
+    tokens (prefill of 28, then 8 graph-replayed decode steps), where both must agree to float32 rounding."""
+    cu, ref = _pair(official, dtype="float32", numerics="reference")
+    a, b = cu.logits(IDS[:36], prefill_len=28), ref.logits(IDS[:36], prefill_len=28)
+    assert cu.runner.graphs.replays == 8
+    assert rel_err(a, b) < 1e-4
