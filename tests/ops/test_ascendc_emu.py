@@ -262,3 +262,16 @@ def test_mla_tiling_fits_the_ub_at_every_production_shape():
                     assert t.blockDim == min(t.numItems, 40 if soc == "ascend910b4" else 48)
     big = runner.mla_tiling(256, 128, 512, 64, 2048, 0, 10 ** 6, 0, False, 0.04, torch.float32, torch.float32, soc="ascend910c")
     assert big.headGroup == 16 and big.blockRows >= 8
+
+
+@pytest.mark.parametrize("which,message", [
+    (0, "not a multiple of 32"), (1, "not 32-byte aligned"), (2, "buffers of the queue are in use"),
+    (3, "beyond size"), (4, "GM address that is not 32-byte aligned"), (5, None), (6, "empty queue"),
+    (7, "unified buffer overflow"),
+])
+def test_emulation_checks_fire(which, message):
+    got = runner.selftest(which)
+    if message is None:
+        assert got is None  # DataCopyPad moves unaligned lengths from unaligned GM addresses legally
+    else:
+        assert got is not None and message in got

@@ -9,6 +9,7 @@
 #include "../kernels/compressor.cpp"
 #include "../kernels/mla_decode.cpp"
 #include "../kernels/tiling.h"
+#include "selftest_emu.cpp"
 
 namespace {
 thread_local std::string g_error;
@@ -63,6 +64,11 @@ int dsv4_emu_mla_tiling(uint32_t T, uint32_t H, uint32_t C, uint32_t R, uint32_t
         return 1;
     }
     return 0;
+}
+
+// Runs one deliberately wrong API use (see selftest_emu.cpp); returns 1 with the emulation's message, 0 if it passed.
+int dsv4_emu_selftest(int which) {
+    return RunBlocks(1, 192 * 1024, [&] { dsv4_selftest::Run(which); });
 }
 
 int dsv4_emu_compressor(uint8_t* kv, uint8_t* score, uint8_t* cand, uint8_t* out, const dsv4::CompressorTiling* t) {

@@ -62,7 +62,8 @@ def _lib() -> ctypes.CDLL:
         lib.dsv4_emu_mla_tiling.argtypes = [u] * 9 + [ctypes.c_float] + [u] * 6 + [ctypes.POINTER(MlaTiling)]
         lib.dsv4_emu_compressor.argtypes = [p] * 4 + [ctypes.POINTER(CompressorTiling)]
         lib.dsv4_emu_mla_decode.argtypes = [p] * 8 + [ctypes.POINTER(MlaTiling)]
-        for f in ("dsv4_emu_compressor_tiling", "dsv4_emu_mla_tiling", "dsv4_emu_compressor", "dsv4_emu_mla_decode"):
+        lib.dsv4_emu_selftest.argtypes = [ctypes.c_int]
+        for f in ("dsv4_emu_selftest", "dsv4_emu_compressor_tiling", "dsv4_emu_mla_tiling", "dsv4_emu_compressor", "dsv4_emu_mla_decode"):
             getattr(lib, f).restype = ctypes.c_int
         if lib.dsv4_emu_tiling_sizes(0) != ctypes.sizeof(CompressorTiling) or lib.dsv4_emu_tiling_sizes(1) != ctypes.sizeof(MlaTiling):
             raise build.EmuBuildError("tiling struct layout differs between kernels/tiling_data.h and emu/runner.py")
@@ -77,6 +78,12 @@ def _check(lib: ctypes.CDLL, rc: int, what: str) -> None:
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None or t.numel() == 0 else t.data_ptr()
+
+
+def selftest(which: int) -> str | None:
+    """Run deliberately wrong API use number ``which`` (emu/selftest_emu.cpp): the emulation's message, or None."""
+    lib = _lib()
+    return lib.dsv4_emu_last_error().decode() if lib.dsv4_emu_selftest(which) else None
 
 
 def compressor_tiling(M: int, K: int, S: int, W: int, overlap: bool, dtype: torch.dtype, soc: str | None = None,

@@ -98,7 +98,8 @@ inline uint32_t MlaUbBytes(uint32_t hg, uint32_t nb, uint32_t C, uint32_t R, uin
     total += 5 * hgp * 4;                                                     // max, new max, rescale, block max, sum
     total += HostAlignUp(idxChunk * 8, 32);                                   // index chunk (int64)
     total += std::max<uint32_t>(std::max(cf, rf), 8) * 4;                     // products
-    total += 8 * 4 + ReduceWork(std::max(std::max(C, R), nb)) * 4;            // reduction result + work
+    total += (hg * nb * (R ? 2 : 1) + 2 * hg) * 8 * 4;                        // reduction slots (32 B each)
+    total += ReduceWork(std::max(std::max(C, R), nb)) * 4;                    // reduction work area
     return total;
 }
 
