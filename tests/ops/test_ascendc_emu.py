@@ -275,3 +275,30 @@ def test_emulation_checks_fire(which, message):
         assert got is None  # DataCopyPad moves unaligned lengths from unaligned GM addresses legally
     else:
         assert got is not None and message in got
+
+
+@pytest.mark.parametrize("c,rope,overlap,dtype", [(512, 64, True, torch.float32), (128, 64, True, torch.bfloat16),
+                                                   (48, 16, False, torch.float32), (24, 0, False, torch.float32)])
+def test_compressor_fused_rmsnorm_rope_epilogue(c, rope, overlap, dtype):
+    from atb_ops.ascendc.emu.backend import compressor_pool_norm_rope
+
+    r = 4 if overlap else 8
+    seq = [13, 9] if overlap else [17, 8]
+    S = sum(seq)
+    kv = torch.randn(S, (2 if overlap else 1) * c, generator=_g(c)).to(dtype)
+    sc = (2 * torch.randn(S, kv.shape[1], generator=_g(c + 1))).to(dtype)
+    cand = _overlap_cand(seq, r) if overlap else _plain_cand(seq, r)
+    w = 1 + 0.1 * torch.randn(c, generator=_g(2))
+    pos = torch.arange(len(cand)) * r + 7
+    inv_freq = atb_ops.rope_inv_freq(rope, 160000.0, 4.0, 1024, 32.0, 1.0) if rope else torch.empty(0)
+    got = compressor_pool_norm_rope(kv, sc, cand, overlap, w, 1e-6, pos, inv_freq)
+    e = ref["compressor_pool"](kv, sc, cand, overlap)
+    e = atb_ops.implementations("rms_norm")["reference"](e, w, 1e-6)
+    if rope:
+        e = atb_ops.implementations("apply_rope")["reference"](e, pos, inv_freq)
+    torch.testing.assert_close(got, e, rtol=1e-5, atol=1e-5)
+
+
+def test_compressor_epilogue_rejects_a_misaligned_rope_slice():
+    with pytest.raises(EmuKernelError, match="multiple of 8"):
+        runner.compressor_tiling(4, 8, 64, 2 * 20, True, torch.float32, rope_dim=6, eps=1e-6)

@@ -66,7 +66,8 @@ at::Tensor CompressorPool(const at::Tensor& kv_state, const at::Tensor& score_st
     at_npu::native::OpCommand cmd;
     cmd.Name("dsv4_compressor");
     cmd.SetCustomHandler([=]() -> int {
-        return ACLRT_LAUNCH_KERNEL(dsv4_compressor)(t.blockDim, stream, pkv, psc, pcd, pout, nullptr, pt);
+        return ACLRT_LAUNCH_KERNEL(dsv4_compressor)(t.blockDim, stream, pkv, psc, pcd, nullptr, nullptr, nullptr, pout,
+                                                    nullptr, pt);  // no fused epilogue: atb_ops has no such op yet
     });
     cmd.Run();
     return out;

@@ -38,6 +38,25 @@ def compressor_pool(kv_state: torch.Tensor, score_state: torch.Tensor, cand: tor
     return run_compressor(kv, score, _rows(cand, kv.shape[0], "compressor_pool cand"), overlap).out
 
 
+def compressor_pool_norm_rope(kv_state: torch.Tensor, score_state: torch.Tensor, cand: torch.Tensor, overlap: bool,
+                              norm_weight: torch.Tensor, eps: float, positions: torch.Tensor,
+                              inv_freq: torch.Tensor) -> torch.Tensor:
+    """The compressor kernel with its fused epilogue: ``apply_rope(rms_norm(compressor_pool(...), norm_weight, eps),
+    positions, inv_freq)`` in one launch, float32 throughout (returns float32 [M, c]; the model's three-op sequence
+    rounds to the model dtype between the ops). positions: [M] int64, inv_freq: [R/2] float32. Not an atb_ops op:
+    the kernel's optional epilogue, exercised by the tests."""
+    width = kv_state.shape[-1]
+    c = width // 2 if overlap else width
+    if cand.shape[0] == 0:
+        return kv_state.new_zeros((0, c), dtype=torch.float32)
+    kv = _native(kv_state)
+    score = score_state.to(kv.dtype).contiguous()
+    angles = positions.to(torch.float32).unsqueeze(-1) * inv_freq.to(torch.float32)  # [M, R/2], as apply_rope
+    return run_compressor(kv, score, _rows(cand, kv.shape[0], "compressor_pool cand"), overlap,
+                          norm_weight=norm_weight.float().contiguous(), cos=angles.cos().contiguous(),
+                          sin=angles.sin().contiguous(), eps=eps).out
+
+
 def _attention(q, qpe, pools, idxs, sink, scale):
     out_dtype = q.dtype
     qn = _native(q)

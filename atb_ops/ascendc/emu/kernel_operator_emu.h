@@ -2,7 +2,7 @@
 //
 // Written for this project from the public AscendC API documentation (hiascend.com "Ascend C API reference":
 // GlobalTensor, LocalTensor, TPipe/TQue/TBuf, DataCopy, DataCopyPad, Duplicate, Add/Sub/Mul/Div/Max,
-// Adds/Muls, Exp, Axpy, Cast, ReduceMax/ReduceSum, SetFlag/WaitFlag, PipeBarrier). It is NOT derived from
+// Adds/Muls, Exp, Sqrt, Axpy, Gather, Cast, ReduceMax/ReduceSum, SetFlag/WaitFlag, PipeBarrier). It is NOT derived from
 // CANN's headers and does not try to be complete: only what the kernels call exists, so a kernel that starts
 // using another API fails to compile here until the emulation is extended deliberately.
 //
@@ -420,6 +420,28 @@ inline void Exp(const LocalTensor<T>& dst, const LocalTensor<T>& src, const int3
     CheckOperand(dst, count, "Exp");
     CheckOperand(src, count, "Exp");
     for (int32_t i = 0; i < count; ++i) dst.Ptr()[i] = std::exp(src.Ptr()[i]);
+}
+
+template <typename T>
+inline void Sqrt(const LocalTensor<T>& dst, const LocalTensor<T>& src, const int32_t& count) {
+    CheckOperand(dst, count, "Sqrt");
+    CheckOperand(src, count, "Sqrt");
+    for (int32_t i = 0; i < count; ++i) dst.Ptr()[i] = std::sqrt(src.Ptr()[i]);
+}
+
+// dst[i] = src[(srcBaseAddr + srcOffset[i]) / sizeof(T)]: byte offsets, each a whole element, inside src
+template <typename T>
+inline void Gather(const LocalTensor<T>& dst, const LocalTensor<T>& src, const LocalTensor<uint32_t>& srcOffset,
+                   const uint32_t srcBaseAddr, const uint32_t count) {
+    CheckOperand(dst, count, "Gather");
+    CheckOperand(srcOffset, count, "Gather offsets");
+    CheckOperand(src, 0, "Gather source");
+    for (uint32_t i = 0; i < count; ++i) {
+        const uint32_t byte = srcBaseAddr + srcOffset.Ptr()[i];
+        ASC_EMU_CHECK(byte % sizeof(T) == 0, "Gather: byte offset " + std::to_string(byte) + " is not a whole element");
+        ASC_EMU_CHECK(byte / sizeof(T) < src.GetSize(), "Gather: offset " + std::to_string(byte) + " beyond the source");
+        dst.Ptr()[i] = src.Ptr()[byte / sizeof(T)];
+    }
 }
 
 // dst = scalar * src + dst

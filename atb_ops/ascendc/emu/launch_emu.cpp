@@ -44,9 +44,10 @@ uint32_t dsv4_emu_tiling_sizes(uint32_t which) {
 }
 
 int dsv4_emu_compressor_tiling(uint32_t M, uint32_t K, uint32_t S, uint32_t W, uint32_t overlap, uint32_t dt, uint32_t soc,
-                               uint32_t forceCTile, uint32_t forceUb, dsv4::CompressorTiling* out) {
+                               uint32_t forceCTile, uint32_t forceUb, uint32_t epilogue, uint32_t ropeDim, float eps,
+                               dsv4::CompressorTiling* out) {
     try {
-        *out = dsv4::CompressorTilingFor(M, K, S, W, overlap, dt, soc, forceCTile, forceUb);
+        *out = dsv4::CompressorTilingFor(M, K, S, W, overlap, dt, soc, forceCTile, forceUb, epilogue, ropeDim, eps);
     } catch (const std::exception& e) {
         g_error = e.what();
         return 1;
@@ -71,10 +72,11 @@ int dsv4_emu_selftest(int which) {
     return RunBlocks(1, 192 * 1024, [&] { dsv4_selftest::Run(which); });
 }
 
-int dsv4_emu_compressor(uint8_t* kv, uint8_t* score, uint8_t* cand, uint8_t* out, const dsv4::CompressorTiling* t) {
+int dsv4_emu_compressor(uint8_t* kv, uint8_t* score, uint8_t* cand, uint8_t* normWeight, uint8_t* cosT, uint8_t* sinT,
+                        uint8_t* out, const dsv4::CompressorTiling* t) {
     dsv4::CompressorTiling tiling = *t;
     return RunBlocks(t->blockDim, t->socUb, [&] {
-        dsv4_compressor(kv, score, cand, out, nullptr, reinterpret_cast<uint8_t*>(&tiling));
+        dsv4_compressor(kv, score, cand, normWeight, cosT, sinT, out, nullptr, reinterpret_cast<uint8_t*>(&tiling));
     });
 }
 

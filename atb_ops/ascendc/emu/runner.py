@@ -27,7 +27,8 @@ class EmuKernelError(RuntimeError):
 
 class CompressorTiling(ctypes.Structure):
     _fields_ = [(n, _U32) for n in ("numEntries", "numCand", "numRows", "width", "c", "half", "overlap", "cTile", "nCTiles",
-                                    "numItems", "blockDim", "dtype", "ubBytes", "socUb")]
+                                    "numItems", "blockDim", "dtype", "ubBytes", "socUb", "epilogue", "ropeDim")] + [
+        ("eps", ctypes.c_float)]
 
 
 class MlaTiling(ctypes.Structure):
@@ -58,9 +59,9 @@ def _lib() -> ctypes.CDLL:
         lib.dsv4_emu_last_ub_peak.restype = u
         lib.dsv4_emu_tiling_sizes.restype = u
         lib.dsv4_emu_tiling_sizes.argtypes = [u]
-        lib.dsv4_emu_compressor_tiling.argtypes = [u] * 9 + [ctypes.POINTER(CompressorTiling)]
+        lib.dsv4_emu_compressor_tiling.argtypes = [u] * 11 + [ctypes.c_float, ctypes.POINTER(CompressorTiling)]
         lib.dsv4_emu_mla_tiling.argtypes = [u] * 9 + [ctypes.c_float] + [u] * 6 + [ctypes.POINTER(MlaTiling)]
-        lib.dsv4_emu_compressor.argtypes = [p] * 4 + [ctypes.POINTER(CompressorTiling)]
+        lib.dsv4_emu_compressor.argtypes = [p] * 7 + [ctypes.POINTER(CompressorTiling)]
         lib.dsv4_emu_mla_decode.argtypes = [p] * 8 + [ctypes.POINTER(MlaTiling)]
         lib.dsv4_emu_selftest.argtypes = [ctypes.c_int]
         for f in ("dsv4_emu_selftest", "dsv4_emu_compressor_tiling", "dsv4_emu_mla_tiling", "dsv4_emu_compressor", "dsv4_emu_mla_decode"):
@@ -87,10 +88,11 @@ def selftest(which: int) -> str | None:
 
 
 def compressor_tiling(M: int, K: int, S: int, W: int, overlap: bool, dtype: torch.dtype, soc: str | None = None,
-                      force_ctile: int = 0, force_ub: int = 0) -> CompressorTiling:
+                      force_ctile: int = 0, force_ub: int = 0, rope_dim: int | None = None, eps: float = 0.0) -> CompressorTiling:
+    """``rope_dim`` not None selects the fused RMSNorm + RoPE epilogue."""
     lib, t = _lib(), CompressorTiling()
     rc = lib.dsv4_emu_compressor_tiling(M, K, S, W, int(overlap), DTYPES[dtype], SOCS[soc or default_soc()], force_ctile,
-                                        force_ub, ctypes.byref(t))
+                                        force_ub, int(rope_dim is not None), rope_dim or 0, float(eps), ctypes.byref(t))
     _check(lib, rc, "compressor tiling")
     return t
 
@@ -105,13 +107,19 @@ def mla_tiling(T: int, H: int, C: int, R: int, L0: int, L1: int, P0: int, P1: in
     return t
 
 
-def run_compressor(kv: torch.Tensor, score: torch.Tensor, cand: torch.Tensor, overlap: bool, **tiling_kw) -> Launch:
-    """kv, score: [S, W] contiguous float32 / bfloat16 (same dtype); cand: [M, K] int64 contiguous, rows < S."""
+def run_compressor(kv: torch.Tensor, score: torch.Tensor, cand: torch.Tensor, overlap: bool,
+                   norm_weight: torch.Tensor | None = None, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
+                   eps: float = 0.0, **tiling_kw) -> Launch:
+    """kv, score: [S, W] contiguous float32 / bfloat16 (same dtype); cand: [M, K] int64 contiguous, rows < S.
+    With ``norm_weight`` ([c] float32) the fused epilogue runs: RMSNorm(eps) then RoPE with cos / sin [M, R/2] float32."""
     (S, W), (M, K) = kv.shape, cand.shape
-    t = compressor_tiling(M, K, S, W, overlap, kv.dtype, **tiling_kw)
+    rope_dim = None if norm_weight is None else (0 if cos is None else 2 * cos.shape[-1])
+    t = compressor_tiling(M, K, S, W, overlap, kv.dtype, rope_dim=rope_dim, eps=eps, **tiling_kw)
     out = torch.empty(M, t.c, dtype=torch.float32)
     lib = _lib()
-    _check(lib, lib.dsv4_emu_compressor(_ptr(kv), _ptr(score), _ptr(cand), _ptr(out), ctypes.byref(t)), "compressor kernel")
+    rc = lib.dsv4_emu_compressor(_ptr(kv), _ptr(score), _ptr(cand), _ptr(norm_weight), _ptr(cos), _ptr(sin), _ptr(out),
+                                 ctypes.byref(t))
+    _check(lib, rc, "compressor kernel")
     return Launch(out, t, lib.dsv4_emu_last_ub_peak())
 
 

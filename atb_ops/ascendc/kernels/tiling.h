@@ -41,7 +41,7 @@ inline uint32_t ReduceWork(uint32_t count) { return HostAlignUp(HostCeilDiv(coun
 
 // ---- compressor ------------------------------------------------------------------------------------------------
 // UB bytes of the compressor kernel for a channel tile (must match its InitBuffer calls exactly).
-inline uint32_t CompressorUbBytes(uint32_t cTile, uint32_t numCand, uint32_t dt) {
+inline uint32_t CompressorUbBytes(uint32_t cTile, uint32_t numCand, uint32_t dt, uint32_t epilogue = 0, uint32_t ropeDim = 0) {
     const uint32_t inBytes = PadElems(cTile, dt) * DTypeSize(dt);
     const uint32_t f32 = PadElems(cTile, DT_FLOAT32) * 4;
     uint32_t total = 2 * 2 * inBytes;            // z and a input queues, double-buffered
@@ -49,12 +49,22 @@ inline uint32_t CompressorUbBytes(uint32_t cTile, uint32_t numCand, uint32_t dt)
     total += 4 * f32;                            // running max, new max, sum, accumulator
     if (dt != DT_FLOAT32) total += 2 * f32;      // float copies of z and a
     total += 2 * f32;                            // output queue, double-buffered
+    if (epilogue) {
+        const uint32_t r = PadElems(ropeDim, DT_FLOAT32) * 4, h = PadElems(ropeDim / 2, DT_FLOAT32) * 4;
+        total += 2 * f32;                        // norm weight, squares
+        total += 8 * 4 + ReduceWork(cTile) * 4;  // sum-of-squares slot + reduction work
+        total += 2 * h;                          // cos, sin of the entry ([R/2] each)
+        total += 5 * r;                          // interleaved cos, signed sin, swapped x, product, sign
+        total += 2 * r;                          // gather byte offsets (duplicate, swap), uint32
+    }
     return total;
 }
 
-// forceCTile > 0 pins the channel tile (tests use it to reach every branch).
+// forceCTile > 0 pins the channel tile (tests use it to reach every branch). With the epilogue the whole entry is
+// one tile (the RMSNorm needs every channel) and the RoPE slice must start on a 32-byte boundary.
 inline CompressorTiling CompressorTilingFor(uint32_t M, uint32_t K, uint32_t S, uint32_t W, uint32_t overlap, uint32_t dt,
-                                            uint32_t socId, uint32_t forceCTile, uint32_t forceUb) {
+                                            uint32_t socId, uint32_t forceCTile, uint32_t forceUb, uint32_t epilogue = 0,
+                                            uint32_t ropeDim = 0, float eps = 0.0f) {
     const SocInfo& soc = Soc(socId);
     CompressorTiling t{};
     t.numEntries = M;
@@ -66,8 +76,16 @@ inline CompressorTiling CompressorTilingFor(uint32_t M, uint32_t K, uint32_t S, 
     t.half = overlap ? K / 2 : K;
     t.dtype = dt;
     t.socUb = forceUb ? forceUb : soc.ubBytes;
+    t.epilogue = epilogue;
+    t.ropeDim = ropeDim;
+    t.eps = eps;
     uint32_t cTile;
-    if (forceCTile) {
+    if (epilogue) {
+        if (ropeDim % 2 || ropeDim > t.c || (t.c - ropeDim) % 8)
+            throw std::invalid_argument("compressor epilogue: rope dim " + std::to_string(ropeDim) + " must be even, <= c = " +
+                                        std::to_string(t.c) + ", and c - rope dim a multiple of 8");
+        cTile = t.c;
+    } else if (forceCTile) {
         cTile = std::min(forceCTile, t.c);
     } else {
         // enough channel tiles to give every core work when there are few entries (decode), but no tile under 64
@@ -81,7 +99,7 @@ inline CompressorTiling CompressorTilingFor(uint32_t M, uint32_t K, uint32_t S, 
     t.nCTiles = HostCeilDiv(t.c, t.cTile);
     t.numItems = M * t.nCTiles;
     t.blockDim = std::max<uint32_t>(1, std::min(soc.vectorCores, t.numItems));
-    t.ubBytes = CompressorUbBytes(t.cTile, K, dt);
+    t.ubBytes = CompressorUbBytes(t.cTile, K, dt, epilogue, ropeDim);
     return t;
 }
 
