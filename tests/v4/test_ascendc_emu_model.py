@@ -83,6 +83,19 @@ def test_official_fp8_fp4_checkpoint_matches_reference(tmp_path, calls):
     assert calls["attention"] > 0 and calls["compressor"] > 0
 
 
+def test_v3_fp8_checkpoint_mla_decode_matches_reference(tmp_path, calls):
+    from ascend_dsv4.weights.random_checkpoint import write_checkpoint_v3
+
+    cfg = preset("toy-v3").replace(n_layers=2, n_dense_layers=1, n_routed_experts=4, n_expert_groups=1,
+                                   n_limited_groups=1)
+    write_checkpoint_v3(cfg, str(tmp_path), seed=2, progress=False)  # DeepSeek's HF format, FP8 128x128 blocks
+    ids = [i % 1000 + 3 for i in IDS[:60]]
+    ref = LLM(model=str(tmp_path), device="cpu", dtype="float32", progress=False)
+    emu = LLM(model=str(tmp_path), backend="ascendc_emu", dtype="float32", progress=False)
+    assert rel_err(emu.logits(ids, prefill_len=52), ref.logits(ids, prefill_len=52)) < 1e-4
+    assert calls["attention"] == 8 * ref.cfg.n_layers
+
+
 def test_toy_v3_mla_decode_matches_reference(calls):
     ids = [i % 1000 + 3 for i in IDS[:110]]
     ref = LLM(model="toy-v3", device="cpu", dtype="float32", progress=False)
