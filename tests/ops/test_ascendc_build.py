@@ -59,9 +59,9 @@ def test_schemas_and_fake_implementations_on_meta():
 
 def test_kernel_sources_switch_by_one_macro():
     common = open(os.path.join(KERNELS, "kernel_common.h")).read()
-    assert re.search(r'#ifdef ASCENDC_EMU\s+#include "\.\./emu/kernel_operator_emu\.h"\s+#else\s+#include "kernel_operator\.h"',
-                     common)
-    for name in ("compressor.cpp", "mla_decode.cpp"):
+    assert re.search(r'#ifdef ASCENDC_EMU\s+#include "\.\./emu/kernel_operator_emu\.h"\s+#include "\.\./emu/matmul_emu\.h"'
+                     r'\s+#else\s+#include "kernel_operator\.h"', common)
+    for name in ("compressor.cpp", "mla_decode.cpp", "mla_decode_cube.cpp"):
         src = open(os.path.join(KERNELS, name)).read()
         assert '#include "kernel_common.h"' in src and "emu" not in re.findall(r'#include "([^"]+)"', src)[0]
         assert "ASCENDC_EMU" not in src and '__global__ __aicore__' in src

@@ -63,8 +63,11 @@ def _lib() -> ctypes.CDLL:
         lib.dsv4_emu_mla_tiling.argtypes = [u] * 9 + [ctypes.c_float] + [u] * 6 + [ctypes.POINTER(MlaTiling)]
         lib.dsv4_emu_compressor.argtypes = [p] * 7 + [ctypes.POINTER(CompressorTiling)]
         lib.dsv4_emu_mla_decode.argtypes = [p] * 8 + [ctypes.POINTER(MlaTiling)]
+        lib.dsv4_emu_mla_cube_tiling.argtypes = lib.dsv4_emu_mla_tiling.argtypes
+        lib.dsv4_emu_mla_decode_cube.argtypes = lib.dsv4_emu_mla_decode.argtypes
         lib.dsv4_emu_selftest.argtypes = [ctypes.c_int]
-        for f in ("dsv4_emu_selftest", "dsv4_emu_compressor_tiling", "dsv4_emu_mla_tiling", "dsv4_emu_compressor", "dsv4_emu_mla_decode"):
+        for f in ("dsv4_emu_selftest", "dsv4_emu_compressor_tiling", "dsv4_emu_mla_tiling", "dsv4_emu_compressor",
+                  "dsv4_emu_mla_decode", "dsv4_emu_mla_cube_tiling", "dsv4_emu_mla_decode_cube"):
             getattr(lib, f).restype = ctypes.c_int
         if lib.dsv4_emu_tiling_sizes(0) != ctypes.sizeof(CompressorTiling) or lib.dsv4_emu_tiling_sizes(1) != ctypes.sizeof(MlaTiling):
             raise build.EmuBuildError("tiling struct layout differs between kernels/tiling_data.h and emu/runner.py")
@@ -97,11 +100,17 @@ def compressor_tiling(M: int, K: int, S: int, W: int, overlap: bool, dtype: torc
     return t
 
 
+def cube_supported(C: int, R: int) -> bool:
+    """Whether the cube variant of the attention kernel takes these channel dims (multiples of 16)."""
+    return C > 0 and C % 16 == 0 and R % 16 == 0
+
+
 def mla_tiling(T: int, H: int, C: int, R: int, L0: int, L1: int, P0: int, P1: int, has_sink: bool, scale: float,
                q_dtype: torch.dtype, kv_dtype: torch.dtype, soc: str | None = None, force_hg: int = 0, force_nb: int = 0,
-               force_ub: int = 0) -> MlaTiling:
+               force_ub: int = 0, cube: bool = False) -> MlaTiling:
     lib, t = _lib(), MlaTiling()
-    rc = lib.dsv4_emu_mla_tiling(T, H, C, R, L0, L1, P0, P1, int(has_sink), float(scale), DTYPES[q_dtype], DTYPES[kv_dtype],
+    fn = lib.dsv4_emu_mla_cube_tiling if cube else lib.dsv4_emu_mla_tiling
+    rc = fn(T, H, C, R, L0, L1, P0, P1, int(has_sink), float(scale), DTYPES[q_dtype], DTYPES[kv_dtype],
                                  SOCS[soc or default_soc()], force_hg, force_nb, force_ub, ctypes.byref(t))
     _check(lib, rc, "mla tiling")
     return t
@@ -124,18 +133,19 @@ def run_compressor(kv: torch.Tensor, score: torch.Tensor, cand: torch.Tensor, ov
 
 
 def run_mla(q: torch.Tensor, qpe: torch.Tensor | None, pool0: torch.Tensor, idx0: torch.Tensor, pool1: torch.Tensor | None,
-            idx1: torch.Tensor | None, sink: torch.Tensor | None, scale: float, **tiling_kw) -> Launch:
+            idx1: torch.Tensor | None, sink: torch.Tensor | None, scale: float, cube: bool = False, **tiling_kw) -> Launch:
     """q: [T, H, C], qpe: [T, H, R] or None (same dtype as q); pools [P, C + R] (one dtype); idx int64 [T, L];
-    sink [H] float32 or None. All contiguous CPU tensors, indices < their pool's rows."""
+    sink [H] float32 or None. All contiguous CPU tensors, indices < their pool's rows. ``cube`` runs the Matmul-API
+    variant (dsv4_mla_decode_cube; C and R multiples of 16)."""
     T, H, C = q.shape
     R = 0 if qpe is None else qpe.shape[-1]
     L1 = 0 if idx1 is None else idx1.shape[-1]
     P1 = 0 if pool1 is None else pool1.shape[0]
     t = mla_tiling(T, H, C, R, idx0.shape[-1], L1, pool0.shape[0], P1, sink is not None, scale, q.dtype, pool0.dtype,
-                   **tiling_kw)
+                   cube=cube, **tiling_kw)
     out = torch.empty(T, H, C, dtype=q.dtype)
     lib = _lib()
-    rc = lib.dsv4_emu_mla_decode(_ptr(q), _ptr(qpe), _ptr(pool0), _ptr(idx0), _ptr(pool1) if L1 else None,
+    rc = (lib.dsv4_emu_mla_decode_cube if cube else lib.dsv4_emu_mla_decode)(_ptr(q), _ptr(qpe), _ptr(pool0), _ptr(idx0), _ptr(pool1) if L1 else None,
                                  _ptr(idx1) if L1 else None, _ptr(sink), _ptr(out), ctypes.byref(t))
     _check(lib, rc, "mla_decode kernel")
     return Launch(out, t, lib.dsv4_emu_last_ub_peak())

@@ -179,4 +179,83 @@ inline MlaTiling MlaTilingFor(uint32_t T, uint32_t H, uint32_t C, uint32_t R, ui
     return t;
 }
 
+// ---- mla decode, cube variant (mla_decode_cube.cpp) --------------------------------------------------------------
+// Cube input dtype: the shared dtype of q and the pools, float32 when they differ.
+inline uint32_t CubeDType(uint32_t qdt, uint32_t kvdt) { return qdt == kvdt ? qdt : DT_FLOAT32; }
+
+inline uint32_t MlaCubeUbBytes(uint32_t hg, uint32_t nb, uint32_t C, uint32_t R, uint32_t idxChunk, uint32_t qdt, uint32_t kvdt) {
+    const uint32_t ct = CubeDType(qdt, kvdt), szc = DTypeSize(ct), hgp = HostAlignUp(hg, 16), hg8 = HostAlignUp(hg, 8);
+    uint32_t total = hgp * (C + R) * szc;                                      // q as the cube's A (nope | rope)
+    if (qdt != ct || qdt != DT_FLOAT32) total += hg * (C + R) * DTypeSize(qdt);  // q load / output staging
+    total += 2 * nb * (C + R) * DTypeSize(kvdt);                               // gathered rows, double-buffered
+    if (kvdt != ct) total += nb * (C + R) * szc;                               // rows in the cube dtype
+    total += 2 * hgp * nb * 4;                                                 // scores (nope, rope)
+    if (ct != DT_FLOAT32) total += hgp * nb * szc;                             // probabilities in the cube dtype
+    total += hgp * C * 4;                                                      // P . V of the block
+    total += hg * C * 4;                                                       // accumulators
+    total += 5 * hg8 * 4;                                                      // max, new max, rescale, block max, sum
+    total += 2 * hg * 8 * 4 + ReduceWork(nb) * 4;                              // reduction slots + work
+    total += HostAlignUp(idxChunk * 8, 32);                                    // index chunk
+    return total;
+}
+
+// Whether the cube variant can run these shapes (whole 16-element fractals for the channel dims).
+inline bool MlaCubeSupported(uint32_t C, uint32_t R) { return C % 16 == 0 && R % 16 == 0 && C > 0; }
+
+// Same fields as MlaTilingFor; head groups of 64 / 32 / 16 heads (the cube's M is padded to 16), rows per block
+// 128 .. 16 (the cube's N of QK^T and K of PV).
+inline MlaTiling MlaCubeTilingFor(uint32_t T, uint32_t H, uint32_t C, uint32_t R, uint32_t L0, uint32_t L1, uint32_t P0,
+                                  uint32_t P1, uint32_t hasSink, float scale, uint32_t qdt, uint32_t kvdt, uint32_t socId,
+                                  uint32_t forceHg, uint32_t forceNb, uint32_t forceUb) {
+    if (!MlaCubeSupported(C, R))
+        throw std::invalid_argument("mla cube kernel: C and R must be multiples of 16, got " + std::to_string(C) + ", " +
+                                    std::to_string(R));
+    MlaTiling t = MlaTilingFor(T, H, C, R, L0, L1, P0, P1, hasSink, scale, qdt, kvdt, socId, 1, 16, forceUb);
+    const SocInfo& soc = Soc(socId);
+    uint32_t hg = std::min<uint32_t>(H, 16), nb = 0;
+    if (forceHg || forceNb) {
+        hg = forceHg ? std::min(forceHg, H) : hg;
+        nb = forceNb ? HostAlignUp(forceNb, 16) : 16;
+    } else {
+        static const uint32_t groups[] = {64, 32, 16};
+        static const uint32_t blocks[] = {128, 64, 32, 16};
+        for (uint32_t g : groups) {
+            if (g <= H && static_cast<uint64_t>(T) * HostCeilDiv(H, g) >= soc.vectorCores) {
+                hg = g;
+                break;
+            }
+        }
+        for (;;) {
+            for (uint32_t b : blocks) {
+                if (MlaCubeUbBytes(hg, b, C, R, t.idxChunk, qdt, kvdt) <= t.socUb) {
+                    nb = b;
+                    break;
+                }
+            }
+            if (nb || hg <= 8) break;
+            hg /= 2;
+        }
+        if (!nb) nb = 16;
+    }
+    t.headGroup = hg;
+    t.blockRows = nb;
+    t.numGroups = HostCeilDiv(H, hg);
+    t.numItems = T * t.numGroups;
+    t.blockDim = std::max<uint32_t>(1, std::min(soc.vectorCores, t.numItems));
+    t.ubBytes = MlaCubeUbBytes(hg, nb, C, R, t.idxChunk, qdt, kvdt);
+    return t;
+}
+
+// The three cube GEMMs of a block (emulation host: shapes only; the CANN binding fills CANN's TCubeTiling with
+// matmul_tiling::MatmulApiTiling instead): QK^T nope [hgp, nb, C], QK^T rope [hgp, nb, R], PV [hgp, C, nb].
+struct CubeShapes {
+    uint32_t m, n, k;
+};
+inline void MlaCubeGemms(const MlaTiling& t, CubeShapes out[3]) {
+    const uint32_t hgp = HostAlignUp(t.headGroup, 16);
+    out[0] = {hgp, t.blockRows, t.dimC};
+    out[1] = {hgp, t.blockRows, t.dimR ? t.dimR : 16};
+    out[2] = {hgp, t.dimC, t.blockRows};
+}
+
 }  // namespace dsv4
