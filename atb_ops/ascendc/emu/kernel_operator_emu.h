@@ -104,6 +104,7 @@ inline EmuCore& Core() {
 }
 inline int64_t GetBlockIdx() { return Core().blockIdx; }
 inline int64_t GetBlockNum() { return Core().blockNum; }
+inline int64_t GetTaskRation() { return 1; }  // the emulation launches every vector block itself
 
 inline uint32_t AlignUp32(uint32_t bytes) { return (bytes + ONE_BLK_SIZE - 1) / ONE_BLK_SIZE * ONE_BLK_SIZE; }
 

@@ -70,7 +70,8 @@ public:
     }
 
     __aicore__ inline void Process() {
-        for (uint32_t item = GetBlockIdx(); item < t_.numItems; item += GetBlockNum()) {
+        // a MIX (1 cube : 2 vector) launch of N cores runs N * GetTaskRation() vector blocks (the emulation: ration 1)
+        for (uint32_t item = GetBlockIdx(); item < t_.numItems; item += GetBlockNum() * GetTaskRation()) {
             const uint32_t tok = item / t_.numGroups;
             const uint32_t h0 = (item % t_.numGroups) * hg_;
             const uint32_t hw = (t_.numHeads - h0 < hg_) ? t_.numHeads - h0 : hg_;
