@@ -7,7 +7,8 @@ measurement. It prints, per decode step at DeepSeek-V4-Flash and DeepSeek-V3 sha
 
 - the bytes each kernel moves (gathered KV rows per (token, head group) work item, q in, out, indices),
 - its vector work (element passes of 256 bytes, instructions, vector->scalar round trips) per core,
-- the predicted time max(HBM time, vector time of the busiest core), next to the roofline of an ideal kernel
+- the predicted time max(HBM time, vector time of the busiest core, cube time), for the vector-only kernel and for the
+  cube variant (QK^T / PV through the Matmul API), next to the roofline of an ideal kernel
   (unique bytes at full HBM bandwidth, or the QK/PV FLOPs on the cube at peak), and published Ascend numbers.
 
 Public figures used (one device = one die):
@@ -20,8 +21,9 @@ Public figures used (one device = one die):
 - Vector unit: one "repeat" processes 256 bytes (64 float32 lanes), per the AscendC API reference's repeat model;
   assumed here to retire one repeat per cycle.
 Assumptions (flags): vector instruction issue overhead --issue-cycles (default 8), vector->scalar round trip
-(SetFlag/WaitFlag V_S before GetValue) --sync-cycles (default 100), scalar UB access --scalar-cycles (default 2).
-All three are guesses; zeros give the ideal-pipeline bound.
+(SetFlag/WaitFlag V_S before GetValue) --sync-cycles (default 100), scalar UB access --scalar-cycles (default 2), fixed
+cost of a Matmul API call --matmul-cycles (default 200), float32 cube rate --fp32-cube-fraction (default 0.25 of bf16).
+All are guesses; zeros give the ideal-pipeline bound.
 
 Usage: python scripts/perf_model_ascendc.py [--out scripts/bench_results/perf_model_ascendc.md]
 """
@@ -101,6 +103,32 @@ def mla_kernel(chip: Chip, T: int, H: int, C: int, R: int, L0: int, L1: int, sin
                 t=max(t_vec, t_mem), roof=roof)
 
 
+def mla_cube_kernel(chip: Chip, T: int, H: int, C: int, R: int, L0: int, L1: int, sink: bool, dt, a) -> dict:
+    """One launch of dsv4_mla_decode_cube (QK^T and PV through the Matmul API, softmax on the vector unit)."""
+    t = runner.mla_tiling(T, H, C, R, L0, L1, 1 << 24, 1 << 24 if L1 else 0, sink, 1.0, dt, dt, soc=chip.soc, cube=True)
+    sz = torch.empty(0, dtype=dt).element_size()
+    L, hg, nb = L0 + L1, t.headGroup, t.blockRows
+    hgp = math.ceil(hg / 16) * 16
+    blocks = math.ceil(L / nb)
+    items_per_core = math.ceil(t.numItems / t.blockDim)
+    gathered = T * t.numGroups * L * (C + R) * sz
+    # operands in UB reach the cube through a GM workspace and results come back the same way (the API's path for
+    # VECCALC operands): per block the rows, q, P and the S / O results cross twice
+    per_block_ws = 2 * (nb * (C + R) * sz + hgp * (C + R) * sz + hgp * nb * sz + 2 * hgp * nb * 4 + hgp * C * 4)
+    bytes_moved = gathered + T * t.numGroups * blocks * per_block_ws + T * H * (2 * C + R) * sz + T * t.numGroups * L * 8
+    flops = T * t.numGroups * blocks * (2 * hgp * nb * (C + R) + 2 * hgp * nb * C)
+    cube_rate = chip.ai_cores * 8192 * chip.clock_hz * (1.0 if sz == 2 else a.fp32_cube_fraction)
+    t_cube = flops / cube_rate
+    per_block = (3 * passes(hgp * nb) + hg * (4 * passes(nb) + passes(C)) + passes(hg * C) + 2 * passes(nb * (C + R))
+                 + (5 * hg + 12) * a.issue_cycles + 4 * a.sync_cycles + 3 * hg * a.scalar_cycles + 3 * a.matmul_cycles)
+    t_vec = items_per_core * blocks * per_block / chip.clock_hz
+    t_mem = bytes_moved / chip.hbm_bps
+    unique = T * L * (C + R) * sz + T * H * (2 * C + R) * sz + T * L * 8
+    roof = max(unique / chip.hbm_bps, (2 * T * H * L * (C + R) + 2 * T * H * L * C) / chip.cube_flops)
+    return dict(hg=hg, nb=nb, cores=t.blockDim, ub=t.ubBytes, bytes=bytes_moved, t_vec=max(t_vec, t_cube), t_mem=t_mem,
+                t=max(t_vec, t_cube, t_mem), roof=roof)
+
+
 def compressor_kernel(chip: Chip, M: int, K: int, c: int, overlap: bool, a) -> dict:
     """One launch of dsv4_compressor: M entries of K float32 candidates, c output channels."""
     W = 2 * c if overlap else c
@@ -121,10 +149,11 @@ def v4_step(chip: Chip, B: int, ctx: int, a) -> list[tuple[str, int, dict]]:
     H, D, win, topk = cfg.n_heads, cfg.head_dim, cfg.window_size, cfg.index_topk
     w = min(ctx, win)
     bf16 = torch.bfloat16
-    rows = [
-        ("SWA attention", ratios.count(0), mla_kernel(chip, B, H, D, 0, w, 0, True, bf16, a)),
-        ("CSA attention (window + top-k)", ratios.count(4), mla_kernel(chip, B, H, D, 0, w, min(topk, ctx // 4), True, bf16, a)),
-        ("HCA attention (window + all /128)", ratios.count(128), mla_kernel(chip, B, H, D, 0, w, max(ctx // 128, 1), True, bf16, a)),
+    kinds = [("SWA attention", ratios.count(0), w, 0), ("CSA attention (window + top-k)", ratios.count(4), w, min(topk, ctx // 4)),
+             ("HCA attention (window + all /128)", ratios.count(128), w, max(ctx // 128, 1))]
+    rows = [(f"{name}, {v}", n, fn(chip, B, H, D, 0, l0, l1, True, bf16, a)) for name, n, l0, l1 in kinds
+            for v, fn in (("vector", mla_kernel), ("cube", mla_cube_kernel))]
+    rows += [
         # worst-case step: every sequence completes a block in this step (one entry each)
         ("C4 compressor (main, c=512)", ratios.count(4), compressor_kernel(chip, B, 8, D, True, a)),
         ("C4 compressor (indexer, c=128)", ratios.count(4), compressor_kernel(chip, B, 8, cfg.index_head_dim, True, a)),
@@ -135,22 +164,28 @@ def v4_step(chip: Chip, B: int, ctx: int, a) -> list[tuple[str, int, dict]]:
 
 def v3_step(chip: Chip, B: int, ctx: int, a) -> list[tuple[str, int, dict]]:
     cfg = preset("deepseek-v3")
-    k = mla_kernel(chip, B, cfg.n_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, ctx, 0, False, torch.bfloat16, a)
-    return [("MLA absorbed decode (512 + 64)", cfg.n_layers, k)]
+    args = (chip, B, cfg.n_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim, ctx, 0, False, torch.bfloat16, a)
+    return [(f"MLA absorbed decode (512 + 64), {v}", cfg.n_layers, fn(*args))
+            for v, fn in (("vector", mla_kernel), ("cube", mla_cube_kernel))]
 
 
 def table(title: str, rows: list[tuple[str, int, dict]]) -> list[str]:
-    out = [f"#### {title}", "", "| launch | layers | tiling | MB moved | HBM us | vector us | predicted us | roofline us "
+    out = [f"#### {title}", "", "| launch | layers | tiling | MB moved | HBM us | compute us | predicted us | roofline us "
            "| x roofline |", "|---|---|---|---|---|---|---|---|---|"]
-    tot = roof = 0.0
+    tot = {"vector": 0.0, "cube": 0.0}
+    roof = {"vector": 0.0, "cube": 0.0}
     for name, n, k in rows:
         tiling = f"hg={k['hg']} nb={k['nb']} cores={k['cores']} UB={k['ub'] // 1024}K" if "hg" in k else \
             f"cTile={k['ctile']} cores={k['cores']}"
         out.append(f"| {name} | {n} | {tiling} | {k['bytes'] / 1e6:.2f} | {k['t_mem'] * 1e6:.1f} | {k['t_vec'] * 1e6:.1f} | "
                    f"{k['t'] * 1e6:.1f} | {k['roof'] * 1e6:.1f} | {k['t'] / k['roof']:.1f} |")
-        tot += n * k["t"]
-        roof += n * k["roof"]
-    out += ["", f"Step total over all layers: **{tot * 1e3:.2f} ms** predicted (ideal-kernel roofline {roof * 1e3:.2f} ms).", ""]
+        for v in tot:  # attention rows count for their variant, compressor rows for both
+            if name.endswith(", " + v) or not name.endswith(("vector", "cube")):
+                tot[v] += n * k["t"]
+                roof[v] += n * k["roof"]
+    out += ["", "Step total over all layers: " + "; ".join(
+        f"**{tot[v] * 1e3:.2f} ms** with the {v} attention" for v in tot) +
+        f" (ideal-kernel roofline {roof['cube'] * 1e3:.2f} ms).", ""]
     return out
 
 
@@ -159,13 +194,18 @@ def main() -> int:
     ap.add_argument("--issue-cycles", type=float, default=8.0, help="assumed issue overhead per vector instruction")
     ap.add_argument("--sync-cycles", type=float, default=100.0, help="assumed vector->scalar round trip (cycles)")
     ap.add_argument("--scalar-cycles", type=float, default=2.0, help="assumed cost of one scalar UB read or write")
+    ap.add_argument("--matmul-cycles", type=float, default=200.0, help="assumed fixed cost of one Matmul API call")
+    ap.add_argument("--fp32-cube-fraction", type=float, default=0.25,
+                    help="assumed float32 cube rate as a fraction of the bf16 peak (the cube kernel's float32 path)")
     ap.add_argument("--batches", default="1,32,128")
     ap.add_argument("--contexts", default="4096,32768")
     ap.add_argument("--out", default=None, help="also write the report (markdown) to this file")
     a = ap.parse_args()
     lines = ["# Performance model of the AscendC kernels (predicted, not measured: no NPU was available)", "",
              f"Assumptions: {a.issue_cycles:g} cycles issue per vector instruction, {a.sync_cycles:g} cycles per "
-             f"vector->scalar round trip, {a.scalar_cycles:g} cycles per scalar UB access, one 256-byte repeat per cycle per vector core, no L2 reuse between head "
+             f"vector->scalar round trip, {a.scalar_cycles:g} cycles per scalar UB access, {a.matmul_cycles:g} cycles "
+             "fixed cost per Matmul API call (cube variant), cube operands and results crossing a GM workspace twice "
+             "per block (counted as HBM bytes), one 256-byte repeat per cycle per vector core, no L2 reuse between head "
              "groups (each (token, head-group) item re-reads its rows from HBM). 'roofline' = an ideal kernel: unique "
              "bytes at full HBM bandwidth or QK+PV FLOPs at the cube's BF16 peak, whichever is larger. Compressor rows: "
              "worst-case step (every sequence completes a block). One device = one die.", ""]
@@ -177,11 +217,12 @@ def main() -> int:
                 lines += table(f"DeepSeek-V4-Flash, batch {B}, context {ctx}", v4_step(chip, B, ctx, a))
                 lines += table(f"DeepSeek-V3, batch {B}, context {ctx}", v3_step(chip, B, ctx, a))
     lines += ["## Published Ascend numbers to compare with", ""] + [f"- {p}" for p in PUBLISHED] + [
-        "", "Reading: the kernels as written are vector-only (QK and PV as Mul + ReduceSum / Axpy on the vector unit, "
-        "with the scores handed to the scalar unit once per row block): correctness-first, predicted far above the ideal-kernel roofline at "
-        "large batch x heads (the vector unit's float32 rate is a small fraction of the cube's). Moving QK^T and PV onto the cube through the high-level Matmul API, and sharing each "
-        "gathered row block across all heads of a token, are the steps the model says matter most; none of it is "
-        "measured until the kernels run on an NPU.", ""]
+        "", "Reading: the vector-only attention (QK and PV as Mul + ReduceSum / Axpy on the vector unit) is predicted far "
+        "above the ideal-kernel roofline as batch x heads grow: the vector unit's float32 rate is a small fraction of "
+        "the cube's. The cube variant moves QK^T and PV onto the cube through the Matmul API; what remains is the "
+        "per-block softmax on the vector unit, the round trips of UB operands through the API's workspace, and the head "
+        "groups re-reading each row (a split over keys for small batches and sharing a row block across all heads of a "
+        "token are the next steps). None of it is measured until the kernels run on an NPU.", ""]
     text = "\n".join(lines)
     print(text)
     if a.out:
