@@ -40,7 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=-1)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--device", default=None, help="cpu | cuda | npu (default: cuda when available, else cpu)")
-    g.add_argument("--backend", default="auto", help="auto | reference | cuda | npu")
+    g.add_argument("--backend", default="auto", help="auto | reference | cuda | npu | ascendc_emu")
     g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     g.add_argument("--numerics", default="exact", help="exact | reference (official FP8/FP4 activation rounding)")
     g.add_argument("--max-model-len", type=int, default=None)
@@ -93,7 +93,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--chat-template", default=None, help="Jinja2 chat template (file or string) overriding the "
                    "model folder's; default: tokenizer_config.json's, else DeepSeek's chat format")
     s.add_argument("--device", default=None, help="cpu | cuda | npu (default: cuda when available, else cpu)")
-    s.add_argument("--backend", default="auto", help="auto | reference | cuda | npu")
+    s.add_argument("--backend", default="auto", help="auto | reference | cuda | npu | ascendc_emu")
     s.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     s.add_argument("--numerics", default="exact", help="exact | reference (official FP8/FP4 activation rounding)")
     s.add_argument("--weights-seed", type=int, default=0, help="seed of the random weights of a preset")
