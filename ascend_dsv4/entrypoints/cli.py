@@ -17,6 +17,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="toy-v4", help="preset name (toy-v4, deepseek-v4-flash, ...) or model folder")
 
 
+def _add_weight_check_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--skip-weight-check", action="store_true",
+                   help="do not count NaN/Inf values of each weight as it loads (the check runs on the device the "
+                        "weight lands on; skip it only where you measured that it costs you)")
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ascend-dsv4", description="DeepSeek-V4 / V3 serving for Ascend NPUs")
     ap.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -36,6 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--numerics", default="exact", help="exact | reference (official FP8/FP4 activation rounding)")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--weights-seed", type=int, default=0, help="seed of the random weights of a preset")
+    _add_weight_check_arg(g)
 
     i = sub.add_parser("info", help="print the config, parameter count, KV bytes per token and memory needs")
     _add_model_args(i)
@@ -85,6 +92,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     s.add_argument("--numerics", default="exact", help="exact | reference (official FP8/FP4 activation rounding)")
     s.add_argument("--weights-seed", type=int, default=0, help="seed of the random weights of a preset")
+    _add_weight_check_arg(s)
     s.add_argument("--uvicorn-log-level", default="info", help="critical | error | warning | info | debug")
 
     b = sub.add_parser("bench", help="benchmarks")
@@ -128,7 +136,7 @@ def _generate(a: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                             seed=a.seed)
     llm = LLM(model=a.model, backend=a.backend, dtype=a.dtype, numerics=a.numerics, device=a.device,
-              seed=a.weights_seed, max_model_len=a.max_model_len)
+              seed=a.weights_seed, max_model_len=a.max_model_len, skip_weight_check=a.skip_weight_check)
 
     def emit(_rid: int, text: str) -> None:
         sys.stdout.write(text)
@@ -154,7 +162,8 @@ def _serve(a: argparse.Namespace) -> int:
     llm = LLM(model=a.model, backend=a.backend, dtype=a.dtype, numerics=a.numerics, device=a.device,
               seed=a.weights_seed, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
               max_num_batched_tokens=a.max_num_batched_tokens, block_size=a.block_size,
-              enable_prefix_caching=a.enable_prefix_caching, num_speculative_tokens=a.num_speculative_tokens)
+              enable_prefix_caching=a.enable_prefix_caching, num_speculative_tokens=a.num_speculative_tokens,
+              skip_weight_check=a.skip_weight_check)
     run_server(llm, host=a.host, port=a.port, api_key=a.api_key or os.environ.get("ASCEND_DSV4_API_KEY"),
                served_model_name=a.served_model_name or a.model, max_queue=a.max_queue,
                model_dir=a.model if os.path.isdir(a.model) else None, chat_template=a.chat_template,

@@ -70,6 +70,7 @@ class LLM:
         msmodelslim_path: str = "int",
         allow_float_mtp: bool = False,
         msmodelslim_act_sim: str | None = None,
+        skip_weight_check: bool = False,
     ):
         if numerics not in NUMERICS:
             raise ConfigError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
@@ -110,9 +111,10 @@ class LLM:
                     net = build_model(cfg, self.dtype, numerics)
                 if is_msmodelslim_folder(folder):
                     self.quant_summary = load_msmodelslim(net, folder, msmodelslim_path, allow_float_mtp,
-                                                          msmodelslim_act_sim)
+                                                          msmodelslim_act_sim, check_weights=not skip_weight_check)
                 else:
-                    load_weights(net, folder, self.device, dequantize=dequantize, progress=progress)
+                    load_weights(net, folder, self.device, dequantize=dequantize, progress=progress,
+                                 check_weights=not skip_weight_check)
             net = net.to(self.device).eval()
         self.model = net
         self.tokenizer = load_tokenizer(folder, cfg.bos_token_id, cfg.eos_token_id, cfg.vocab_size)
