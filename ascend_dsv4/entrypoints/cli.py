@@ -94,6 +94,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--weights-seed", type=int, default=0, help="seed of the random weights of a preset")
     _add_weight_check_arg(s)
     s.add_argument("--uvicorn-log-level", default="info", help="critical | error | warning | info | debug")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM: seconds requests in flight get to finish (new ones get 503) before they are "
+                        "ended with an error and the server exits")
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench_command", required=True)
@@ -150,15 +153,26 @@ def _generate(a: argparse.Namespace) -> int:
 
 
 def _serve(a: argparse.Namespace) -> int:
-    import os
-
     from .. import LLM
+    from .serve_lifecycle import bind_socket
     from .server import run_server
 
     if not 0 <= a.port < 65536:
         raise AscendDSV4Error(f"--port must be in [0, 65535], got {a.port}")
     if a.max_queue < 1:
         raise AscendDSV4Error(f"--max-queue must be >= 1, got {a.max_queue}")
+    if not a.shutdown_timeout >= 0:
+        raise AscendDSV4Error(f"--shutdown-timeout must be >= 0 seconds, got {a.shutdown_timeout}")
+    sock = bind_socket(a.host, a.port)  # a port in use fails now, not after the weights have loaded
+    try:
+        return _serve_on(a, sock, LLM, run_server)
+    finally:
+        sock.close()
+
+
+def _serve_on(a: argparse.Namespace, sock, LLM, run_server) -> int:
+    import os
+
     llm = LLM(model=a.model, backend=a.backend, dtype=a.dtype, numerics=a.numerics, device=a.device,
               seed=a.weights_seed, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
               max_num_batched_tokens=a.max_num_batched_tokens, block_size=a.block_size,
@@ -167,7 +181,7 @@ def _serve(a: argparse.Namespace) -> int:
     run_server(llm, host=a.host, port=a.port, api_key=a.api_key or os.environ.get("ASCEND_DSV4_API_KEY"),
                served_model_name=a.served_model_name or a.model, max_queue=a.max_queue,
                model_dir=a.model if os.path.isdir(a.model) else None, chat_template=a.chat_template,
-               log_level=a.uvicorn_log_level)
+               log_level=a.uvicorn_log_level, sock=sock, shutdown_timeout=a.shutdown_timeout)
     return 0
 
 
@@ -207,7 +221,9 @@ def _info(a: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    # serve logs its start-up (and drain) at INFO, as vLLM does; other commands stay quiet unless -v
+    level = logging.INFO if a.verbose or a.command == "serve" else logging.WARNING
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     try:
         return {"generate": _generate, "info": _info, "make-random-checkpoint": _make_random_checkpoint,
                 "serve": _serve, "bench": _bench, "quantize": _quantize}[a.command](a)

@@ -237,7 +237,6 @@ def test_api_key(srv):
     ("/v1/completions", {"repetition_penalty": 0}, "repetition_penalty"),
     ("/v1/completions", {"seed": -1}, "seed"),
     ("/v1/completions", {"stop": [1, 2]}, "stop"),
-    ("/v1/completions", {"model": "gpt-4"}, "model"),
     ("/v1/completions", {"prompt": None}, "prompt"),
     ("/v1/completions", {"prompt": [5, 10**9]}, "prompt"),
     ("/v1/completions", {"prompt": {"a": 1}}, "prompt"),
@@ -265,7 +264,7 @@ def test_openai_client_sees_400(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="toy-v4", prompt=PROMPT, temperature=-1)
     assert e.value.param == "temperature"
-    with pytest.raises(openai.BadRequestError) as e:
+    with pytest.raises(openai.NotFoundError) as e:  # 404, as OpenAI and vLLM answer an unknown model
         client.completions.create(model="nope", prompt=PROMPT)
     assert e.value.param == "model" and e.value.code == "model_not_found"
 
