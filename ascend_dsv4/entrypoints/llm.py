@@ -19,6 +19,7 @@ import atb_ops
 
 from ..config import load_config
 from ..engine.kv_pools import PoolSizes
+from ..engine.memory_sizing import check_utilization, device_memory, size_pools_for_memory
 from ..engine.model_runner import ModelRunner
 from ..engine.engine import LLMEngine
 from ..engine.request import RequestOutput
@@ -49,6 +50,36 @@ def _resolve_device(device: str | None, backend: str | None) -> torch.device:
     return torch.device(device)
 
 
+def _nth(sp: SamplingParams, j: int) -> SamplingParams:
+    """The parameters of completion ``j`` of a request asking ``sp.n`` of them: one completion each, and a seeded
+    request's completions use seeds ``seed, seed + 1, ...`` (distinct, reproducible)."""
+    import dataclasses
+
+    seed = sp.seed if sp.seed is None or j == 0 else (sp.seed + j) % 2**64
+    return dataclasses.replace(sp, n=1, seed=seed)
+
+
+def _progress_bar(use_tqdm: bool, total: int):
+    if not use_tqdm or total == 0:
+        return None
+    import sys
+
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="prompt", desc="generating", file=sys.stderr, dynamic_ncols=True)
+
+
+def _check_max_model_len(value, limit: int) -> int:
+    """``max_model_len`` as given (None: the model's limit); 0, negative or above the limit is an error."""
+    if value is None:
+        return limit
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"max_model_len must be a positive integer, got {value!r}")
+    if value > limit:
+        raise ConfigError(f"max_model_len {value} is above the model's limit (max_position_embeddings = {limit})")
+    return value
+
+
 class LLM:
     def __init__(
         self,
@@ -71,6 +102,7 @@ class LLM:
         allow_float_mtp: bool = False,
         msmodelslim_act_sim: str | None = None,
         skip_weight_check: bool = False,
+        gpu_memory_utilization: float | None = None,
     ):
         if numerics not in NUMERICS:
             raise ConfigError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
@@ -92,7 +124,9 @@ class LLM:
             self.dtype = _DTYPES[dtype]
         else:
             raise ConfigError(f"dtype must be 'auto' or one of {', '.join(_DTYPES)}, got {dtype!r}")
-        self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.max_model_len = _check_max_model_len(max_model_len, cfg.max_position_embeddings)
+        if gpu_memory_utilization is not None:
+            check_utilization(gpu_memory_utilization)
         if max_num_batched_tokens < 1 or max_num_seqs < 1 or block_size < 1:
             raise ConfigError("max_num_batched_tokens, max_num_seqs and block_size must be positive")
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
@@ -117,8 +151,16 @@ class LLM:
                                  check_weights=not skip_weight_check)
             net = net.to(self.device).eval()
         self.model = net
+        self.folder = folder
         self.tokenizer = load_tokenizer(folder, cfg.bos_token_id, cfg.eos_token_id, cfg.vocab_size)
-        self.runner = ModelRunner(net, self._pool_sizes(block_size), self.device)
+        sizes = self._pool_sizes(block_size)
+        mem = device_memory(self.device) if gpu_memory_utilization is not None else None
+        if mem is not None:
+            sizes = size_pools_for_memory(net, sizes, self.dtype, gpu_memory_utilization, *mem)
+        elif gpu_memory_utilization is not None:
+            log.info("gpu_memory_utilization is ignored on %s: the KV pools hold max_num_seqs (%d) sequences of "
+                     "max_model_len (%d)", self.device, max_num_seqs, self.max_model_len)
+        self.runner = ModelRunner(net, sizes, self.device)
         self.engine = LLMEngine(self.runner, self.tokenizer, self.max_model_len, max_num_seqs, max_num_batched_tokens,
                                 enable_prefix_caching=enable_prefix_caching,
                                 num_speculative_tokens=num_speculative_tokens)
@@ -173,9 +215,13 @@ class LLM:
         return ids
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 on_text: Callable[[str, str], None] | None = None) -> list[RequestOutput]:
+                 on_text: Callable[[str, str], None] | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for one prompt or a list (strings or token-id lists), batched continuously.
-        ``on_text(request_id, text)`` receives decoded text as it is produced (for streaming)."""
+
+        One :class:`RequestOutput` per prompt, in order; with ``SamplingParams(n=k)`` its ``outputs`` holds ``k``
+        completions (a seeded request's completion ``j`` uses seed ``seed + j``). ``on_text(request_id, text)``
+        receives decoded text as it is produced (for streaming); ``use_tqdm`` shows a progress bar (stderr) over
+        the prompts, as vLLM does."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -199,8 +245,13 @@ class LLM:
             if not ids:
                 raise RequestError(f"prompt {i} is empty")
             encoded.append((p if isinstance(p, str) else ids, self._check_ids(ids, f"prompt {i}")))
-        rids = [self.engine.add_request(p, sp) for (p, _ids), sp in zip(encoded, params)]
+        groups = [[self.engine.add_request(p, _nth(sp, j)) for j in range(sp.n)]
+                  for (p, _ids), sp in zip(encoded, params)]
+        rids = [r for g in groups for r in g]
         final: dict[str, RequestOutput] = {}
+        bar = _progress_bar(use_tqdm, len(groups))
+        owner = {r: gi for gi, g in enumerate(groups) for r in g}
+        left = [len(g) for g in groups]
         with self._ops():
             try:
                 while len(final) < len(rids) and self.engine.has_unfinished():
@@ -211,8 +262,40 @@ class LLM:
                             final[out.request_id] = out
                             if out.error:
                                 log.warning("request %s aborted by the engine: %s", out.request_id, out.error)
+                            gi = owner.get(out.request_id)
+                            if gi is not None:
+                                left[gi] -= 1
+                                if bar is not None and left[gi] == 0:
+                                    bar.update(1)
             finally:
+                if bar is not None:
+                    bar.close()
                 for rid in rids:
                     if rid not in final:
                         self.engine.abort_request(rid)
-        return [final[r] for r in rids]
+        results = []
+        for g in groups:
+            first = final[g[0]]
+            first.more_outputs = [final[r].as_completion(j) for j, r in enumerate(g) if j]
+            results.append(first)
+        return results
+
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """vLLM's ``LLM.chat``: ``messages`` is one conversation (a list of ``{"role", "content"}`` dicts) or a list
+        of them; each is rendered with the model's chat template (the folder's ``tokenizer_config.json`` /
+        ``chat_template.jinja``, or ``chat_template``: a Jinja2 string or file; else DeepSeek's encoding) and
+        generated as :meth:`generate` does. Returns one :class:`RequestOutput` per conversation."""
+        from .chat import ChatFormatter
+
+        if isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], dict):
+            conversations = [messages]
+        elif isinstance(messages, (list, tuple)) and messages and all(isinstance(m, (list, tuple)) for m in messages):
+            conversations = list(messages)
+        else:
+            raise RequestError("messages must be a list of {'role', 'content'} dicts or a list of such lists")
+        fmt = ChatFormatter.from_folder(self.folder, chat_template)
+        kw = dict(chat_template_kwargs or {})
+        prompts = [fmt.format(c, add_generation_prompt, **kw) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

@@ -37,7 +37,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.async_engine import AsyncEngine, EngineDead, EngineOverloaded, EngineShuttingDown
 from ..engine.request import RequestOutput
-from ..engine.sampling import SamplingParams
+from ..engine.sampling import MAX_N, SamplingParams
 from ..errors import AscendDSV4Error, RequestError
 from .chat import ChatFormatter
 from .serve_lifecycle import DrainingServer, DrainState, bind_socket
@@ -341,8 +341,9 @@ def _sse(obj: Any) -> str:
     return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False) + "\n\n"
 
 
-def _usage(outs: Sequence[RequestOutput]) -> dict:
-    p = sum(len(o.prompt_token_ids) for o in outs)
+def _usage(outs: Sequence[RequestOutput], n: int = 1) -> dict:
+    """Token counts of ``outs`` (``n`` completions per prompt, in order: each prompt counts once)."""
+    p = sum(len(o.prompt_token_ids) for o in outs[::n])
     c = sum(len(o.token_ids) for o in outs)
     cached = sum(getattr(o, "num_cached_tokens", 0) or 0 for o in outs)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
@@ -535,8 +536,8 @@ def create_app(async_engine: AsyncEngine, model_name: str | Sequence[str], api_k
     def common(body: dict) -> tuple[str, bool, bool]:
         model = st.model(body)
         n = body.get("n")
-        if n is not None and (not _is_int(n) or n != 1):
-            raise _bad(f"only n=1 is supported, got n={n!r}", "n", "unsupported_value")
+        if n is not None and (not _is_int(n) or not 1 <= n <= MAX_N):
+            raise _bad(f"n must be an integer in [1, {MAX_N}], got n={n!r}", "n")
         best_of = body.get("best_of")
         if best_of is not None and best_of != 1:
             raise _bad(f"only best_of=1 is supported, got {best_of!r}", "best_of", "unsupported_value")
@@ -575,9 +576,15 @@ def create_app(async_engine: AsyncEngine, model_name: str | Sequence[str], api_k
             return None
         return work.result()
 
-    def start(prompts: list[list[int]], params: SamplingParams, rid: str) -> list:
-        return [async_engine.generate(ids, dataclasses.replace(params), f"{rid}-{i}")
-                for i, ids in enumerate(prompts)]
+    def start(prompts: list[list[int]], params: SamplingParams, rid: str, n: int = 1) -> list:
+        """One engine stream per (prompt, completion): choice ``i * n + j`` is completion ``j`` of prompt ``i``
+        (OpenAI's order); a seeded request's completion ``j`` uses seed ``seed + j``."""
+        gens = []
+        for i, ids in enumerate(prompts):
+            for j in range(n):
+                seed = params.seed if params.seed is None or j == 0 else (params.seed + j) % 2**64
+                gens.append(async_engine.generate(ids, dataclasses.replace(params, seed=seed), f"{rid}-{i * n + j}"))
+        return gens
 
     # ---- /v1/completions -----------------------------------------------------------------------------
     def completion_logprobs(out_lps, toks: list[int], text_len: int, base: int) -> dict:
@@ -614,7 +621,8 @@ def create_app(async_engine: AsyncEngine, model_name: str | Sequence[str], api_k
             raise _bad(f"logprobs must be null or an integer in [0, {MAX_LOGPROBS}], got {lp!r}", "logprobs")
         params = st.sampling(body, max_tokens or DEFAULT_COMPLETION_MAX_TOKENS, "max_tokens", lp)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        gens = start([p.ids for p in prompts], params, rid)
+        n = body.get("n") or 1
+        gens = start([p.ids for p in prompts], params, rid, n)
         if not stream:
             async def collect():
                 firsts = await _prime(gens, "prompt")
@@ -630,7 +638,7 @@ def create_app(async_engine: AsyncEngine, model_name: str | Sequence[str], api_k
                         "logprobs": completion_logprobs(o.logprobs, o.token_ids, len(o.text), 0) if lp is not None
                         else None} for i, o in enumerate(finals)]
             return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                                 "choices": choices, "usage": _usage(finals), "system_fingerprint": None})
+                                 "choices": choices, "usage": _usage(finals, n), "system_fingerprint": None})
 
         firsts = await _prime(gens, "prompt")
 
@@ -657,7 +665,7 @@ def create_app(async_engine: AsyncEngine, model_name: str | Sequence[str], api_k
                     yield _sse(chunk)
                 if include_usage:
                     yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                                "choices": [], "usage": _usage(finals)})
+                                "choices": [], "usage": _usage(finals, n)})
             except Exception as e:  # noqa: BLE001 - report in-band: the status line is already sent
                 yield _sse(_engine_error(e, "prompt").body())
             yield "data: [DONE]\n\n"
@@ -704,49 +712,52 @@ def create_app(async_engine: AsyncEngine, model_name: str | Sequence[str], api_k
         st.check_max_tokens(ids, mt, mt_param)
         params = st.sampling(body, mt or (st.max_model_len - len(ids)), mt_param, (top or 0) if want_lp else None)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        gens = start([ids], params, rid)
+        gens = start([ids], params, rid, body.get("n") or 1)
         if not stream:
             async def collect():
                 firsts = await _prime(gens, "messages")
-                final = firsts[0]
-                async for _, o in _merge(gens, firsts):
-                    final = o
-                return final
+                finals = list(firsts)
+                async for i, o in _merge(gens, firsts):
+                    finals[i] = o
+                return finals
 
-            o = await run_until_disconnect(request, collect())
-            if o is None:
+            finals = await run_until_disconnect(request, collect())
+            if finals is None:
                 return JSONResponse({}, status_code=499)
-            choice = {"index": 0, "message": {"role": "assistant", "content": o.text},
-                      "logprobs": {"content": chat_logprobs(o.logprobs)} if want_lp else None,
-                      "finish_reason": o.finish_reason}
+            choices = [{"index": i, "message": {"role": "assistant", "content": o.text},
+                        "logprobs": {"content": chat_logprobs(o.logprobs)} if want_lp else None,
+                        "finish_reason": o.finish_reason} for i, o in enumerate(finals)]
+            usage = _usage(finals, len(finals))  # one prompt, however many completions
             return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": model,
-                                 "choices": [choice], "usage": _usage([o]), "system_fingerprint": None})
+                                 "choices": choices, "usage": usage, "system_fingerprint": None})
 
         firsts = await _prime(gens, "messages")
 
         async def events():
-            final = firsts[0]
-            n_lp = 0
+            finals = list(firsts)
+            n_lp = [0] * len(gens)
 
-            def chunk(delta: dict, finish, lps=None) -> str:
+            def chunk(i: int, delta: dict, finish, lps=None) -> str:
                 c = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                     "choices": [{"index": 0, "delta": delta, "logprobs": lps, "finish_reason": finish}]}
+                     "choices": [{"index": i, "delta": delta, "logprobs": lps, "finish_reason": finish}]}
                 if include_usage:
                     c["usage"] = None
                 return _sse(c)
 
             try:
-                yield chunk({"role": "assistant", "content": ""}, None)
-                async for _, o in _merge(gens, firsts):
-                    final = o
+                for i in range(len(gens)):
+                    yield chunk(i, {"role": "assistant", "content": ""}, None)
+                async for i, o in _merge(gens, firsts):
+                    finals[i] = o
                     lps = None
                     if want_lp:
-                        lps = {"content": chat_logprobs(o.logprobs[n_lp:])}
-                        n_lp = len(o.logprobs)
-                    yield chunk({"content": o.delta_text}, o.finish_reason if o.finished else None, lps)
+                        lps = {"content": chat_logprobs(o.logprobs[n_lp[i]:])}
+                        n_lp[i] = len(o.logprobs)
+                    yield chunk(i, {"content": o.delta_text}, o.finish_reason if o.finished else None, lps)
                 if include_usage:
+                    usage = _usage(finals, len(finals))
                     yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                                "choices": [], "usage": _usage([final])})
+                                "choices": [], "usage": usage})
             except Exception as e:  # noqa: BLE001
                 yield _sse(_engine_error(e, "messages").body())
             yield "data: [DONE]\n\n"

@@ -123,6 +123,14 @@ def hf_config_dict(cfg: ModelConfig) -> dict:
     return d
 
 
+def make_readable(path: str) -> None:
+    """Give ``path`` the mode a plain ``open(path, "w")`` would (0666 less the umask, i.e. 0644 usually):
+    ``safetensors.save_file`` creates its files 0600, unreadable to the other users of a shared model folder."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 class ShardWriter:
     """Accumulates tensors and writes ``model-XXXXX-of-YYYYY.safetensors`` shards of at most ``shard_bytes``
     (one shard's tensors in memory at a time), then ``model.safetensors.index.json``."""
@@ -150,6 +158,7 @@ class ShardWriter:
             return
         path = os.path.join(self.out_dir, f"model-{len(self.shards) + 1:05d}.safetensors")
         save_file(self.buf, path, metadata={"format": "pt"})
+        make_readable(path)
         self.shards.append(path)
         for k in self.buf:
             self.weight_map[k] = os.path.basename(path)

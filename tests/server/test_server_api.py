@@ -230,7 +230,7 @@ def test_api_key(srv):
     ("/v1/completions", {"min_p": 2}, "min_p"),
     ("/v1/completions", {"max_tokens": 0}, "max_tokens"),
     ("/v1/completions", {"max_tokens": "many"}, "max_tokens"),
-    ("/v1/completions", {"n": 2}, "n"),
+    ("/v1/completions", {"n": 1000}, "n"),
     ("/v1/completions", {"logprobs": 50}, "logprobs"),
     ("/v1/completions", {"presence_penalty": 5}, "presence_penalty"),
     ("/v1/completions", {"frequency_penalty": -3}, "frequency_penalty"),
@@ -246,7 +246,7 @@ def test_api_key(srv):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
     ("/v1/chat/completions", {"max_completion_tokens": 0}, "max_completion_tokens"),
     ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
-    ("/v1/chat/completions", {"n": 3, "stream": True}, "n"),
+    ("/v1/chat/completions", {"n": 0, "stream": True}, "n"),
     ("/v1/chat/completions", {"temperature": -0.5, "stream": True}, "temperature"),
 ])
 def test_invalid_fields_get_400_naming_the_param(http, path, extra, param):
