@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from ascend_dsv4 import LLM
 from ascend_dsv4.config import from_hf_dict, from_official_dict, preset
-from ascend_dsv4.config_v3 import from_official_dict_v3, preset_v3
+from ascend_dsv4.config_v3 import preset_v3
 from ascend_dsv4.entrypoints.cli import main
 from ascend_dsv4.errors import CheckpointError, ConfigError
 from ascend_dsv4.weights import weight_check
