@@ -134,6 +134,18 @@ def test_max_tokens_above_context_left_is_400_naming_both_numbers(srv):
     assert "10000" in r.json()["error"]["message"]
 
 
+def test_the_issue_request_no_longer_kills_the_engine(srv):
+    """{"prompt":"hi","max_tokens":4,"repetition_penalty":1e-300} made sampling raise on NaN probabilities and every
+    later request got 503 engine_dead."""
+    _, eng, _, server = srv
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4, "repetition_penalty": 1e-300})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "repetition_penalty"
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 4, "repetition_penalty": 0.01,
+                                                          "temperature": 1.0, "seed": 1}, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+    assert eng._error is None and httpx.get(server.url + "/health").status_code == 200
+
+
 def test_engine_failure_of_one_request_is_500_and_the_engine_serves_on(srv, monkeypatch):
     llm, eng, _, server = srv
     real = llm.runner.model.logits
@@ -150,6 +162,14 @@ def test_engine_failure_of_one_request_is_500_and_the_engine_serves_on(srv, monk
     with httpx.stream("POST", server.url + "/v1/completions", json={"prompt": "y", "max_tokens": 3, "stream": True},
                       timeout=60) as s:
         assert s.status_code == 500  # failed before its first token: still an HTTP status
+    state["poison"] = False
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                      json={"prompt": "z", "max_tokens": 200, "stream": True, "ignore_eos": True}) as s:
+        lines = s.iter_lines()
+        next(x for x in lines if x.startswith("data: "))
+        state["poison"] = True  # mid-stream: the status line is sent, the error comes in-band
+        rest = [x[6:] for x in lines if x.startswith("data: ")]
+    assert rest[-1] == "[DONE]" and json.loads(rest[-2])["error"]["code"] == "request_failed"
     state["poison"] = False
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 3}, timeout=60)
     assert r.status_code == 200 and httpx.get(server.url + "/health").status_code == 200
