@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from ascend_dsv4.config import preset  # noqa: E402
+from ascend_dsv4.models import preset  # noqa: E402
 from atb_ops.ascendc.emu import runner  # noqa: E402
 
 

@@ -27,6 +27,7 @@ are wanted. What comes out: float32 logits ``[rows, vocab]`` on the CPU (from ra
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from typing import Sequence
 
@@ -36,6 +37,8 @@ import atb_ops
 
 from ..kv.blocks import PoolSizes, SeqBlocks
 from ..models import family_of
+
+log = logging.getLogger("ascend_dsv4")
 
 
 def plan_pool_sizes(cfg, block_size: int, max_num_seqs: int, max_model_len: int,
@@ -54,10 +57,11 @@ def plan_pool_sizes(cfg, block_size: int, max_num_seqs: int, max_model_len: int,
 
 def build_model(model: str, cfg, dtype: torch.dtype, device: torch.device, numerics: str = "exact", seed: int = 0,
                 dequantize: bool = False, progress: bool = True, msmodelslim_path: str = "int",
-                allow_float_mtp: bool = False, msmodelslim_act_sim: str | None = None
+                allow_float_mtp: bool = False, msmodelslim_act_sim: str | None = None, check_weights: bool = True
                 ) -> tuple[torch.nn.Module, dict | None]:
     """The model of ``cfg`` on ``device`` in eval mode, with the weights of the folder ``model`` (safetensors or
-    msModelSlim) or random ones from ``seed`` for a preset; and the msModelSlim summary (None otherwise)."""
+    msModelSlim) or random ones from ``seed`` for a preset; and the msModelSlim summary (None otherwise).
+    ``check_weights``: every tensor is checked for NaN / Inf as it lands (:mod:`ascend_dsv4.weights.weight_check`)."""
     family = family_of(cfg)
     folder = model if os.path.isdir(model) else (os.path.dirname(model) if os.path.isfile(model) else None)
     summary = None
@@ -72,9 +76,10 @@ def build_model(model: str, cfg, dtype: torch.dtype, device: torch.device, numer
         with torch.device("meta"):
             net = family.build_model(cfg, dtype, numerics)
         if is_msmodelslim_folder(folder):
-            summary = load_msmodelslim(net, folder, msmodelslim_path, allow_float_mtp, msmodelslim_act_sim)
+            summary = load_msmodelslim(net, folder, msmodelslim_path, allow_float_mtp, msmodelslim_act_sim,
+                                       check_weights=check_weights)
         else:
-            load_weights(net, folder, device, dequantize=dequantize, progress=progress)
+            load_weights(net, folder, device, dequantize=dequantize, progress=progress, check_weights=check_weights)
     return net.to(device).eval(), summary
 
 
@@ -93,12 +98,23 @@ class ModelRunner:
     @classmethod
     def create(cls, model: str, cfg, *, device: torch.device, dtype: torch.dtype, numerics: str = "exact",
                backend: str | None = None, block_size: int = 16, max_num_seqs: int = 8, max_model_len: int,
-               max_num_batched_tokens: int = 512, **load) -> "ModelRunner":
-        """Build and load the model (``load``: the keyword arguments of :func:`build_model`) and size its pools."""
+               max_num_batched_tokens: int = 512, gpu_memory_utilization: float | None = None,
+               **load) -> "ModelRunner":
+        """Build and load the model (``load``: the keyword arguments of :func:`build_model`) and size its pools
+        (scaled to ``gpu_memory_utilization`` of the device's memory on cuda / npu, see
+        :mod:`ascend_dsv4.engine.memory_sizing`)."""
+        from .memory_sizing import device_memory, size_pools_for_memory
+
         runner_ops = atb_ops.use_backend(backend) if backend else contextlib.nullcontext()
         with runner_ops:
             net, summary = build_model(model, cfg, dtype, device, numerics, **load)
         sizes = plan_pool_sizes(cfg, block_size, max_num_seqs, max_model_len, max_num_batched_tokens)
+        mem = device_memory(torch.device(device)) if gpu_memory_utilization is not None else None
+        if mem is not None:
+            sizes = size_pools_for_memory(net, sizes, dtype, gpu_memory_utilization, *mem)
+        elif gpu_memory_utilization is not None:
+            log.info("gpu_memory_utilization is ignored on %s: the KV pools hold max_num_seqs (%d) sequences of "
+                     "max_model_len (%d)", device, max_num_seqs, max_model_len)
         runner = cls(net, sizes, device, backend=backend, quant_summary=summary)
         runner.max_model_len, runner.max_num_batched_tokens = max_model_len, max_num_batched_tokens
         return runner
