@@ -18,6 +18,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="toy-v4", help="preset name (toy-v4, deepseek-v4-flash, ...) or model folder")
 
 
+def _add_parallel_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="ranks (devices) the model is split over")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="partition the routed experts over the ranks instead of splitting every expert")
+    p.add_argument("--distributed-executor-backend", default=None, choices=("mp",),
+                   help="how ranks run: mp = one worker process per rank on this node (default with -tp > 1)")
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ascend-dsv4", description="DeepSeek-V4 / V3 serving for Ascend NPUs")
     ap.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -42,6 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     _add_model_args(i)
     i.add_argument("--context-len", type=int, default=None, help="context length for the memory estimate")
     i.add_argument("--batch", type=int, default=1, help="number of sequences for the memory estimate")
+    _add_parallel_args(i)
+    i.add_argument("--device-memory", default=None, help="memory of one device (e.g. 64GiB): prints the tokens of "
+                   "KV that fit per rank and checks the per-rank weights against it")
     m = sub.add_parser("make-random-checkpoint",
                        help="write a random-weight checkpoint in the real format (FP8 blocks, FP4 experts, shards)")
     m.add_argument("--preset", default="toy-v4", help="toy-v4 | deepseek-v4-flash | deepseek-v4-pro | toy-v3 | deepseek-v3")
@@ -193,6 +204,11 @@ def _info(a: argparse.Namespace) -> int:
     if ctx < 1 or a.batch < 1:
         raise AscendDSV4Error("--context-len and --batch must be positive")
     print((format_info_v3 if isinstance(cfg, DeepseekV3Config) else format_info)(cfg, ctx, a.batch))
+    if a.tensor_parallel_size != 1 or a.enable_expert_parallel or a.device_memory is not None:
+        from ..parallel_plan import format_layout_info, parse_bytes
+
+        mem = parse_bytes(a.device_memory) if a.device_memory is not None else None
+        print(format_layout_info(cfg, a.tensor_parallel_size, a.enable_expert_parallel, mem))
     import os
 
     if os.path.isdir(a.model):
