@@ -75,24 +75,40 @@ def check_weights(plan: Plan) -> Check:
 
 # ---- memory plan ------------------------------------------------------------------------------------------
 
-def weight_split(cfg, model: str) -> tuple[int, int, str]:
-    """``(routed-expert bytes, other bytes, source)``: from the folder's tensors when ``model`` is a folder
-    (quantised checkpoints included), else from the config's tensor inventory in its checkpoint formats."""
+def rank_weight_bytes(cfg, model: str, tp: int, ep_ranks: int, ep: bool) -> tuple[int, str]:
+    """``(checkpoint-format bytes one rank holds, source)`` under the split rules of
+    :mod:`ascend_dsv4.parallel_plan` (replicated / split over TP / whole experts over the ``ep_ranks`` expert
+    ranks, or every expert split over TP without EP). Tensors come from the folder when ``model`` is one
+    (quantised checkpoints included), else from the config's inventory in its checkpoint formats."""
+    from ..config_v3 import DeepseekV3Config
+    from ..parallel_plan import split_rule
+
+    v3 = isinstance(cfg, DeepseekV3Config)
     if os.path.isdir(model):
         from ..weights.safetensors_io import checkpoint_inventory
 
-        inv = checkpoint_inventory(model)
-        experts = sum(i.nbytes for n, (_, i) in inv.items() if ".experts." in n)
-        return experts, sum(i.nbytes for _, i in inv.values()) - experts, "checkpoint files"
-    if cfg.model_type == "deepseek_v3":
-        from ..sizing_v3 import tensor_inventory_v3, weights_bytes_v3
+        items = [(n, i.nbytes) for n, (_, i) in checkpoint_inventory(model).items()]
+        source = "checkpoint files"
+    elif v3:
+        from ..sizing_v3 import tensor_inventory_v3
 
-        experts = sum(t.nbytes for t in tensor_inventory_v3(cfg) if t.group == "experts")
-        return experts, weights_bytes_v3(cfg) - experts, "preset inventory"
-    from ..sizing import tensor_inventory, weights_bytes
+        items = [(t.name, t.nbytes) for t in tensor_inventory_v3(cfg) if not t.copy]
+        source = "preset inventory"
+    else:
+        from ..sizing import tensor_inventory
 
-    experts = sum(t.nbytes for t in tensor_inventory(cfg) if t.group == "experts")
-    return experts, weights_bytes(cfg) - experts, "preset inventory"
+        items = [(t.name, t.nbytes) for t in tensor_inventory(cfg)]
+        source = "preset inventory"
+    total = 0
+    for name, nbytes in items:
+        rule, _ = split_rule(name, v3)
+        if rule == "replicate":
+            total += nbytes
+        elif rule == "expert" and ep:
+            total += nbytes // ep_ranks
+        else:
+            total += nbytes // tp
+    return total, source
 
 
 def kv_bytes_per_rank(cfg, context_len: int, seqs: int) -> int:
@@ -114,17 +130,20 @@ def check_memory(plan: Plan, probe: Probe) -> Check:
         return Check("memory", "SKIP", "no --model given: pass --model and the layout to plan HBM")
     try:
         cfg = load_config(plan.model)
-        experts, other, source = weight_split(cfg, plan.model)
     except (AscendDSV4Error, OSError) as e:
         return Check("memory", "FAIL", f"cannot size {plan.model}: {e}".splitlines()[0],
                      "fix the model folder first (see the weights row)")
+    from ..parallel_plan import validate_layout
+
     tp, dp = plan.tp, plan.dp
     ep_ranks = tp * dp if plan.ep else tp
     layout = f"TP {tp} x DP {dp}" + (f", EP {ep_ranks}" if plan.ep else "")
     problems = []
-    if cfg.n_heads % tp:
-        problems.append(f"{cfg.n_heads} attention heads do not split over TP {tp}")
-    if cfg.n_routed_experts % ep_ranks:
+    try:
+        validate_layout(cfg, tp, plan.ep)
+    except AscendDSV4Error as e:
+        problems.append(str(e))
+    if plan.ep and dp > 1 and cfg.n_routed_experts % ep_ranks:
         problems.append(f"{cfg.n_routed_experts} routed experts do not split over {ep_ranks} expert ranks")
     want = plan.expected_npus()
     if want and tp * dp > want * plan.nodes:
@@ -132,12 +151,17 @@ def check_memory(plan: Plan, probe: Probe) -> Check:
     if problems:
         return Check("memory", "FAIL", "; ".join(problems),
                      "choose TP dividing the heads and TP x DP (EP) dividing the experts, within the NPUs you have")
+    try:
+        w, source = rank_weight_bytes(cfg, plan.model, tp, ep_ranks, plan.ep)
+    except (AscendDSV4Error, OSError) as e:
+        return Check("memory", "FAIL", f"cannot size {plan.model}: {e}".splitlines()[0],
+                     "fix the model folder first (see the weights row)")
     ctx = min(plan.max_model_len, cfg.max_position_embeddings)
-    w = other / tp + experts / ep_ranks
     kv = kv_bytes_per_rank(cfg, ctx, plan.max_num_seqs)
     need = w + kv
     gib = 2**30
-    detail = (f"{layout}: per rank weights {w / gib:,.1f} GiB ({source}; experts / {ep_ranks}, rest / {tp}) + "
+    detail = (f"{layout}: per rank weights {w / gib:,.1f} GiB ({source}; experts / {ep_ranks if plan.ep else tp}, "
+              f"split tensors / {tp}, KV projection, indexer, norms replicated) + "
               f"KV {kv / gib:,.1f} GiB ({plan.max_num_seqs} x {ctx:,} tokens) = {need / gib:,.1f} GiB")
     if plan.device != "npu":
         return Check("memory", "SKIP", detail + f"; no HBM to compare with on --device {plan.device}")

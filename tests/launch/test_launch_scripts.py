@@ -110,11 +110,11 @@ def test_one_a3_node_over_ray_and_single_node():
     serve = dry("serve_multinode.sh", "--platform", "a3", "--nodes", "1", "--model", "/m", "--nic", "eth0",
                 "--ip", "10.1.0.1")
     assert "--nodes 1 --npus-per-node 16" in serve[index_of(serve, "python3 -m ascend_dsv4")]
-    assert serve[-1].endswith("--distributed-executor-backend ray --tensor-parallel-size 16 "
-                              "--data-parallel-size 1 --host 127.0.0.1 --port 8000")
+    # default TP 8 (DeepSeek-V4's o_groups = 8 caps TP), the node's 16 NPUs as DP 2
+    assert serve[-1].endswith("--distributed-executor-backend ray --tensor-parallel-size 8 "
+                              "--data-parallel-size 2 --host 127.0.0.1 --port 8000")
 
-    single = dry("serve_single_node.sh", "--platform", "a3", "--model", "/m", "--data-parallel-size", "2",
-                 "--enable-expert-parallel")
+    single = dry("serve_single_node.sh", "--platform", "a3", "--model", "/m", "--enable-expert-parallel")
     senv = exports(single)
     assert RECIPE_VARS <= set(senv) and not (NETWORK_VARS & set(senv))  # no --nic: no network variables
     assert "RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES" not in senv  # no Ray on one node
@@ -122,6 +122,9 @@ def test_one_a3_node_over_ray_and_single_node():
     assert single[-1] == ("exec ascend-dsv4 serve --model /m --device npu --distributed-executor-backend mp "
                           "--tensor-parallel-size 8 --data-parallel-size 2 --enable-expert-parallel "
                           "--host 127.0.0.1 --port 8000")
+    a2 = dry("serve_single_node.sh", "--platform", "a2", "--model", "/m")  # TP 8, no DP flag
+    assert a2[-1] == ("exec ascend-dsv4 serve --model /m --device npu --distributed-executor-backend mp "
+                      "--tensor-parallel-size 8 --host 127.0.0.1 --port 8000")
 
 
 def test_env_template_detects_nic_in_the_printed_script():
@@ -148,8 +151,10 @@ def test_env_template_detects_nic_in_the_printed_script():
     ("serve_multinode.sh", ["--platform", "a2", "--nodes", "2", "--model", "/m", "--tensor-parallel-size", "8",
                             "--data-parallel-size", "4"], "TP 8 x DP 4 = 32 ranks, but 2 node(s) x 8 NPUs = 16"),
     ("serve_multinode.sh", ["--platform", "a2", "--model", "/m"], "--nodes N (>= 1) is required"),
+    ("serve_single_node.sh", ["--platform", "a3", "--model", "/m", "--tensor-parallel-size", "8",
+                              "--data-parallel-size", "4"], "TP 8 x DP 4 needs 32 NPUs, the node has 16"),
     ("serve_single_node.sh", ["--platform", "a2", "--model", "/m", "--tensor-parallel-size", "16"],
-     "TP 16 x DP 1 needs 16 NPUs, the node has 8"),
+     "TP 16 needs 16 NPUs, the node has 8"),
 ])
 def test_argument_errors(script, args, needle):
     r = run(script, *args, "--dry-run")
