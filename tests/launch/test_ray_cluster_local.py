@@ -3,51 +3,21 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
 import pytest
 
 ray = pytest.importorskip("ray")
-from ray.cluster_utils import Cluster  # noqa: E402
 
 from ascend_dsv4.entrypoints import check_env as ce  # noqa: E402
 from ascend_dsv4.entrypoints.check_env_cluster import check_ray  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-IP = ray.util.get_node_ip_address()  # the address Ray gives both local "nodes"
-NODE_ENV = {"RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES": "1", "ASCEND_RT_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7",
-            "HCCL_IF_IP": IP, "HCCL_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo"}
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    saved = {k: os.environ.get(k) for k in [*NODE_ENV, "PYTHONPATH"]}
-    os.environ.update(NODE_ENV)  # the raylets inherit it, as after scripts/ray_head.sh / ray_worker.sh
-    os.environ["PYTHONPATH"] = ROOT + (os.pathsep + saved["PYTHONPATH"] if saved["PYTHONPATH"] else "")
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"NPU": 8},
-                                                      "include_dashboard": False})
-    c.add_node(num_cpus=1, resources={"NPU": 8})
-    c.wait_for_nodes()
-    model = tmp_path_factory.mktemp("w") / "toy"
-    from ascend_dsv4.entrypoints.cli import main
-
-    assert main(["make-random-checkpoint", "--out", str(model)]) == 0
-    try:
-        yield c, str(model)
-    finally:
-        c.shutdown()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
 
 @pytest.mark.distributed
-def test_join_check_and_check_env_rows(cluster):
-    c, model = cluster
+def test_join_check_and_check_env_rows(ray_cluster):
+    c, model, _ = ray_cluster
+    IP = ray.util.get_node_ip_address()  # the address Ray gives both local "nodes"
     wait = [sys.executable, "-m", "ascend_dsv4.entrypoints.ray_cluster", "wait", "--address", c.address,
             "--nodes", "2", "--npus-per-node", "8", "--timeout", "60"]
     r = subprocess.run(wait, capture_output=True, text=True, timeout=150)
