@@ -210,6 +210,30 @@ def test_real_run_sets_the_environment_before_ray_start(tmp_path):
     assert r.returncode == 2 and "missing.sh not found" in r.stderr
 
 
+def test_dry_run_output_is_the_script_that_runs(tmp_path):
+    """A dry run without --nic / --ip prints detection commands; running the printed script (with stand-in `ip`,
+    `ray`, `python3`) resolves the NIC and address once and hands them to `ray start` and the join check."""
+    log = tmp_path / "calls.log"
+    _stub(str(tmp_path / "ip"), 'case "$*" in\n'
+          '  "-o -4 route show to default") echo "default via 10.9.0.254 dev eth7 proto static" ;;\n'
+          '  "-o -4 addr show dev eth7") echo "2: eth7    inet 10.9.0.7/24 brd 10.9.0.255 scope global eth7" ;;\n'
+          '  *) echo "unexpected ip $*" >&2; exit 1 ;;\nesac\n')
+    _stub(str(tmp_path / "ray"), f'echo "ray $* | NIC=$GLOO_SOCKET_IFNAME" >> {log}\n')
+    _stub(str(tmp_path / "python3"), f'echo "python3 $*" >> {log}\n')
+    cann = tmp_path / "set_env.sh"
+    cann.write_text("export ASCEND_HOME_PATH=/fake\n")
+    r = run("ray_head.sh", "--platform", "a3", "--dry-run", "--jemalloc", "none", "--cann-env", str(cann))
+    assert r.returncode == 0, r.stderr
+    ran = subprocess.run(["bash", "-euo", "pipefail"], input=r.stdout, text=True, capture_output=True,
+                         env={**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"})
+    assert ran.returncode == 0, ran.stderr
+    calls = log.read_text().splitlines()
+    assert calls[0] == ("ray start --head --port=6379 --node-ip-address=10.9.0.7 --dashboard-port=8265 "
+                        '--resources {"NPU": 16} | NIC=eth7')
+    assert calls[1] == ("python3 -m ascend_dsv4.entrypoints.ray_cluster wait --address 10.9.0.7:6379 "
+                        "--node-ip 10.9.0.7 --npus-per-node 16 --timeout 120")
+
+
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed (apt install shellcheck)")
 def test_shellcheck_clean():
     files = [os.path.join(SCRIPTS, f) for f in sorted(os.listdir(SCRIPTS)) if f.endswith(".sh")]
