@@ -64,6 +64,17 @@ def _import(path: str):
         raise ExecutorError(f"worker class {path!r} cannot be imported on this node: {e}") from e
 
 
+def _set_rank_device(device: str, index: int) -> None:
+    """Make NPU / GPU ``index`` current before the groups are built (parallel's helper owns the device code)."""
+    import torch
+
+    try:
+        from parallel.groups import set_rank_device
+    except ImportError as e:
+        raise ExecutorError(f"this build of parallel/ cannot select the {device} of a rank ({e})") from e
+    set_rank_device(torch.device(device, index))
+
+
 class RankWorker:
     """The body of one rank's Ray actor (made remote by :class:`RayExecutor`)."""
 
@@ -90,6 +101,8 @@ class RankWorker:
         from parallel import init_parallel
 
         os.environ.setdefault("HCCL_IF_IP", ip)  # the raylet's value (scripts/ray_*.sh) wins
+        if device != "cpu" and device_index is not None:
+            _set_rank_device(device, device_index)
         os.environ.update({"MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]), "RANK": str(rank),
                            "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world_size)})
         state = init_parallel(world_size, rank, f"tcp://{master[0]}:{master[1]}", device=device,
@@ -272,8 +285,12 @@ class GroupCheckWorker:
     """A minimal rank body: proves the process groups span the nodes before any weight is read (also what the
     executor's tests drive). ``stall`` blocks on purpose, to exercise the executor's timeouts."""
 
-    def __init__(self, rank: int, local_rank: int, device_index: int | None, state: Any) -> None:
+    def __init__(self, rank: int, local_rank: int, device_index: int | None, state: Any, device: str = "cpu") -> None:
+        import torch
+
         self.rank, self.local_rank, self.device_index, self.state = rank, local_rank, device_index, state
+        self.device = torch.device(device, device_index) if device != "cpu" and device_index is not None \
+            else torch.device("cpu")
 
     def where(self) -> dict:
         return {"rank": self.rank, "local_rank": self.local_rank, "device_index": self.device_index,
@@ -289,7 +306,8 @@ class GroupCheckWorker:
         out = {}
         for name in ("world", "tp", "ep"):
             g = getattr(self.state, name)
-            out[name] = float(comm.all_reduce(torch.tensor([float(g.rank)]), g).item()) if g.size > 1 else 0.0
+            x = torch.tensor([float(g.rank)], device=self.device)
+            out[name] = float(comm.all_reduce(x, g).item()) if g.size > 1 else 0.0
         return out
 
     def stall(self, seconds: float) -> None:

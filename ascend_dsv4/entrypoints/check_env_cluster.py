@@ -274,6 +274,40 @@ def evaluate_ray(plan: Plan, data: dict) -> list[Check]:
     return rows
 
 
+def check_collectives(plan: Plan, timeout_s: float = 300.0) -> Check:
+    """Form the layout's process groups across the cluster (one Ray actor per rank, no weights) and all-reduce
+    over the world / TP / EP groups: what HCCL timeouts at start-up would otherwise reveal after the weights load."""
+    import time
+
+    from ..engine.ray_executor import ExecutorError, RayExecutor
+    from ..engine.ray_placement import PlacementError
+
+    world = plan.tp * plan.dp
+    t0 = time.monotonic()
+    ex = RayExecutor(world, "ascend_dsv4.engine.ray_executor.GroupCheckWorker", {"device": plan.device},
+                     device=plan.device, address=plan.ray_address, enable_expert_parallel=plan.ep,
+                     start_timeout_s=timeout_s, call_timeout_s=timeout_s)
+    try:
+        ex.start()
+        sums = ex.collective_rpc("all_reduce_ranks")
+    except (ExecutorError, PlacementError) as e:
+        return Check("collectives", "FAIL", str(e).split(". the server")[0],
+                     "check HCCL_IF_IP / HCCL_SOCKET_IFNAME on every node and the hccl-nics row; "
+                     "hccn_tool -i N -ping -g address <peer NPU IP> between nodes")
+    finally:
+        ex.shutdown()
+    want = world * (world - 1) / 2
+    bad = [r for r, s in enumerate(sums) if s["world"] != want]
+    if bad:
+        return Check("collectives", "FAIL", f"all-reduce over {world} ranks gave wrong sums on ranks {bad}: "
+                     f"{sums[bad[0]]}", "a rank joined the wrong group: restart Ray on every node with the same "
+                     "environment")
+    nodes = len({s.node_id for s in ex.slots})
+    backend = {"npu": "hccl", "cuda": "nccl"}.get(plan.device, "gloo")
+    return Check("collectives", "OK", f"{world} ranks on {nodes} node(s) formed the world / TP / EP groups and "
+                 f"all-reduced ({backend}) in {time.monotonic() - t0:.1f} s")
+
+
 def check_ray(plan: Plan, probe_fn=_probe_ray) -> list[Check]:
     if not plan.multi_node and not plan.ray_address:
         return [Check("ray", "SKIP", "one node with the mp executor: Ray not used")]
@@ -281,7 +315,13 @@ def check_ray(plan: Plan, probe_fn=_probe_ray) -> list[Check]:
         import ray  # noqa: F401
     except ImportError:
         return [Check("ray", "FAIL", "ray is not installed", "pip install 'ray==2.60.0' (a dependency of ascend-dsv4)")]
-    return evaluate_ray(plan, probe_fn(plan.ray_address or "auto", plan.model))
+    rows = evaluate_ray(plan, probe_fn(plan.ray_address or "auto", plan.model))
+    if plan.check_collectives:
+        if rows[0].verdict == "OK":
+            rows.append(check_collectives(plan))
+        else:
+            rows.append(Check("collectives", "SKIP", "the cluster is not ready (ray row)"))
+    return rows
 
 
 if __name__ == "__main__":

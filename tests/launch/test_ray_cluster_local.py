@@ -32,3 +32,16 @@ def test_join_check_and_check_env_rows(ray_cluster):
                                                         ray_address=c.address))}
     assert rows["ray"].verdict == "FAIL" and "0 of 3 node(s) with 16 NPU" in rows["ray"].detail
     assert f"short: {IP} has 8 NPU, {IP} has 8 NPU" in rows["ray"].detail
+
+
+@pytest.mark.distributed
+def test_check_collectives_across_two_nodes(ray_cluster):
+    c, _, _ = ray_cluster
+    plan = ce.Plan(device="cpu", nodes=2, backend="ray", ray_address=c.address, tp=2, ep=True,
+                   check_collectives=True)
+    rows = {row.name: row for row in check_ray(plan)}
+    assert rows["collectives"].verdict == "OK", rows["collectives"]
+    assert rows["collectives"].detail.startswith("2 ranks on 2 node(s) formed the world / TP / EP groups")
+    rows = {row.name: row for row in check_ray(ce.Plan(device="cpu", nodes=2, backend="ray", ray_address=c.address,
+                                                        tp=4, check_collectives=True))}
+    assert rows["collectives"].verdict == "FAIL" and "asked 4 CPU, the cluster has 2 CPU" in rows["collectives"].detail
