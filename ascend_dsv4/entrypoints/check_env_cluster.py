@@ -28,7 +28,7 @@ def model_type_of(model: str | None) -> str | None:
     """``"deepseek_v4"`` / ``"deepseek_v3"`` for a preset or folder; None when there is none or it is unreadable."""
     if not model:
         return None
-    from ..config import load_config
+    from ..models import load_config
 
     try:
         return load_config(model).model_type
@@ -40,8 +40,8 @@ def model_type_of(model: str | None) -> str | None:
 
 def weights_summary(model: str) -> tuple[bool, str]:
     """Is the folder's checkpoint readable here? ``(ok, detail)``: config parses, every shard header reads."""
-    from ..config import load_config
-    from ..weights.safetensors_io import checkpoint_inventory
+    from ..models import load_config
+    from quant.safetensors_io import checkpoint_inventory
 
     if not os.path.isdir(model):
         return False, f"{model}: no such folder"
@@ -61,7 +61,7 @@ def weights_summary(model: str) -> tuple[bool, str]:
 
 
 def check_weights(plan: Plan) -> Check:
-    from ..config import ALL_PRESETS
+    from ..models import ALL_PRESETS
 
     if not plan.model:
         return Check("weights", "SKIP", "no --model given")
@@ -79,29 +79,21 @@ def rank_weight_bytes(cfg, model: str, tp: int, ep_ranks: int, ep: bool) -> tupl
     """``(checkpoint-format bytes one rank holds, source)`` under the split rules of
     :mod:`ascend_dsv4.parallel_plan` (replicated / split over TP / whole experts over the ``ep_ranks`` expert
     ranks, or every expert split over TP without EP). Tensors come from the folder when ``model`` is one
-    (quantised checkpoints included), else from the config's inventory in its checkpoint formats."""
-    from ..config_v3 import DeepseekV3Config
+    (quantised checkpoints included), else from the family's inventory in its checkpoint formats."""
+    from ..models import family_of
     from ..parallel_plan import split_rule
 
-    v3 = isinstance(cfg, DeepseekV3Config)
     if os.path.isdir(model):
-        from ..weights.safetensors_io import checkpoint_inventory
+        from quant.safetensors_io import checkpoint_inventory
 
         items = [(n, i.nbytes) for n, (_, i) in checkpoint_inventory(model).items()]
         source = "checkpoint files"
-    elif v3:
-        from ..sizing_v3 import tensor_inventory_v3
-
-        items = [(t.name, t.nbytes) for t in tensor_inventory_v3(cfg) if not t.copy]
-        source = "preset inventory"
-    else:
-        from ..sizing import tensor_inventory
-
-        items = [(t.name, t.nbytes) for t in tensor_inventory(cfg)]
+    else:  # stored duplicates (V3's MTP copies of embed / head) are not loaded twice
+        items = [(t.name, t.nbytes) for t in family_of(cfg).tensor_inventory(cfg) if not getattr(t, "copy", False)]
         source = "preset inventory"
     total = 0
     for name, nbytes in items:
-        rule, _ = split_rule(name, v3)
+        rule, _ = split_rule(name, cfg)
         if rule == "replicate":
             total += nbytes
         elif rule == "expert" and ep:
@@ -114,17 +106,13 @@ def rank_weight_bytes(cfg, model: str, tp: int, ep_ranks: int, ep: bool) -> tupl
 def kv_bytes_per_rank(cfg, context_len: int, seqs: int) -> int:
     """KV pool bytes of one data-parallel replica's ``seqs`` sequences of ``context_len`` tokens. DeepSeek's
     KV is one shared latent (V4: one K=V head; V3: the MLA latent), so TP ranks each hold all of it."""
-    if cfg.model_type == "deepseek_v3":
-        from ..sizing_v3 import memory_plan_v3
+    from ..models import family_of
 
-        return memory_plan_v3(cfg, context_len, seqs)["kv_bytes"]
-    from ..sizing import memory_plan
-
-    return memory_plan(cfg, context_len, seqs)["kv_bytes"]
+    return family_of(cfg).memory_plan(cfg, context_len, seqs)["kv_bytes"]
 
 
 def check_memory(plan: Plan, probe: Probe) -> Check:
-    from ..config import load_config
+    from ..models import load_config
 
     if not plan.model:
         return Check("memory", "SKIP", "no --model given: pass --model and the layout to plan HBM")

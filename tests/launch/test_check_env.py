@@ -180,7 +180,7 @@ def test_memory_plan(node):
                                            ("deepseek-v3", 8, True)])
 def test_rank_weights_agree_with_parallel_plan(model, tp, ep):
     """With DP 1, check-env's per-rank weights are parallel_plan's (the layout the executors load)."""
-    from ascend_dsv4.config import load_config
+    from ascend_dsv4.models import load_config
     from ascend_dsv4.entrypoints.check_env_cluster import rank_weight_bytes
     from ascend_dsv4.parallel_plan import rank_weight_bytes as plan_bytes
 
