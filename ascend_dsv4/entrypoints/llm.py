@@ -96,6 +96,9 @@ class LLM:
             raise ConfigError("max_num_batched_tokens, max_num_seqs and block_size must be positive")
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
 
+        # Atlas A2/A3 have no FP8/FP4 matmul: official FP8/FP4 weights are dequantised at load (tensor by tensor)
+        # and msModelSlim linears get their NPU parameter form when the NPU backend runs the model
+        on_npu = self.backend == "npu" or (self.backend is None and self.device.type == "npu")
         with self._ops():
             folder = model if os.path.isdir(model) else (os.path.dirname(model) if os.path.isfile(model) else None)
             if folder is None:
@@ -110,9 +113,9 @@ class LLM:
                     net = build_model(cfg, self.dtype, numerics)
                 if is_msmodelslim_folder(folder):
                     self.quant_summary = load_msmodelslim(net, folder, msmodelslim_path, allow_float_mtp,
-                                                          msmodelslim_act_sim)
+                                                          msmodelslim_act_sim, npu=on_npu)
                 else:
-                    load_weights(net, folder, self.device, dequantize=dequantize, progress=progress)
+                    load_weights(net, folder, self.device, dequantize=dequantize or on_npu, progress=progress)
             net = net.to(self.device).eval()
         self.model = net
         self.tokenizer = load_tokenizer(folder, cfg.bos_token_id, cfg.eos_token_id, cfg.vocab_size)

@@ -25,6 +25,7 @@ from parallel.linear import Linear
 from ..errors import CheckpointError
 from ..models.common import RMSNorm
 from ..models.v4_moe import Experts
+from .msm_npu import NpuQuantLinear, to_npu_linear
 
 log = logging.getLogger("ascend_dsv4")
 _V3_W = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -46,7 +47,8 @@ class QuantLinearAdapter(nn.Module):
         return self.ql.dequant_weight().to(self.out_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.ql(x.reshape(-1, x.shape[-1]).float())
+        x2 = x.reshape(-1, x.shape[-1])
+        y = self.ql(x2 if isinstance(self.ql, NpuQuantLinear) else x2.float())  # NPU ops take the model dtype
         return y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype if x.dtype != torch.float32 else self.out_dtype)
 
 
@@ -115,8 +117,10 @@ def _set(module: nn.Module, leaf: str, t: torch.Tensor, buffer: bool = False) ->
 
 @torch.no_grad()
 def load_msmodelslim(model: nn.Module, folder: str, path: str = "int", allow_float_mtp: bool = False,
-                     act_sim: str | None = None) -> dict:
-    """Fill ``model`` (built on any device, e.g. meta) from the msModelSlim folder; returns a summary."""
+                     act_sim: str | None = None, npu: bool = False) -> dict:
+    """Fill ``model`` (built on any device, e.g. meta) from the msModelSlim folder; returns a summary.
+
+    ``npu``: convert the int-path linears to their NPU parameter form at load (:mod:`.msm_npu`)."""
     import quant.msmodelslim as msm
 
     cfg, dtype = model.cfg, model.dtype
@@ -126,6 +130,10 @@ def load_msmodelslim(model: nn.Module, folder: str, path: str = "int", allow_flo
         raise CheckpointError(f"{folder}: {e}") from None
     types = ck.types
     kw = {} if act_sim is None else {"act_sim": act_sim}  # float path: which activation fake-quant to apply
+
+    def qlinear(key: str) -> nn.Module:
+        ql = ck.linear(key, path=path, **kw)
+        return (to_npu_linear(ql) or ql) if npu and path == "int" else ql
     has_mtp = any(k.startswith("mtp.") if cfg.model_type == "deepseek_v4" else k.startswith(f"model.layers.{cfg.n_layers}.")
                   for k in types)
     problems: list[str] = []
@@ -159,7 +167,7 @@ def load_msmodelslim(model: nn.Module, folder: str, path: str = "int", allow_flo
                 if t is not None:
                     mod.set_weight(t.to(torch.float32 if mod.compute_fp32 else dtype))
             else:
-                setattr(parent, leaf, QuantLinearAdapter(ck.linear(key, path=path, **kw), dtype))
+                setattr(parent, leaf, QuantLinearAdapter(qlinear(key), dtype))
                 replaced.add(name)
                 n_quant += 1
             done.update({f"{name}.weight", f"{name}.scale"})
@@ -175,7 +183,7 @@ def load_msmodelslim(model: nn.Module, folder: str, path: str = "int", allow_flo
                     if all(t is not None for t in ts):
                         _set(mod, w, torch.stack(ts).to(dtype))
             else:
-                triples = [tuple(QuantLinearAdapter(ck.linear(keys[(e, w)], path=path, **kw), dtype) for w in ("w1", "w3", "w2"))
+                triples = [tuple(QuantLinearAdapter(qlinear(keys[(e, w)]), dtype) for w in ("w1", "w3", "w2"))
                            for e in range(E)]
                 setattr(parent, leaf, QuantExperts(triples, mod.limit, weight_after_w2=cfg.model_type == "deepseek_v3"))
                 replaced.add(name)

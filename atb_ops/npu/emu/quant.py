@@ -47,7 +47,7 @@ def npu_quantize(self: torch.Tensor, scales: torch.Tensor, zero_points, dtype, a
     """Static quant (torch_npu doc ``npu_quantize``): ``div_mode=True``: ``round(x / scale) + zp``;
     ``div_mode=False``: ``round(x * scale + zp)``; saturated to the output type. Scales/zero points broadcast
     along ``axis`` (a 1-element scale is per tensor). Output int8 for ``torch.qint8`` / ``torch.int8``."""
-    out_dtype = {torch.qint8: torch.int8, torch.int8: torch.int8}.get(dtype) if isinstance(dtype, torch.dtype) else None
+    out_dtype = {torch.qint8: torch.int8, torch.int8: torch.int8, 12: torch.int8, 1: torch.int8}.get(dtype)
     if out_dtype is None:
         refuse("npu_quantize", f"dtype={dtype!r}")
     x = self.float()
@@ -62,7 +62,7 @@ def npu_quantize(self: torch.Tensor, scales: torch.Tensor, zero_points, dtype, a
 
     s = along(scales)
     zp = along(zero_points) if zero_points is not None else torch.zeros((), dtype=torch.float32)
-    q = round_half_even(x / s) + zp if div_mode else round_half_even(x * s + zp)
+    q = round_half_even(x / s) + zp if div_mode else round_half_even(x * s + zp)  # div_mode: quantize_per_channel
     return q.clamp(-128, 127).to(out_dtype)
 
 

@@ -1,0 +1,92 @@
+"""msModelSlim linears for the NPU backend: parameters converted once at load, computed by ``atb_ops.quant_linear``.
+
+:func:`to_npu_linear` turns a :class:`quant.msmodelslim.QuantLinear` into an :class:`NpuQuantLinear` holding only
+the tensors the NPU ops take (``quant.msmodelslim.npu_params.prepare_npu_linear``: weight ``[K, N]``, deq_scale
+as stored, quant_bias per rank, negated antiquant offset; W4A8 per-channel int4 values widened to int8 for
+``npu_quant_matmul``), and drops the checkpoint-layout copy. Forms without an NPU parameter form (per-group
+W8A8_DYNAMIC, the older per-group W4A8, non-zero dynamic offsets) keep the QuantLinear and are logged.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+from torch import nn
+
+import atb_ops
+from quant.errors import QuantFormatError
+from quant.msmodelslim.npu_params import decode_deq_scale, prepare_npu_linear, weight_to_npu_layout
+
+log = logging.getLogger("ascend_dsv4")
+
+
+class NpuQuantLinear(nn.Module):
+    """``forward(x [M, K]) -> [M, N]`` through :func:`atb_ops.quant_linear` (mode, NPU-layout tensors)."""
+
+    def __init__(self, name: str, mode: str, weight: torch.Tensor, scale: torch.Tensor, bias=None, offset=None,
+                 input_scale=None, input_offset=None, group_size: int = 0):
+        super().__init__()
+        self.name, self.mode, self.group_size = name, mode, int(group_size)
+        self.in_features, self.out_features = weight.shape[0], weight.shape[1] * (8 if weight.dtype == torch.int32 else 1)
+        for k, v in (("weight", weight), ("scale", scale), ("bias", bias), ("offset", offset),
+                     ("input_scale", input_scale), ("input_offset", input_offset)):
+            self.register_buffer(k, v, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return atb_ops.quant_linear(x, self.weight, self.mode, self.scale, self.bias, self.offset, self.input_scale,
+                                    self.input_offset, self.group_size)
+
+    def dequant_weight(self) -> torch.Tensor:
+        """float32 ``[N, K]`` (for consumers that need the matrix, e.g. MLA absorption)."""
+        if self.weight.dtype == torch.int32:
+            from quant.msmodelslim.npu_params import npu_int4_weight_values
+
+            w = npu_int4_weight_values(self.weight).float()
+        else:
+            w = self.weight.float()  # [K, N]
+        k, n = w.shape
+        if self.mode == "weight_only":
+            rep = (lambda t: t.float().reshape(-1, n).repeat_interleave(self.group_size, 0)[:k]) if self.group_size \
+                else (lambda t: t.float().reshape(1, n))
+            if self.offset is not None:
+                w = w + rep(self.offset)
+            return (w * rep(self.scale)).t().contiguous()
+        if self.mode == "dynamic":
+            return (w * self.scale.float().reshape(1, n)).t().contiguous()
+        deq = decode_deq_scale(self.scale) if self.scale.dtype == torch.int64 else self.scale.float()
+        return (w * (deq.reshape(1, n) / self.input_scale.float().reshape(()))).t().contiguous()
+
+    def extra_repr(self) -> str:
+        return f"{self.name}: npu {self.mode}, in={self.in_features}, out={self.out_features}"
+
+
+def to_npu_linear(ql: nn.Module) -> Optional[NpuQuantLinear]:
+    """The NPU form of a QuantLinear, or None (logged) when it has none."""
+    name = ql.name or "<linear>"
+    variant = ql.layout.variant
+    try:
+        if variant == "w4a8_per_channel":
+            if bool((ql.weight_offset != 0).any()):
+                raise QuantFormatError(f"{name}.weight_offset: non-zero W4A8 offsets have no npu_quant_matmul form")
+            # int4 values widened to int8: npu_quant_matmul int8 x int8 computes the same integers (the int4
+            # grouped-matmul form needs scale_bias, whose kernel semantics are not documented for emulation)
+            return NpuQuantLinear(name, "dynamic", weight_to_npu_layout(ql.w_q), ql.weight_scale[:, 0].contiguous(),
+                                  bias=ql.bias)
+        if variant in ("float",):
+            return None
+        p = prepare_npu_linear(ql)
+    except QuantFormatError as e:
+        log.warning("msModelSlim %s stays on the CPU-layout QuantLinear path on the npu backend: %s", name, e)
+        return None
+    if p["op"] == "npu_weight_quant_batchmatmul":
+        return NpuQuantLinear(name, "weight_only", p["weight"], p["antiquant_scale"], p["bias"],
+                              p["antiquant_offset"], group_size=p["antiquant_group_size"])
+    if p["op"] == "npu_quant_matmul" and "deq_scale" in p:
+        return NpuQuantLinear(name, "static", p["weight"], p["deq_scale"], p["bias"], None, p["input_scale"],
+                              p["input_offset"])
+    if p["op"] == "npu_quant_matmul":
+        return NpuQuantLinear(name, "dynamic", p["weight"], p["scale"], p["bias"])
+    log.warning("msModelSlim %s: no NPU form for op %s; keeping the QuantLinear", name, p["op"])
+    return None

@@ -1,0 +1,36 @@
+"""NPU implementation of ``quant_linear``: the msModelSlim integer path on torch_npu's quantised matmuls.
+
+* dynamic: ``npu_dynamic_quant`` (per-token int8 + scale) then ``npu_quant_matmul(x1, x2, scale,
+  pertoken_scale=..., bias=..., output_dtype=x.dtype)``;
+* static: ``npu_quantize(x, input_scale, input_offset, torch.qint8, axis=-1, div_mode=True)`` then
+  ``npu_quant_matmul(x1, x2, deq_scale, bias=quant_bias (int32), output_dtype=x.dtype)``;
+* weight_only: ``npu_weight_quant_batchmatmul(x, weight, antiquant_scale, antiquant_offset, bias=...,
+  antiquant_group_size=...)`` (the offset is already negated: the op adds it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .optable import candidate, has_torch_npu, torch_npu
+
+
+@candidate("quant_linear", "torch_npu", "torch_npu.npu_dynamic_quant / npu_quantize + npu_quant_matmul; "
+           "npu_weight_quant_batchmatmul",
+           has_torch_npu("npu_dynamic_quant", "npu_quantize", "npu_quant_matmul", "npu_weight_quant_batchmatmul"))
+def quant_linear(x, weight, mode, scale, bias=None, offset=None, input_scale=None, input_offset=None, group_size=0):
+    tn = torch_npu()
+    if x.shape[0] == 0:
+        n = weight.shape[1] * (8 if weight.dtype == torch.int32 else 1)
+        return x.new_zeros((0, n))
+    if mode == "weight_only":
+        return tn.npu_weight_quant_batchmatmul(x, weight, scale, antiquant_offset=offset, bias=bias,
+                                               antiquant_group_size=int(group_size))
+    if mode == "dynamic":
+        q, s_t = tn.npu_dynamic_quant(x)
+        return tn.npu_quant_matmul(q, weight, scale, pertoken_scale=s_t, bias=bias, output_dtype=x.dtype)
+    if mode == "static":
+        q = tn.npu_quantize(x, input_scale.float().reshape(1), input_offset.reshape(1).to(torch.int32), torch.qint8,
+                            axis=-1, div_mode=True)
+        return tn.npu_quant_matmul(q, weight, scale, bias=bias, output_dtype=x.dtype)
+    raise ValueError(f"quant_linear: unknown mode {mode!r}")
