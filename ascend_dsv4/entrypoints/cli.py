@@ -41,6 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_model_args(i)
     i.add_argument("--context-len", type=int, default=None, help="context length for the memory estimate")
     i.add_argument("--batch", type=int, default=1, help="number of sequences for the memory estimate")
+    i.add_argument("--backend", default=None, help="npu: also print the NPU backend's op table (op -> what runs it)")
     m = sub.add_parser("make-random-checkpoint",
                        help="write a random-weight checkpoint in the real format (FP8 blocks, FP4 experts, shards)")
     m.add_argument("--preset", default="toy-v4", help="toy-v4 | deepseek-v4-flash | deepseek-v4-pro | toy-v3 | deepseek-v3")
@@ -86,6 +87,13 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--numerics", default="exact", help="exact | reference (official FP8/FP4 activation rounding)")
     s.add_argument("--weights-seed", type=int, default=0, help="seed of the random weights of a preset")
     s.add_argument("--uvicorn-log-level", default="info", help="critical | error | warning | info | debug")
+
+    c = sub.add_parser("check-npu", help="NPU dry run without an NPU: prefill + decode through the NPU backend under "
+                                         "the torch_npu CPU emulation, every torch_npu call checked against the "
+                                         "torch_npu wheel's schemas and Meta kernels")
+    from .check_npu import add_arguments as _add_check_npu_args
+
+    _add_check_npu_args(c)
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench_command", required=True)
@@ -193,7 +201,31 @@ def _info(a: argparse.Namespace) -> int:
         from ..weights.folder_info import describe_folder
 
         print(describe_folder(a.model))
+    if a.backend == "npu":
+        print(_npu_table())
+    elif a.backend not in (None, "auto", "reference", "cuda"):
+        raise AscendDSV4Error(f"--backend must be reference, cuda or npu, got {a.backend!r}")
     return 0
+
+
+def _npu_table() -> str:
+    from atb_ops.npu import emulation, optable
+
+    if emulation.is_installed():
+        where = "torch_npu: CPU emulation"
+    elif emulation.real_torch_npu_available():
+        where = "torch_npu: installed"
+    else:
+        where = ("torch_npu: not installed here, so every op would fall back to the reference implementation; "
+                 "`ascend-dsv4 check-npu` shows the table under the torch_npu CPU emulation")
+    optable.reset()
+    return f"NPU backend op table ({where}):\n{optable.format_table(optable.table())}"
+
+
+def _check_npu(a: argparse.Namespace) -> int:
+    from .check_npu import run
+
+    return run(a)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -201,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return {"generate": _generate, "info": _info, "make-random-checkpoint": _make_random_checkpoint,
-                "serve": _serve, "bench": _bench, "quantize": _quantize}[a.command](a)
+                "serve": _serve, "bench": _bench, "quantize": _quantize,
+                "check-npu": _check_npu}[a.command](a)
     except AscendDSV4Error as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -2,7 +2,7 @@
 
 :func:`install` puts a module named ``torch_npu`` into ``sys.modules`` whose ``npu_*`` functions are the
 emulations in :mod:`atb_ops.npu.emu` (each written from the torch_npu documentation and the op-plugin CPU
-goldens, independently of ``atb_ops.reference``), when the real torch_npu is not importable. Afterwards
+goldens, independently of the reference backend), when the real torch_npu is not importable. Afterwards
 ``LLM(..., backend="npu", device="cpu")`` and ``atb_ops.use_backend("npu")`` run the NPU backend on CPU
 tensors. It emulates semantics, not speed, and it proves nothing about NPU hardware: no NPU was used.
 

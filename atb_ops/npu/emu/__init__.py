@@ -4,7 +4,7 @@ Sources (cited per function): the torch_npu API docs (Ascend/op-plugin ``docs/zh
 CPU goldens of the op-plugin unit tests (``test/test_custom_ops``) and the schemas of the torch_npu wheel
 (``torch_npu/csrc/aten/npu_native_functions_by_codegen.yaml``). Every function takes the public keyword names of
 the real op. An argument whose documented meaning this emulation does not implement raises
-:class:`NotEmulated` instead of being ignored. Nothing here imports ``atb_ops.reference``: the NPU backend is
+:class:`NotEmulated` instead of being ignored. Nothing here uses the reference backend: the NPU backend is
 compared with the reference *through* these functions, so they must be an independent transcription.
 """
 
