@@ -33,7 +33,7 @@ def _gather_zero(rows: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 
 def _mix(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
-    flat = x.reshape(x.shape[0], -1).float()
+    flat = x.flatten(-2).float()
     inv = torch.rsqrt(flat.pow(2).mean(-1, keepdim=True) + norm_eps)
     return torch.matmul(flat, fn.float().t()) * inv
 
