@@ -221,7 +221,8 @@ def quant_linear(x: torch.Tensor, weight: torch.Tensor, mode: str, scale: torch.
     - ``dynamic`` (W8A8_DYNAMIC, W4A8 per channel): per-token symmetric quant ``s_t = max|x_t| / 127``,
       ``q = round(x / s_t)`` (half to even; a zero row gives 0); ``y = (q @ W) * scale[n] * s_t + bias``;
       scale float32 [N], bias float [N] or None.
-    - ``static`` (W8A8, W8A8S, W8A8_MIX decode): ``q = clamp(round(x / input_scale) + input_offset, -128, 127)``;
+    - ``static`` (W8A8, W8A8S, W8A8_MIX decode): ``q = clamp(round(x * (1 / input_scale) + input_offset), -128,
+      127)`` (the offset added before rounding; multiplied by the float32 reciprocal, as the NPU quantiser does);
       ``y = float32(q @ W + bias) * deq`` with bias = ``quant_bias`` int32 [N] and scale = ``deq_scale``:
       int64 words holding float32 bits in the low 32 bits, or float32 [N].
     - ``weight_only`` (W8A16, W4A16): ``y = x @ ((W + offset) * scale) + bias``, the NPU antiquant form (offset =

@@ -2,7 +2,8 @@
 
 * dynamic: ``npu_dynamic_quant`` (per-token int8 + scale) then ``npu_quant_matmul(x1, x2, scale,
   pertoken_scale=..., bias=..., output_dtype=x.dtype)``;
-* static: ``npu_quantize(x, input_scale, input_offset, torch.qint8, axis=-1, div_mode=True)`` then
+* static: ``npu_quantize(x, 1 / input_scale, input_offset, torch.qint8, axis=-1, div_mode=False)`` (as
+  vllm-ascend quantises: the offset is added before rounding) then
   ``npu_quant_matmul(x1, x2, deq_scale, bias=quant_bias (int32), output_dtype=x.dtype)``;
 * weight_only: ``npu_weight_quant_batchmatmul(x, weight, antiquant_scale, antiquant_offset, bias=...,
   antiquant_group_size=...)`` (the offset is already negated: the op adds it).
@@ -30,7 +31,7 @@ def quant_linear(x, weight, mode, scale, bias=None, offset=None, input_scale=Non
         q, s_t = tn.npu_dynamic_quant(x)
         return tn.npu_quant_matmul(q, weight, scale, pertoken_scale=s_t, bias=bias, output_dtype=x.dtype)
     if mode == "static":
-        q = tn.npu_quantize(x, input_scale.float().reshape(1), input_offset.reshape(1).to(torch.int32), torch.qint8,
-                            axis=-1, div_mode=True)
+        q = tn.npu_quantize(x, (1.0 / input_scale.float()).reshape(1), input_offset.float().reshape(1), torch.qint8,
+                            axis=-1, div_mode=False)
         return tn.npu_quant_matmul(q, weight, scale, bias=bias, output_dtype=x.dtype)
     raise ValueError(f"quant_linear: unknown mode {mode!r}")

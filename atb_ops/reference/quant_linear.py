@@ -53,7 +53,8 @@ def quant_linear(x, weight, mode, scale, bias=None, offset=None, input_scale=Non
         y = acc.float() * _scale_f32(scale) * s_t.unsqueeze(-1)
         return (y if bias is None else y + bias.float()).to(x.dtype)
     # static
-    q = (torch.round(xf / input_scale.float().reshape(())) + input_offset.float().reshape(())).clamp(-128, 127)
+    inv = 1.0 / input_scale.float().reshape(())
+    q = torch.round(xf * inv + input_offset.float().reshape(())).clamp(-128, 127)
     acc = q.to(torch.int64) @ w.to(torch.int64)
     if bias is not None:
         acc = acc + bias.to(torch.int64)
