@@ -54,13 +54,8 @@ def run(a: argparse.Namespace) -> int:
         return 2
     if a.prompt_len < 1 or a.decode_steps < 0:
         raise AscendDSV4Error("--prompt-len must be >= 1 and --decode-steps >= 0")
-    try:
-        mod = emulation.install()
-    except emulation.EmulationError as e:
-        raise AscendDSV4Error(f"{e}; check-npu is the dry run for machines without an NPU") from None
-    checker = None
+    oracle = None
     if not a.no_contracts:
-        from atb_ops.npu.contracts import ContractChecker
         from atb_ops.npu.wheel_oracle import OracleUnavailable, load_oracle
 
         try:
@@ -68,8 +63,17 @@ def run(a: argparse.Namespace) -> int:
         except OracleUnavailable as e:
             print(f"cannot check contracts: {e} (use --no-contracts to run without them)")
             return 3
-        checker = ContractChecker(oracle).attach(mod)
+    installed_here = not emulation.is_installed()
     try:
+        mod = emulation.install()
+    except emulation.EmulationError as e:
+        raise AscendDSV4Error(f"{e}; check-npu is the dry run for machines without an NPU") from None
+    checker = None
+    try:
+        if oracle is not None:
+            from atb_ops.npu.contracts import ContractChecker
+
+            checker = ContractChecker(oracle).attach(mod)
         from atb_ops.npu import optable
 
         from .. import LLM
@@ -84,6 +88,8 @@ def run(a: argparse.Namespace) -> int:
     finally:
         if checker is not None:
             checker.detach()
+        if installed_here:  # leave the process as it was (the command also runs in-process, e.g. in tests)
+            emulation.uninstall()
     finite = bool(logits.isfinite().all())
     contracts = _op_contracts(table, checker) if checker is not None else None
     print(f"check-npu: {a.model} ({llm.cfg.model_type}, dtype {a.dtype}), prefill {a.prompt_len} + decode "
