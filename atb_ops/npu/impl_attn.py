@@ -11,9 +11,39 @@ torch ops on the device.
 
 from __future__ import annotations
 
+import functools
+import os
+from typing import Callable
+
 import torch
 
 from .optable import candidate, has_torch_npu, torch_npu
+
+#: most gathered elements one call materialises; longer batches run in token chunks (the per-token gathers of
+#: the explicit-index op surface would otherwise grow as tokens x context)
+GATHER_BUDGET = int(os.environ.get("ASCEND_DSV4_NPU_GATHER_ELEMS", str(1 << 26)))
+
+
+def _chunked(token_args: tuple[int, ...], per_token: Callable[..., int]):
+    """Run ``fn`` over chunks of the token dim (args ``token_args``, the first one giving T) so that one chunk
+    gathers at most :data:`GATHER_BUDGET` elements; outputs are concatenated along dim 0."""
+
+    def deco(fn):
+        @functools.wraps(fn)
+        def wrapper(*args):
+            t = args[token_args[0]].shape[0]
+            step = max(1, GATHER_BUDGET // max(1, per_token(*args)))
+            if t <= step:
+                return fn(*args)
+            outs = []
+            for s in range(0, t, step):
+                part = [a[s:s + step] if i in token_args and a is not None else a for i, a in enumerate(args)]
+                outs.append(fn(*part))
+            return torch.cat(outs)
+
+        return wrapper
+
+    return deco
 
 
 def _valid_first(idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,6 +100,7 @@ def hc_head(x, fn, base, scale, hc_eps: float, norm_eps: float):
 
 
 @candidate("compressor_pool", "composed", "torch gather + softmax on the device")
+@_chunked((2,), lambda kv, sc, cand, overlap: 2 * cand.shape[1] * kv.shape[-1])
 def compressor_pool(kv_state, score_state, cand, overlap: bool):
     m, k = cand.shape
     width = kv_state.shape[-1]
@@ -88,6 +119,7 @@ def compressor_pool(kv_state, score_state, cand, overlap: bool):
 
 @candidate("indexer_topk", "torch_npu", "torch_npu.npu_lightning_indexer (one batch per token)",
            has_torch_npu("npu_lightning_indexer"))
+@_chunked((0, 1, 3), lambda q, w, kc, cand, topk: cand.shape[1] * kc.shape[-1])
 def indexer_topk(q, weights, k_cache, cand, topk: int):
     """``npu_lightning_indexer`` with query ``[T, 1, Hi, Di]`` (BSND, a batch per token), key = that token's
     candidate rows ``[T, N, 1, Di]`` (valid first), weights ``[T, 1, Hi]``, ``actual_seq_lengths_key`` = valid
@@ -111,6 +143,8 @@ def indexer_topk(q, weights, k_cache, cand, topk: int):
 
 
 @candidate("sparse_attention", "composed", "torch gather + sink softmax on the device")
+@_chunked((0, 2, 6), lambda q, kv, idx, sink, scale, ekv=None, eidx=None:
+          (idx.shape[1] + (0 if eidx is None else eidx.shape[1])) * kv.shape[-1])
 def sparse_attention(q, kv, idx, sink, scale: float, extra_kv=None, extra_idx=None):
     rows = _gather_zero(kv, idx).float()  # [T, K, D]
     bad = idx < 0
@@ -131,6 +165,7 @@ def sparse_attention(q, kv, idx, sink, scale: float, extra_kv=None, extra_idx=No
 
 @candidate("mla_decode", "torch_npu", "torch_npu.npu_fused_infer_attention_score (MLA query_rope/key_rope)",
            has_torch_npu("npu_fused_infer_attention_score"))
+@_chunked((0, 1, 3), lambda qa, qp, lat, idx, scale: idx.shape[1] * lat.shape[-1])
 def mla_decode(q_nope_absorbed, q_pe, latent, idx, scale: float):
     """FIA, BSND, one batch per token: query ``[T, 1, H, C]`` + query_rope ``[T, 1, H, R]``; key = value = the
     gathered latent ``c_kv`` rows ``[T, L, 1, C]`` (absorbed MLA: V = K_nope), key_rope ``[T, L, 1, R]``;
@@ -153,6 +188,7 @@ def mla_decode(q_nope_absorbed, q_pe, latent, idx, scale: float):
 
 @candidate("mla_prefill", "torch_npu", "torch_npu.npu_fused_infer_attention_score (query_rope/key_rope)",
            has_torch_npu("npu_fused_infer_attention_score"))
+@_chunked((0, 1, 5), lambda qn, qp, kn, kp, v, idx, scale: idx.shape[1] * kn.shape[1] * (kn.shape[-1] + v.shape[-1] + kp.shape[-1]))
 def mla_prefill(q_nope, q_pe, k_nope, k_pe, v, idx, scale: float):
     """FIA, BSND, one batch per token: query ``[T, 1, H, Dn]`` + query_rope ``[T, 1, H, R]``; key / value the
     gathered per-head rows ``[T, L, H, Dn]`` / ``[T, L, H, Dv]``; key_rope = the shared k_pe rows broadcast to

@@ -223,3 +223,24 @@ def test_quant_linear_modes(m):
     gsc, goff = torch.rand(2, n, generator=g) * 0.01, torch.randint(-2, 2, (2, n), generator=g).float()
     args = (x, pack_int4_to_int32(w4), "weight_only", gsc, None, goff, None, None, 32)
     close(npu("quant_linear", *args), ref("quant_linear")(*args))
+
+
+def test_token_chunking_gives_the_same_results(monkeypatch):
+    """Long batches run in token chunks bounded by GATHER_BUDGET: results must not change."""
+    from atb_ops.npu import impl_attn
+
+    monkeypatch.setattr(impl_attn, "GATHER_BUDGET", 64)
+    t, h, d, p = 7, 2, 16, 25
+    q, kv, sink, idx = rnd(t, h, d), rnd(p, d), rnd(h), ragged_idx(t, 6, p)
+    ekv, eidx = rnd(9, d), ragged_idx(t, 3, 9)
+    close(npu("sparse_attention", q, kv, idx, sink, 0.3, ekv, eidx), ref("sparse_attention")(q, kv, idx, sink, 0.3, ekv, eidx))
+    qi, wi, kc = rnd(t, 3, 8), rnd(t, 3), rnd(p, 8)
+    cand = ragged_idx(t, 10, p)
+    assert torch.equal(npu("indexer_topk", qi, wi, kc, cand, 4), ref("indexer_topk")(qi, wi, kc, cand, 4))
+    qa, qp, lat = rnd(t, h, 8), rnd(t, h, 4), rnd(p, 12)
+    close(npu("mla_decode", qa, qp, lat, idx, 0.2), ref("mla_decode")(qa, qp, lat, idx, 0.2))
+    kn, kp, v = rnd(p, h, 8), rnd(p, 4), rnd(p, h, 6)
+    close(npu("mla_prefill", qa, qp, kn, kp, v, idx, 0.2), ref("mla_prefill")(qa, qp, kn, kp, v, idx, 0.2))
+    kvs, scs = rnd(p, 8), rnd(p, 8)
+    cc = ragged_idx(t, 8, p)
+    close(npu("compressor_pool", kvs, scs, cc, True), ref("compressor_pool")(kvs, scs, cc, True))
