@@ -6,8 +6,10 @@ goldens, independently of the reference backend), when the real torch_npu is not
 ``LLM(..., backend="npu", device="cpu")`` and ``atb_ops.use_backend("npu")`` run the NPU backend on CPU
 tensors. It emulates semantics, not speed, and it proves nothing about NPU hardware: no NPU was used.
 
-The custom-op packages (vllm-ascend ``torch.ops._C_ascend``, cann-recipes ``torch.ops.custom``) are not
-emulated: under the emulation the backend resolves every op to a torch_npu op or a composition.
+``install(custom=True)`` also registers emulations of the DeepSeek-V4 custom ops the backend prefers when
+their packages are loaded (vllm-ascend ``torch.ops._C_ascend.npu_hc_pre`` / ``npu_hc_post``, cann-recipes
+``torch.ops.custom.npu_moe_gating_top_k``; :mod:`atb_ops.npu.emu.custom`). By default they are absent, as on an
+Ascend machine without those packages.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import sys
 import types
 
 from .emu import attention, moe, norm_rope, quant
+from .emu import custom as custom_ops
 
 log = logging.getLogger("atb_ops")
 
@@ -41,6 +44,9 @@ OPS = {
     "npu_fused_infer_attention_score": attention.npu_fused_infer_attention_score,
     "npu_lightning_indexer": attention.npu_lightning_indexer,
 }
+
+
+_custom_libs: list = []
 
 
 class EmulationError(RuntimeError):
@@ -70,28 +76,30 @@ def build_module() -> types.ModuleType:
     return mod
 
 
-def install(force: bool = False) -> types.ModuleType:
+def install(force: bool = False, custom: bool = False) -> types.ModuleType:
     """Make ``import torch_npu`` resolve to the emulation; returns the module. Idempotent.
 
-    Refuses (:class:`EmulationError`) when the real torch_npu is importable, unless ``force``.
-    Resets the NPU backend's op table so that it is resolved again against the emulation.
+    Refuses (:class:`EmulationError`) when the real torch_npu is importable, unless ``force``. ``custom``: also
+    register the emulated custom-op packages. Resets the NPU backend's op table so that it is resolved again.
     """
-    if is_installed():
-        return sys.modules[MODULE_NAME]
-    if real_torch_npu_available() and not force:
-        raise EmulationError("the real torch_npu is installed; the emulation is for machines without it")
-    mod = build_module()
-    sys.modules[MODULE_NAME] = mod
-    log.warning("torch_npu emulation installed: NPU ops run as pure-PyTorch CPU emulations (no NPU involved)")
+    if not is_installed():
+        if real_torch_npu_available() and not force:
+            raise EmulationError("the real torch_npu is installed; the emulation is for machines without it")
+        sys.modules[MODULE_NAME] = build_module()
+        log.warning("torch_npu emulation installed: NPU ops run as pure-PyTorch CPU emulations (no NPU involved)")
+    if custom and not _custom_libs:
+        _custom_libs.extend(custom_ops.register())
     _reset_backend()
-    return mod
+    return sys.modules[MODULE_NAME]
 
 
 def uninstall() -> None:
     """Remove the emulation from ``sys.modules`` (and reset the NPU backend's op table)."""
+    while _custom_libs:
+        _custom_libs.pop()._destroy()
     if is_installed():
         del sys.modules[MODULE_NAME]
-        _reset_backend()
+    _reset_backend()
 
 
 def _reset_backend() -> None:

@@ -51,6 +51,21 @@ def test_toy_models(model):
     assert _rel_max(got, ref) <= 1e-4
 
 
+def test_toy_v4_with_the_custom_op_packages_loaded(emu):
+    from atb_ops.npu import emulation, optable
+
+    emulation.install(custom=True)
+    try:
+        ref, got, _ = _pair("toy-v4")
+        tbl = optable.table()
+        assert tbl["moe_gate"].kind == "custom" and tbl["moe_gate"].calls > 0
+    finally:
+        while emulation._custom_libs:
+            emulation._custom_libs.pop()._destroy()
+        optable.reset()
+    assert _rel_max(got, ref) <= 1e-4
+
+
 def test_official_fp8_fp4_checkpoint_dequantised_at_load(tmp_path):
     from ascend_dsv4.config import preset
     from ascend_dsv4.weights.random_checkpoint import reduced_config, write_checkpoint

@@ -244,3 +244,36 @@ def test_token_chunking_gives_the_same_results(monkeypatch):
     kvs, scs = rnd(p, 8), rnd(p, 8)
     cc = ragged_idx(t, 8, p)
     close(npu("compressor_pool", kvs, scs, cc, True), ref("compressor_pool")(kvs, scs, cc, True))
+
+
+@pytest.fixture
+def custom_ops(emu):
+    from atb_ops.npu import emulation, optable
+
+    emulation.install(custom=True)
+    yield optable.table()
+    from atb_ops.npu.emu import custom as _c  # noqa: F401
+
+    while emulation._custom_libs:
+        emulation._custom_libs.pop()._destroy()
+    optable.reset()
+
+
+def test_custom_ops_are_preferred_when_loaded(custom_ops):
+    tbl = custom_ops
+    assert tbl["hc_pre"].kind == "custom" and tbl["hc_post"].kind == "custom" and tbl["moe_gate"].kind == "custom"
+    t, n, d = 3, 4, 4096
+    x = rnd(t, n, d, dtype=torch.bfloat16)
+    fn, base, scale = rnd((2 + n) * n, n * d) * 0.02, rnd((2 + n) * n), rnd(3)
+    for a, b in zip(npu("hc_pre", x, fn, base, scale, 20, 1e-6, 1e-6), ref("hc_pre")(x, fn, base, scale, 20, 1e-6, 1e-6)):
+        close(a, b, 1e-2)
+    y, post, comb = rnd(t, d, dtype=torch.bfloat16), rnd(t, n), rnd(t, n, n)
+    close(npu("hc_post", y, x, post, comb), ref("hc_post")(y, x, post, comb), 1e-2)
+    e, k = 16, 4
+    xg, wg, bg = rnd(5, 32), rnd(e, 32), rnd(e) * 0.1
+    tid2eid, tok = torch.randint(0, e, (40, k), generator=g), torch.randint(0, 40, (5,), generator=g)
+    for args in ((xg, wg, bg, k, 1.5), (xg, wg, None, k, 1.5, tid2eid, tok)):
+        (w1, i1), (w2, i2) = npu("moe_gate", *args), ref("moe_gate")(*args)
+        assert torch.equal(i1, i2)
+        close(w1, w2)
+    assert tbl["hc_pre"].calls == 1 and tbl["moe_gate"].calls == 2
