@@ -51,6 +51,12 @@ def test_toy_models(model):
     assert _rel_max(got, ref) <= 1e-4
 
 
+def test_toy_v4_reference_numerics():
+    """numerics="reference" (the official FP8/FP4 activation rounding) composed without FP8/FP4 dtypes."""
+    ref, got, _ = _pair("toy-v4", numerics="reference")
+    assert _rel_max(got, ref) <= 1e-4
+
+
 def test_toy_v4_with_the_custom_op_packages_loaded(emu):
     from atb_ops.npu import emulation, optable
 

@@ -277,3 +277,14 @@ def test_custom_ops_are_preferred_when_loaded(custom_ops):
         assert torch.equal(i1, i2)
         close(w1, w2)
     assert tbl["hc_pre"].calls == 1 and tbl["moe_gate"].calls == 2
+
+
+@pytest.mark.parametrize("op,block", [("fp8_act_round", 128), ("fp4_act_round", 32), ("fp8_act_round", 64)])
+def test_act_round_without_fp8_dtypes(op, block):
+    x = rnd(4, 256) * torch.logspace(-6, 3, 256)  # every binade, subnormals of the formats included
+    x[0, :block] = 0  # an all-zero block
+    x[1, :8] = torch.tensor([448.0, -432.0, 0.75, 2.5, 3.5, 5.0, 1e-9, -1e-9])  # ties and tiny values
+    x[2] = x[2].to(torch.bfloat16).float()
+    assert torch.equal(npu(op, x, block), ref(op)(x, block))
+    xb = x.to(torch.bfloat16)
+    assert torch.equal(npu(op, xb, block), ref(op)(xb, block))
