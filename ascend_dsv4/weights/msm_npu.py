@@ -62,8 +62,12 @@ class NpuQuantLinear(nn.Module):
         return f"{self.name}: npu {self.mode}, in={self.in_features}, out={self.out_features}"
 
 
-def to_npu_linear(ql: nn.Module) -> Optional[NpuQuantLinear]:
-    """The NPU form of a QuantLinear, or None (logged) when it has none."""
+def to_npu_linear(ql: nn.Module, dtype: Optional[torch.dtype] = None) -> Optional[NpuQuantLinear]:
+    """The NPU form of a QuantLinear, or None (logged) when it has none.
+
+    ``dtype``: the activation dtype it will run in. ``npu_quant_matmul`` takes a float32/bfloat16 ``scale`` for
+    bfloat16 output (int64 scales are for int8/float16 output, torch_npu_ops.md §5.11), so a static linear whose
+    deq_scale is stored as int64 words gets it decoded to float32 for a bfloat16 model."""
     name = ql.name or "<linear>"
     variant = ql.layout.variant
     try:
@@ -76,7 +80,8 @@ def to_npu_linear(ql: nn.Module) -> Optional[NpuQuantLinear]:
                                   bias=ql.bias)
         if variant in ("float",):
             return None
-        p = prepare_npu_linear(ql)
+        deq_enc = "float32" if dtype == torch.bfloat16 and variant in ("static", "mix") else None
+        p = prepare_npu_linear(ql, deq_encoding=deq_enc)
     except QuantFormatError as e:
         log.warning("msModelSlim %s stays on the CPU-layout QuantLinear path on the npu backend: %s", name, e)
         return None

@@ -133,7 +133,7 @@ def load_msmodelslim(model: nn.Module, folder: str, path: str = "int", allow_flo
 
     def qlinear(key: str) -> nn.Module:
         ql = ck.linear(key, path=path, **kw)
-        return (to_npu_linear(ql) or ql) if npu and path == "int" else ql
+        return (to_npu_linear(ql, dtype) or ql) if npu and path == "int" else ql
     has_mtp = any(k.startswith("mtp.") if cfg.model_type == "deepseek_v4" else k.startswith(f"model.layers.{cfg.n_layers}.")
                   for k in types)
     problems: list[str] = []

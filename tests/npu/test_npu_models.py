@@ -162,3 +162,13 @@ def test_msmodelslim_llama_fixture_int_path(case):
         # w8a8_static_bf16_v1, rel 1.9e-3; every other case bitwise equal]
         assert "static" in case or "w8a8s" in case or "mix" in case, (case, _rel_max(got, want))
         assert float((got - want).norm() / want.norm()) <= LOOSE, case
+
+
+def test_msmodelslim_static_bf16_gets_float32_deq_scale():
+    """bfloat16 output of npu_quant_matmul takes a float32 scale: int64 deq_scale words are decoded at load."""
+    from ascend_dsv4.weights.msm_npu import NpuQuantLinear
+
+    ref, got, llm = _pair(os.path.join(FIX, "dsv3_w8a8_static_v0"), dtype="bfloat16")
+    static = [m.ql for m in llm.model.modules() if hasattr(m, "ql") and m.ql.mode == "static"]
+    assert static and all(isinstance(q, NpuQuantLinear) and q.scale.dtype == torch.float32 for q in static)
+    assert _rel_max(got, ref) <= TIGHT  # [measured: bitwise equal]
