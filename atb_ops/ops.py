@@ -232,3 +232,15 @@ def quant_linear(x: torch.Tensor, weight: torch.Tensor, mode: str, scale: torch.
     int32 range raises).
     """
     return resolve("quant_linear", x)(x, weight, mode, scale, bias, offset, input_scale, input_offset, group_size)
+
+
+def quant_grouped_matmul(x: torch.Tensor, weight: torch.Tensor, expert_ids: torch.Tensor,
+                         scale: torch.Tensor) -> torch.Tensor:
+    """Per-row expert matmul of the dynamic int path (msModelSlim W8A8_DYNAMIC / W4A8 per-channel experts):
+    ``out[m] = quant_linear(x[m], weight[expert_ids[m]], "dynamic", scale[expert_ids[m]])``, i.e. per-token
+    ``s_m = max|x_m| / 127``, ``q = round(x_m / s_m)``, ``out[m] = (q @ W_e) * scale[e] * s_m``.
+
+    x: [M, K] float; weight: int8 [E, K, N] (``x2`` layout); expert_ids: [M] int64 in [0, E); scale: float32
+    [E, N]. Returns [M, N] in x.dtype.
+    """
+    return resolve("quant_grouped_matmul", x)(x, weight, expert_ids, scale)

@@ -25,7 +25,7 @@ from parallel.linear import Linear
 from ..errors import CheckpointError
 from ..models.common import RMSNorm
 from ..models.v4_moe import Experts
-from .msm_npu import NpuQuantLinear, to_npu_linear
+from .msm_npu import NpuQuantLinear, to_npu_experts, to_npu_linear
 
 log = logging.getLogger("ascend_dsv4")
 _V3_W = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -185,7 +185,8 @@ def load_msmodelslim(model: nn.Module, folder: str, path: str = "int", allow_flo
             else:
                 triples = [tuple(QuantLinearAdapter(qlinear(keys[(e, w)]), dtype) for w in ("w1", "w3", "w2"))
                            for e in range(E)]
-                setattr(parent, leaf, QuantExperts(triples, mod.limit, weight_after_w2=cfg.model_type == "deepseek_v3"))
+                qe = QuantExperts(triples, mod.limit, weight_after_w2=cfg.model_type == "deepseek_v3")
+                setattr(parent, leaf, to_npu_experts(qe) if npu and path == "int" else qe)
                 replaced.add(name)
                 n_quant += 3 * E
             done.update({f"{name}.{w}" for w in ("w1", "w2", "w3")})

@@ -60,3 +60,14 @@ def quant_linear(x, weight, mode, scale, bias=None, offset=None, input_scale=Non
         acc = acc + bias.to(torch.int64)
     _check_int32(acc)
     return (acc.float() * _scale_f32(scale)).to(x.dtype)
+
+
+@register("quant_grouped_matmul", "reference")
+def quant_grouped_matmul(x, weight, expert_ids, scale):
+    e_count, _, n = weight.shape
+    m = x.shape[0]
+    out = torch.zeros(m, n, dtype=x.dtype, device=x.device)
+    for e in torch.unique(expert_ids).tolist():
+        rows = (expert_ids == e).nonzero(as_tuple=True)[0]
+        out[rows] = quant_linear(x[rows], weight[e], "dynamic", scale[e])
+    return out

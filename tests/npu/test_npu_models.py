@@ -95,8 +95,11 @@ def test_msmodelslim_dsv3_fixture(case):
 
     ref, got, llm = _pair(os.path.join(FIX, case))
     assert _rel_max(got, ref) <= TIGHT
+    from ascend_dsv4.weights.msm_npu import NpuQuantExperts
+
     kinds = {type(m.ql).__name__ for m in llm.model.modules() if hasattr(m, "ql")}
     assert kinds == {NpuQuantLinear.__name__}
+    assert any(isinstance(m, NpuQuantExperts) for m in llm.model.modules())  # experts on one grouped matmul
 
 
 def _llama_module():

@@ -288,3 +288,16 @@ def test_act_round_without_fp8_dtypes(op, block):
     assert torch.equal(npu(op, x, block), ref(op)(x, block))
     xb = x.to(torch.bfloat16)
     assert torch.equal(npu(op, xb, block), ref(op)(xb, block))
+
+
+@pytest.mark.parametrize("m", [0, 1, 11])
+def test_quant_grouped_matmul(m):
+    e, k, n = 5, 32, 12
+    x, w = rnd(m, k), _int8(e, k, n)
+    if m > 2:
+        x[2] = 0
+    ids = torch.randint(0, e, (m,), generator=g)
+    sc = torch.rand(e, n, generator=g) * 0.01
+    close(npu("quant_grouped_matmul", x, w, ids, sc), ref("quant_grouped_matmul")(x, w, ids, sc))
+    xb = x.to(torch.bfloat16)
+    close(npu("quant_grouped_matmul", xb, w, ids, sc), ref("quant_grouped_matmul")(xb, w, ids, sc), 1e-2)

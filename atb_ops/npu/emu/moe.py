@@ -85,9 +85,9 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiqua
     ``weight = [W (E, K, N)]``, ``group_type=0`` (split M), ``split_item`` 2/3 (one output ``[M, N]``): rows
     ``[start_e, end_e)`` of X, from ``group_list`` (type 0 cumulative ends, type 1 counts), are multiplied by
     W[e]. Optional ``bias=[(E, N)]``. Rows past the last group are left 0 (documented as undefined: never
-    compare them). Accumulates in float32; output in ``output_dtype`` or X's dtype."""
-    for name, v in (("scale", scale), ("offset", offset), ("antiquant_scale", antiquant_scale),
-                    ("antiquant_offset", antiquant_offset), ("per_token_scale", per_token_scale),
+    compare them). Accumulates in float32; output in ``output_dtype`` or X's dtype. Quantised form (A2/A3): int8
+    X and W with ``scale=[(E, N)]`` and ``per_token_scale=[(M,)]``: ``y = (X @ W[e]) * scale[e] * pertoken[m]``."""
+    for name, v in (("offset", offset), ("antiquant_scale", antiquant_scale), ("antiquant_offset", antiquant_offset),
                     ("activation_input", activation_input), ("x_dtype", x_dtype), ("weight_dtype", weight_dtype)):
         if v is not None:
             refuse("npu_grouped_matmul", name)
@@ -99,11 +99,23 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiqua
     if group_list is None:
         refuse("npu_grouped_matmul", "group_list=None")
     xm, w = x[0], weight[0]
+    quant = xm.dtype == torch.int8
+    if quant != (w.dtype == torch.int8) or quant != (scale is not None) or (per_token_scale is not None and not quant):
+        refuse("npu_grouped_matmul", "this dtype / scale combination (emulated: float x float, or int8 x int8 with "
+                                     "scale [E, N] and optional per_token_scale [M])")
     out_dtype = xm.dtype if output_dtype is None else enum_to_dtype(output_dtype, "npu_grouped_matmul", "output_dtype")
+    if quant and out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        refuse("npu_grouped_matmul", f"int8 output_dtype {out_dtype}")
     y = torch.zeros(xm.shape[0], w.shape[2], dtype=torch.float32, device=xm.device)
     for e, (a, b) in enumerate(_group_bounds(group_list, group_list_type, w.shape[0])):
         if b > a:
-            y[a:b] = xm[a:b].float() @ w[e].float()
+            if quant:  # int32 accumulation (exact), then * scale[e][n] * per_token_scale[m]
+                acc = (xm[a:b].to(torch.int64) @ w[e].to(torch.int64)).float()
+                y[a:b] = acc * scale[0][e].float()
+                if per_token_scale is not None:
+                    y[a:b] *= per_token_scale[0][a:b].float().unsqueeze(-1)
+            else:
+                y[a:b] = xm[a:b].float() @ w[e].float()
             if bias is not None:
                 y[a:b] += bias[0][e].float()
     return [y.to(out_dtype)]
