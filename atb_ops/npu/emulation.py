@@ -19,7 +19,7 @@ import logging
 import sys
 import types
 
-from .emu import attention, moe, norm_rope, quant
+from .emu import attention, hc, moe, norm_rope, quant
 from .emu import custom as custom_ops
 
 log = logging.getLogger("atb_ops")
@@ -43,7 +43,14 @@ OPS = {
     "npu_grouped_matmul": moe.npu_grouped_matmul,
     "npu_fused_infer_attention_score": attention.npu_fused_infer_attention_score,
     "npu_lightning_indexer": attention.npu_lightning_indexer,
+    "npu_mhc_pre": hc.npu_mhc_pre,
+    "npu_mhc_sinkhorn": hc.npu_mhc_sinkhorn,
+    "npu_mhc_post": hc.npu_mhc_post,
 }
+
+#: the device name ``torch_npu.npu.get_device_name()`` reports under the emulation (an Atlas A2 part by default;
+#: ``install(soc="Ascend950PR")`` resolves the backend as on an Ascend 950)
+DEFAULT_SOC = "Ascend910B3"
 
 
 _custom_libs: list = []
@@ -66,9 +73,10 @@ def is_installed() -> bool:
     return mod is not None and getattr(mod, _MARK, False)
 
 
-def build_module() -> types.ModuleType:
-    """A fresh ``torch_npu`` stand-in module holding the emulated ops."""
+def build_module(soc: str = DEFAULT_SOC) -> types.ModuleType:
+    """A fresh ``torch_npu`` stand-in module holding the emulated ops (and ``npu.get_device_name``)."""
     mod = types.ModuleType(MODULE_NAME)
+    mod.npu = types.SimpleNamespace(get_device_name=lambda device=None: soc)
     mod.__doc__ = "CPU emulation of torch_npu ops (ascend-dsv4 atb_ops.npu.emulation); not the real torch_npu."
     setattr(mod, _MARK, True)
     for name, fn in OPS.items():
@@ -76,16 +84,19 @@ def build_module() -> types.ModuleType:
     return mod
 
 
-def install(force: bool = False, custom: bool = False) -> types.ModuleType:
+def install(force: bool = False, custom: bool = False, soc: str | None = None) -> types.ModuleType:
     """Make ``import torch_npu`` resolve to the emulation; returns the module. Idempotent.
 
     Refuses (:class:`EmulationError`) when the real torch_npu is importable, unless ``force``. ``custom``: also
-    register the emulated custom-op packages. Resets the NPU backend's op table so that it is resolved again.
+    register the emulated custom-op packages. ``soc``: the device name the emulated ``torch_npu.npu`` reports
+    (default :data:`DEFAULT_SOC`; changing it replaces an installed emulation). Resets the backend's op table.
     """
+    if soc is not None and is_installed() and sys.modules[MODULE_NAME].npu.get_device_name() != soc:
+        del sys.modules[MODULE_NAME]
     if not is_installed():
         if real_torch_npu_available() and not force:
             raise EmulationError("the real torch_npu is installed; the emulation is for machines without it")
-        sys.modules[MODULE_NAME] = build_module()
+        sys.modules[MODULE_NAME] = build_module(soc or DEFAULT_SOC)
         log.warning("torch_npu emulation installed: NPU ops run as pure-PyTorch CPU emulations (no NPU involved)")
     if custom and not _custom_libs:
         _custom_libs.extend(custom_ops.register())

@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from .optable import candidate, has_torch_npu, torch_npu
+from .optable import candidate, has_torch_npu, on_soc, torch_npu
 
 #: most gathered elements one call materialises; longer batches run in token chunks (the per-token gathers of
 #: the explicit-index op surface would otherwise grow as tokens x context)
@@ -82,6 +82,33 @@ def hc_pre(x, fn, base, scale, sinkhorn_iters: int, hc_eps: float, norm_eps: flo
         c = c / (c.sum(-2, keepdim=True) + hc_eps)
     u = torch.bmm(pre.unsqueeze(1), x.float()).squeeze(1).to(x.dtype)
     return u, post, c
+
+
+def _mhc_fits(x: torch.Tensor) -> bool:
+    """npu_mhc_* limits (torch_npu docs): n in {4, 6, 8}, D % 16 == 0, float16/bfloat16 x."""
+    return x.dim() == 3 and x.shape[0] > 0 and x.shape[1] in (4, 6, 8) and x.shape[2] % 16 == 0 and \
+        x.dtype in (torch.float16, torch.bfloat16)
+
+
+@candidate("hc_pre", "torch_npu", "torch_npu.npu_mhc_pre + npu_mhc_sinkhorn (Ascend 950; else composed)",
+           on_soc("Ascend950", "npu_mhc_pre", "npu_mhc_sinkhorn"))
+def hc_pre_mhc(x, fn, base, scale, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
+    """``npu_mhc_pre`` (mix, pre/post gates, h_res logits) + ``npu_mhc_sinkhorn`` (the comb matrix)."""
+    if not _mhc_fits(x) or not 0 < sinkhorn_iters <= 100:
+        return hc_pre(x, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
+    tn = torch_npu()
+    h_in, h_post, h_res, _, _, _ = tn.npu_mhc_pre(x, fn.float(), scale.float(), base.float(), norm_eps=norm_eps,
+                                                  hc_eps=hc_eps)
+    comb, _, _ = tn.npu_mhc_sinkhorn(h_res, eps=hc_eps, num_iters=int(sinkhorn_iters))
+    return h_in, h_post, comb
+
+
+@candidate("hc_post", "torch_npu", "torch_npu.npu_mhc_post (Ascend 950; else composed)",
+           on_soc("Ascend950", "npu_mhc_post"))
+def hc_post_mhc(y, x, post, comb):
+    if not _mhc_fits(x):
+        return hc_post(y, x, post, comb)
+    return torch_npu().npu_mhc_post(x, comb.float(), y.to(x.dtype), post.float())
 
 
 @candidate("hc_post", "composed", "torch.baddbmm on the device")

@@ -75,6 +75,23 @@ def has_torch_npu(*names: str) -> Callable[[], bool]:
     return check
 
 
+def soc_name() -> str:
+    """``torch_npu.npu.get_device_name()`` (e.g. "Ascend910B3", "Ascend950PR"), or "" when unknown."""
+    try:
+        return str(torch_npu().npu.get_device_name())
+    except Exception:
+        return ""
+
+
+def on_soc(prefix: str, *names: str) -> Callable[[], bool]:
+    """torch_npu has ``names`` and the device is an ``prefix``* part (ops documented for some SoCs only)."""
+
+    def check() -> bool:
+        return has_torch_npu(*names)() and soc_name().startswith(prefix)
+
+    return check
+
+
 def has_custom(namespace: str, name: str) -> Callable[[], bool]:
     """Whether ``torch.ops.<namespace>.<name>`` is registered (a custom-op package is loaded)."""
 
@@ -144,7 +161,7 @@ def table() -> dict[str, Entry]:
         _table = resolve()
         mod = torch_npu()
         where = "none" if mod is None else ("emulated" if getattr(mod, "__ascend_dsv4_emulation__", False) else "real")
-        log.info("atb_ops npu backend (torch_npu: %s):\n%s", where, format_table(_table))
+        log.info("atb_ops npu backend (torch_npu: %s, device %s):\n%s", where, soc_name() or "?", format_table(_table))
         for e in _table.values():
             if e.kind == "reference":
                 log.warning("atb_ops.%s on the npu backend falls back to the reference implementation (%s)",
