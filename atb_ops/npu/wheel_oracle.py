@@ -53,7 +53,7 @@ def cache_dir() -> str:
     return os.environ.get("ASCEND_DSV4_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "ascend_dsv4")
 
 
-def fetch_wheel(version: str = TORCH_NPU_VERSION, dest: Optional[str] = None, timeout: float = 600) -> str:
+def fetch_wheel(version: str = TORCH_NPU_VERSION, dest: Optional[str] = None, timeout: float = 300) -> str:
     """Path of the torch_npu wheel, downloading it (``pip download --no-deps``) into the cache on first use."""
     dest = dest or os.path.join(cache_dir(), "wheels")
     pattern = os.path.join(dest, f"torch_npu-{version}-*.whl")

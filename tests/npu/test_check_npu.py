@@ -53,3 +53,21 @@ def test_info_prints_the_npu_table(capsys):
     assert main(["info", "--model", "toy-v4", "--backend", "npu"]) == 0
     out = capsys.readouterr().out
     assert "NPU backend op table" in out and "grouped_matmul" in out
+
+
+def test_npu_backend_without_torch_npu_falls_back_and_says_so(caplog):
+    import logging
+
+    import atb_ops
+    from atb_ops._dispatch import _registry
+    from atb_ops.npu import optable
+
+    caplog.set_level(logging.WARNING, logger="atb_ops")
+    optable.reset()
+    x, w = torch.randn(3, 8), torch.randn(8)
+    with atb_ops.use_backend("npu"):
+        y = atb_ops.rms_norm(x, w, 1e-6)
+    assert torch.equal(y, _registry["reference"]["rms_norm"](x, w, 1e-6))
+    assert optable.table()["rms_norm"].kind == "reference"
+    assert any("rms_norm on the npu backend falls back to the reference" in r.getMessage() for r in caplog.records)
+    optable.reset()

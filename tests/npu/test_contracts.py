@@ -51,3 +51,11 @@ def test_detach_restores_the_module(emu, oracle):
     assert emu.npu_rms_norm is not before
     ck.detach()
     assert emu.npu_rms_norm is before
+
+
+def test_op_without_meta_kernel_is_checked_against_its_schema(emu, oracle):
+    ck = ContractChecker(oracle)
+    w = torch.randn(4, 4)
+    assert ck.check("npu_format_cast", (w, 29), {}, w) is None  # no Meta kernel in the wheel: schema only
+    assert ck.ops["npu_format_cast"].schema_only
+    assert ck.check("npu_format_cast", (w,), {"format": 29}, w) is not None  # wrong keyword: the schema rejects
