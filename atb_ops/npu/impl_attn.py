@@ -144,23 +144,59 @@ def compressor_pool(kv_state, score_state, cand, overlap: bool):
     return (torch.softmax(sc, dim=1) * kv).sum(1)
 
 
-@candidate("indexer_topk", "torch_npu", "torch_npu.npu_lightning_indexer (one batch per token)",
+#: page sizes tried when reading a key pool in place through a block table (largest first)
+PAGE_SIZES = (128, 64, 32, 16)
+
+
+def _as_pages(rows: torch.Tensor, counts: torch.Tensor, pool_rows: int):
+    """``(page_size, block_table [T, pages] int32)`` when every token's valid rows (valid first, ``counts`` of them)
+    are whole consecutive pages of a paged pool: ``rows[t, j] = table[t, j // ps] * ps + j % ps``; else None.
+    Then the fused op reads the pool in place instead of a per-token gathered copy."""
+    t, n = rows.shape
+    if t == 0 or n == 0:
+        return None
+    j = torch.arange(n, device=rows.device)
+    valid = j.unsqueeze(0) < counts.unsqueeze(1)
+    for ps in PAGE_SIZES:
+        if pool_rows % ps:
+            continue
+        first = rows[:, ::ps]
+        if not bool(((first % ps == 0) | (first < 0)).all()):
+            continue
+        table = torch.where(first >= 0, first // ps, torch.zeros_like(first))
+        expect = table.repeat_interleave(ps, dim=1)[:, :n] * ps + j % ps
+        if bool(((expect == rows) | ~valid).all()):
+            return ps, table.to(torch.int32)
+    return None
+
+
+@candidate("indexer_topk", "torch_npu", "torch_npu.npu_lightning_indexer (paged keys in place, else gathered)",
            has_torch_npu("npu_lightning_indexer"))
 @_chunked((0, 1, 3), lambda q, w, kc, cand, topk: cand.shape[1] * kc.shape[-1])
 def indexer_topk(q, weights, k_cache, cand, topk: int):
-    """``npu_lightning_indexer`` with query ``[T, 1, Hi, Di]`` (BSND, a batch per token), key = that token's
-    candidate rows ``[T, N, 1, Di]`` (valid first), weights ``[T, 1, Hi]``, ``actual_seq_lengths_key`` = valid
-    counts, ``sparse_mode=0`` (the candidates are already causal), ``sparse_count = min(topk, N)``; the returned
-    positions map back through the candidate list (-1 stays -1)."""
+    """``npu_lightning_indexer`` with query ``[T, 1, Hi, Di]`` (BSND, a batch per token), weights ``[T, 1, Hi]``,
+    ``actual_seq_lengths_key`` = valid candidates, ``sparse_mode=0`` (the candidates are already causal),
+    ``sparse_count = min(topk, N)``. Keys: when the candidate rows are whole pages of ``k_cache``, the pool itself
+    (``PA_BSND`` ``[P / ps, ps, 1, Di]`` with a ``block_table``); otherwise the token's rows gathered ``[T, N, 1,
+    Di]`` (valid first). The returned positions map back through the candidate list (-1 stays -1)."""
     t, n = cand.shape
     k = min(topk, n)
     if t == 0 or k == 0:
         return cand.new_full((t, k), -1)
     cc, counts = _valid_first(cand)
-    keys = _gather_zero(k_cache, cc)  # [T, N, Di]
-    pos, _ = torch_npu().npu_lightning_indexer(
-        q.unsqueeze(1), keys.unsqueeze(2), weights.unsqueeze(1), actual_seq_lengths_key=counts.to(torch.int32),
-        layout_query="BSND", layout_key="BSND", sparse_count=k, sparse_mode=0)
+    paged = _as_pages(cc, counts, k_cache.shape[0]) if k_cache.is_contiguous() else None
+    tn = torch_npu()
+    if paged is not None:
+        ps, table = paged
+        pos, _ = tn.npu_lightning_indexer(
+            q.unsqueeze(1), k_cache.view(-1, ps, 1, k_cache.shape[-1]), weights.unsqueeze(1),
+            actual_seq_lengths_key=counts.to(torch.int32), block_table=table, layout_query="BSND",
+            layout_key="PA_BSND", sparse_count=k, sparse_mode=0)
+    else:
+        keys = _gather_zero(k_cache, cc)  # [T, N, Di]
+        pos, _ = tn.npu_lightning_indexer(
+            q.unsqueeze(1), keys.unsqueeze(2), weights.unsqueeze(1), actual_seq_lengths_key=counts.to(torch.int32),
+            layout_query="BSND", layout_key="BSND", sparse_count=k, sparse_mode=0)
     pos = pos[:, 0, 0, :].long()
     picked = cc.gather(1, pos.clamp(min=0))
     return torch.where(pos < 0, torch.full_like(picked, -1), picked)

@@ -301,3 +301,35 @@ def test_quant_grouped_matmul(m):
     close(npu("quant_grouped_matmul", x, w, ids, sc), ref("quant_grouped_matmul")(x, w, ids, sc))
     xb = x.to(torch.bfloat16)
     close(npu("quant_grouped_matmul", xb, w, ids, sc), ref("quant_grouped_matmul")(xb, w, ids, sc), 1e-2)
+
+
+@pytest.mark.parametrize("scattered", [True, False])
+def test_indexer_topk_reads_non_contiguous_pages_in_place(emu, scattered):
+    """Candidates that are whole pages of the key pool (pages in any order) go to npu_lightning_indexer as PA_BSND
+    with a block table; anything else is gathered. Both equal the reference."""
+    ps, pages, di = 16, 12, 8
+    kc = rnd(pages * ps, di)
+    lens = [37, 5, 16, 0]
+    rows = []
+    for i, ln in enumerate(lens):
+        table = torch.randperm(pages, generator=g)[: -(-ln // ps)] if scattered else torch.arange(i, i + 3)
+        r = (table.repeat_interleave(ps) * ps + torch.arange(len(table) * ps) % ps)[:ln]
+        if not scattered:
+            r = r + 1  # page-misaligned rows: must be gathered
+        rows.append(torch.cat([r, torch.full((40 - ln,), -1)]))
+    cand = torch.stack(rows)
+    q, w = rnd(4, 3, di), rnd(4, 3)
+    seen = []
+    real = emu.npu_lightning_indexer
+
+    def spy(*a, **kw):
+        seen.append(kw.get("layout_key"))
+        return real(*a, **kw)
+
+    emu.npu_lightning_indexer = spy
+    try:
+        got = npu("indexer_topk", q, w, kc, cand, 8)
+    finally:
+        emu.npu_lightning_indexer = real
+    assert torch.equal(got, ref("indexer_topk")(q, w, kc, cand, 8))
+    assert seen == (["PA_BSND"] if scattered else ["BSND"])

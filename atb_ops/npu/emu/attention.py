@@ -81,21 +81,29 @@ def npu_lightning_indexer(query, key, weights, *, actual_seq_lengths_query=None,
                           block_table=None, layout_query: str = "BSND", layout_key: str = "BSND",
                           sparse_count: int = 2048, sparse_mode: int = 3, pre_tokens: int = 2**63 - 1,
                           next_tokens: int = 2**63 - 1, return_value: bool = False):
-    """DSA lightning indexer, non-paged BSND form (torch_npu doc ``npu_lightning_indexer``; op-plugin golden).
+    """DSA lightning indexer, BSND query (torch_npu doc ``npu_lightning_indexer``; op-plugin golden).
 
     ``score[b, i, j] = sum_h weights[b, i, h] * relu(q[b, i, h] . k[b, j])`` (no softmax scale) over the first
     ``actual_seq_lengths_key[b]`` keys; ``sparse_mode=3`` also drops keys ``j > (Lk - Lq) + i``; the
     ``sparse_count`` best key positions in descending score order (stable: ties keep key order), ``-1`` where the
-    batch has fewer keys. q ``[B, S1, N, D]``, k ``[B, S2, 1, D]``, weights ``[B, S1, N]``. Returns
+    batch has fewer keys. q ``[B, S1, N, D]``, k ``[B, S2, 1, D]`` (BSND) or the paged pool ``[blocks, block_size,
+    1, D]`` with ``block_table [B, max_blocks]`` (PA_BSND), weights ``[B, S1, N]``. Returns
     ``(indices int32 [B, S1, 1, sparse_count], values)``; values are empty unless ``return_value``.
     """
-    if block_table is not None or layout_query != "BSND" or layout_key != "BSND":
-        refuse("npu_lightning_indexer", "paged keys / layouts other than BSND")
+    if layout_query != "BSND" or layout_key not in ("BSND", "PA_BSND") or \
+            (block_table is None) != (layout_key == "BSND"):
+        refuse("npu_lightning_indexer", "layouts other than BSND query with BSND or PA_BSND (+ block_table) key")
     if actual_seq_lengths_query is not None:
         refuse("npu_lightning_indexer", "actual_seq_lengths_query")
     if sparse_mode not in (0, 3) or pre_tokens < 2**63 - 1 or next_tokens < 2**63 - 1:
         refuse("npu_lightning_indexer", f"sparse_mode={sparse_mode} / pre_tokens / next_tokens")
     b, s1, n, _ = query.shape
+    if block_table is not None:  # PageAttention: key [blocks, block_size, 1, D]; batch b's j-th key is in
+        ps = key.shape[1]      # block block_table[b, j // ps] at offset j % ps
+        s2 = block_table.shape[1] * ps
+        j = torch.arange(s2, device=key.device)
+        rows = block_table.long().repeat_interleave(ps, dim=1) * ps + j % ps  # [B, S2]
+        key = key.reshape(-1, key.shape[-2], key.shape[-1])[rows]  # [B, S2, 1, D]
     s2 = key.shape[1]
     dots = torch.einsum("bihd,bjd->bihj", query.float(), key[:, :, 0].float()).relu()
     score = (dots * weights.float().unsqueeze(-1)).sum(2)  # [B, S1, S2]
