@@ -29,7 +29,8 @@ class NpuQuantLinear(nn.Module):
                  input_scale=None, input_offset=None, group_size: int = 0):
         super().__init__()
         self.name, self.mode, self.group_size = name, mode, int(group_size)
-        self.in_features, self.out_features = weight.shape[0], weight.shape[1] * (8 if weight.dtype == torch.int32 else 1)
+        self.in_features = weight.shape[0]
+        self.out_features = weight.shape[1] * (8 if weight.dtype == torch.int32 else 1)  # int4: 8 per int32
         for k, v in (("weight", weight), ("scale", scale), ("bias", bias), ("offset", offset),
                      ("input_scale", input_scale), ("input_offset", input_offset)):
             self.register_buffer(k, v, persistent=False)

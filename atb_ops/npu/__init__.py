@@ -14,7 +14,8 @@ from __future__ import annotations
 import functools
 
 from .._dispatch import register
-from . import impl_attn, impl_custom, impl_dense, impl_moe, impl_numerics, impl_quant  # noqa: F401  (register the candidates)
+# importing the implementation modules registers their candidates
+from . import impl_attn, impl_custom, impl_dense, impl_moe, impl_numerics, impl_quant  # noqa: F401
 from .optable import HOT_PATH, format_table, hot_path_fallbacks, reset, run, table  # noqa: F401
 
 

@@ -251,7 +251,8 @@ def mla_decode(q_nope_absorbed, q_pe, latent, idx, scale: float):
 
 @candidate("mla_prefill", "torch_npu", "torch_npu.npu_fused_infer_attention_score (query_rope/key_rope)",
            has_torch_npu("npu_fused_infer_attention_score"))
-@_chunked((0, 1, 5), lambda qn, qp, kn, kp, v, idx, scale: idx.shape[1] * kn.shape[1] * (kn.shape[-1] + v.shape[-1] + kp.shape[-1]))
+@_chunked((0, 1, 5), lambda qn, qp, kn, kp, v, idx, scale:
+          idx.shape[1] * kn.shape[1] * (kn.shape[-1] + v.shape[-1] + kp.shape[-1]))
 def mla_prefill(q_nope, q_pe, k_nope, k_pe, v, idx, scale: float):
     """FIA, BSND, one batch per token: query ``[T, 1, H, Dn]`` + query_rope ``[T, 1, H, R]``; key / value the
     gathered per-head rows ``[T, L, H, Dn]`` / ``[T, L, H, Dv]``; key_rope = the shared k_pe rows broadcast to

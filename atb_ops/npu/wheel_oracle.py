@@ -21,7 +21,6 @@ directory (``$ASCEND_DSV4_CACHE`` or ``~/.cache/ascend_dsv4``) once.
 from __future__ import annotations
 
 import glob
-import importlib.util
 import logging
 import os
 import subprocess

@@ -47,7 +47,8 @@ def test_rotary_mul_interleave_is_pairwise_complex_rope():
     cos = ang.cos().repeat_interleave(2, -1).view(t, 1, d)
     sin = ang.sin().repeat_interleave(2, -1).view(t, 1, d)
     y = N.npu_rotary_mul(x, cos, sin, rotary_mode="interleave")
-    z = torch.view_as_complex(x.view(t, h, d // 2, 2).contiguous()) * torch.polar(torch.ones_like(ang), ang).view(t, 1, -1)
+    rot = torch.polar(torch.ones_like(ang), ang).view(t, 1, -1)
+    z = torch.view_as_complex(x.view(t, h, d // 2, 2).contiguous()) * rot
     assert torch.allclose(y, torch.view_as_real(z).flatten(-2), atol=1e-6)
 
 
@@ -161,7 +162,8 @@ def _gating_numpy_style(x, k, bias, k_group, group_count, norm_type, rsf, eps):
             grp = sb.view(group_count, e // group_count)
             gscore = [float(sum(sorted(r.tolist(), reverse=True)[:2])) for r in grp]
             keep = sorted(range(group_count), key=lambda i: (-gscore[i], i))[:k_group]
-            sb = torch.stack([grp[i] if i in keep else torch.full_like(grp[i], -math.inf) for i in range(group_count)]).flatten()
+            sb = torch.stack([grp[i] if i in keep else torch.full_like(grp[i], -math.inf)
+                              for i in range(group_count)]).flatten()
         order = sorted(range(e), key=lambda i: (-float(sb[i]), i))[:k]
         y = s[order]
         if norm_type == 1:
@@ -214,7 +216,8 @@ def test_fia_bsnd_mla_split_lengths_and_gqa():
     for bi in range(b):
         for h in range(n):
             kh = h // (n // nkv)
-            sc = [0.3 * (float(q[bi, 0, h] @ k[bi, j, kh]) + float(qr[bi, 0, h] @ kr[bi, j, kh])) for j in range(lens[bi])]
+            sc = [0.3 * (float(q[bi, 0, h] @ k[bi, j, kh]) + float(qr[bi, 0, h] @ kr[bi, j, kh]))
+                  for j in range(lens[bi])]
             mx = max(sc)
             p = [math.exp(z - mx) for z in sc]
             want = sum(pi * v[bi, j, kh] for j, pi in enumerate(p)) / sum(p)

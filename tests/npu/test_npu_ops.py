@@ -74,7 +74,8 @@ def test_apply_rope(shape, inverse):
 def test_hc_pre_post_head(t):
     n, d = 4, 16
     x, fn, base, scale = rnd(t, n, d), rnd((2 + n) * n, n * d) * 0.1, rnd((2 + n) * n), rnd(3)
-    for a, b in zip(npu("hc_pre", x, fn, base, scale, 20, 1e-6, 1e-6), ref("hc_pre")(x, fn, base, scale, 20, 1e-6, 1e-6)):
+    args = (x, fn, base, scale, 20, 1e-6, 1e-6)
+    for a, b in zip(npu("hc_pre", *args), ref("hc_pre")(*args)):
         close(a, b)
     y, post, comb = rnd(t, d), rnd(t, n), rnd(t, n, n)
     close(npu("hc_post", y, x, post, comb), ref("hc_post")(y, x, post, comb))
@@ -233,7 +234,8 @@ def test_token_chunking_gives_the_same_results(monkeypatch):
     t, h, d, p = 7, 2, 16, 25
     q, kv, sink, idx = rnd(t, h, d), rnd(p, d), rnd(h), ragged_idx(t, 6, p)
     ekv, eidx = rnd(9, d), ragged_idx(t, 3, 9)
-    close(npu("sparse_attention", q, kv, idx, sink, 0.3, ekv, eidx), ref("sparse_attention")(q, kv, idx, sink, 0.3, ekv, eidx))
+    args = (q, kv, idx, sink, 0.3, ekv, eidx)
+    close(npu("sparse_attention", *args), ref("sparse_attention")(*args))
     qi, wi, kc = rnd(t, 3, 8), rnd(t, 3), rnd(p, 8)
     cand = ragged_idx(t, 10, p)
     assert torch.equal(npu("indexer_topk", qi, wi, kc, cand, 4), ref("indexer_topk")(qi, wi, kc, cand, 4))
@@ -265,7 +267,8 @@ def test_custom_ops_are_preferred_when_loaded(custom_ops):
     t, n, d = 3, 4, 4096
     x = rnd(t, n, d, dtype=torch.bfloat16)
     fn, base, scale = rnd((2 + n) * n, n * d) * 0.02, rnd((2 + n) * n), rnd(3)
-    for a, b in zip(npu("hc_pre", x, fn, base, scale, 20, 1e-6, 1e-6), ref("hc_pre")(x, fn, base, scale, 20, 1e-6, 1e-6)):
+    args = (x, fn, base, scale, 20, 1e-6, 1e-6)
+    for a, b in zip(npu("hc_pre", *args), ref("hc_pre")(*args)):
         close(a, b, 1e-2)
     y, post, comb = rnd(t, d, dtype=torch.bfloat16), rnd(t, n), rnd(t, n, n)
     close(npu("hc_post", y, x, post, comb), ref("hc_post")(y, x, post, comb), 1e-2)
