@@ -244,3 +244,17 @@ def test_lightning_indexer_sparse_mode_3_is_causal():
     for i in range(3):
         sel = [j for j in idx[0, i, 0].tolist() if j >= 0]
         assert sorted(sel) == list(range(i + 1))
+
+
+def test_emulation_is_independent_of_the_reference_backend():
+    """The emulation must not use the reference ops it is compared with (nor must the NPU backend import them)."""
+    import glob
+    import os
+
+    import atb_ops.npu as pkg
+
+    root = os.path.dirname(pkg.__file__)
+    for path in glob.glob(os.path.join(root, "*.py")) + glob.glob(os.path.join(root, "emu", "*.py")):
+        src = open(path).read()
+        for bad in ("atb_ops.reference", "from ..reference", "from ...reference", "import reference"):
+            assert bad not in src, (path, bad)
