@@ -16,7 +16,7 @@ import functools
 from .._dispatch import register
 # importing the implementation modules registers their candidates
 from . import impl_attn, impl_custom, impl_dense, impl_moe, impl_numerics, impl_quant  # noqa: F401
-from .optable import HOT_PATH, format_table, hot_path_fallbacks, reset, run, table  # noqa: F401
+from .optable import HOT_PATH, candidate, format_table, hot_path_fallbacks, reset, run, table  # noqa: F401
 
 
 def _register_all() -> None:
@@ -31,4 +31,18 @@ def _register_all() -> None:
         register(op, "npu")(_impl)
 
 
+def _ascendc_candidates() -> None:
+    """Our AscendC kernels (atb_ops/ascendc: ``torch.ops.ascend_dsv4.*``) are custom-op candidates of their ops,
+    used when ``libascend_dsv4_ascendc_ops.so`` was built and loads (checked when the table is resolved)."""
+    from ..ascendc import loader
+
+    for name in loader.SCHEMAS:
+        def _kernel(*args, _name=name):
+            return loader.npu_impls()[_name](*args)
+
+        candidate(name, "custom", f"ascend_dsv4 AscendC kernel torch.ops.ascend_dsv4.{name}",
+                  loader.load_ascendc_ops)(_kernel)
+
+
+_ascendc_candidates()
 _register_all()

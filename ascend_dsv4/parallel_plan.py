@@ -1,0 +1,209 @@
+"""Tensor / expert-parallel layouts of the two families: what each rank holds, up-front validation, sizing.
+
+What a rank holds (``tp`` ranks; ``ep = tp`` with ``enable_expert_parallel`` else 1):
+
+=====================  ==========================================================  ==========================
+part                   DeepSeek-V4                                                 DeepSeek-V3 / R1
+=====================  ==========================================================  ==========================
+embedding, head        vocabulary split (vocab-parallel embedding, LM head +        same (``embed_tokens``,
+                       all-gather)                                                 ``lm_head``)
+query / output         ``wq_b`` + ``attn_sink``: heads split; ``wo_a``: output      ``q_b_proj`` / ``q_proj``,
+                       groups split; ``wo_b``: row-parallel (all-reduce)            ``kv_b_proj``: heads split;
+                                                                                   ``o_proj`` row-parallel
+KV                     ``wq_a``, ``wkv`` (the single MQA KV head), compressor,     ``q_a_proj``,
+                       indexer: replicated, every rank computes the same KV and    ``kv_a_proj_with_mqa``:
+                       top-k as one device                                         replicated; latent cache
+                                                                                   replicated
+norms, hc, router      replicated                                                  replicated
+shared expert, dense   column (w1, w3) / row (w2) parallel                         column / row parallel
+routed experts (TP)    every expert's w1/w3 split on N, w2 on K (MoE column/row)   same
+routed experts (EP)    ``E / ep`` whole experts per rank; tokens travel by          same
+                       all-to-all (or the all-reduce fallback)
+=====================  ==========================================================  ==========================
+
+Why the indexer and the KV projection are replicated rather than split: the KV head is single (MQA), so a split
+has nothing to divide; the indexer could split its heads and all-reduce the scores before the top-k, but the sum
+order would then depend on the layout and a near-tie could select different entries than one device does.
+Replicated, every rank reads and selects exactly the single-device entries at the cost of the indexer's weights
+(``index_n_heads * index_head_dim * q_lora_rank`` + ``index_n_heads * dim`` per CSA layer, ~2% of the attention
+weights of Flash) on each rank.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from .config import ModelConfig
+from .config_v3 import DeepseekV3Config
+from .errors import ConfigError
+
+# checkpoint names -> split dimension (official V4 names / DeepSeek HF names of V3)
+_V4_DIM0 = re.compile(r"(^embed\.weight$|^head\.weight$|\.attn\.(wq_b|wo_a)\.(weight|scale)$|\.attn\.attn_sink$"
+                      r"|\.shared_experts\.(w1|w3)\.(weight|scale)$)")
+_V4_DIM1 = re.compile(r"(\.attn\.wo_b\.(weight|scale)$|\.shared_experts\.w2\.(weight|scale)$)")
+_V3_DIM0 = re.compile(r"(embed_tokens\.weight$|lm_head\.weight$|\.self_attn\.(q_b_proj|q_proj|kv_b_proj)\.weight"
+                      r"|\.shared_experts\.(gate_proj|up_proj)\.weight|\.mlp\.(gate_proj|up_proj)\.weight)")
+_V3_DIM1 = re.compile(r"(\.self_attn\.o_proj\.weight|\.shared_experts\.down_proj\.weight|\.mlp\.down_proj\.weight)")
+_EXPERT = re.compile(r"\.experts\.(\{e\}|\d+)\.")
+
+GiB = 1 << 30
+DEFAULT_MEMORY_UTILIZATION = 0.9  # vLLM's gpu_memory_utilization default: the share of device memory we plan for
+
+
+def ep_size(tp: int, enable_expert_parallel: bool) -> int:
+    return tp if enable_expert_parallel else 1
+
+
+def split_rule(name: str, v3: bool) -> tuple[str, int]:
+    """('expert', -1) | ('split', dim) | ('replicate', -1) for a checkpoint tensor name (scales follow weights)."""
+    if _EXPERT.search(name):
+        return "expert", -1
+    d0, d1 = (_V3_DIM0, _V3_DIM1) if v3 else (_V4_DIM0, _V4_DIM1)
+    if d1.search(name):
+        return "split", 1
+    if d0.search(name):
+        return "split", 0
+    return "replicate", -1
+
+
+def _divisible(fld: str, value: int, by: int, what: str) -> None:
+    if by > 1 and value % by:
+        raise ConfigError(f"{fld} = {value} is not divisible by {what} {by}: "
+                          f"choose a --tensor-parallel-size that divides it")
+
+
+def _block(fld: str, share: int, block: int, tp: int, fmt: str) -> None:
+    if tp > 1 and share % block:
+        raise ConfigError(f"{fld}: each of the {tp} ranks would hold {share} rows/columns of a {fmt} weight, not a "
+                          f"multiple of its {block}-wide scale blocks; use a smaller --tensor-parallel-size")
+
+
+def validate_layout(cfg, tensor_parallel_size: int, enable_expert_parallel: bool = False,
+                    visible_devices: int | None = None, device: str = "", device_memory: int | None = None) -> None:
+    """Raise :class:`ConfigError` naming the field and the rule when the layout cannot work (before any weight is
+    read). ``visible_devices``: devices of this node the ranks would use (None = not limited, e.g. CPU ranks);
+    ``device_memory``: bytes per device when known (checked against :func:`rank_weight_bytes`)."""
+    tp = tensor_parallel_size
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise ConfigError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
+    ep = ep_size(tp, enable_expert_parallel)
+    if visible_devices is not None and tp > visible_devices:
+        raise ConfigError(f"tensor_parallel_size = {tp} needs {tp} {device or 'devices'} on this node, but "
+                          f"{visible_devices} are visible (check ASCEND_RT_VISIBLE_DEVICES / CUDA_VISIBLE_DEVICES)")
+    v3 = isinstance(cfg, DeepseekV3Config)
+    _divisible("n_heads", cfg.n_heads, tp, "tensor_parallel_size")
+    _divisible("vocab_size", cfg.vocab_size, tp, "tensor_parallel_size")
+    _divisible("n_routed_experts", cfg.n_routed_experts, ep, "the expert-parallel size (= tensor_parallel_size)")
+    if ep == 1:
+        _divisible("moe_inter_dim", cfg.moe_inter_dim, tp, "tensor_parallel_size (experts split inside)")
+    shared = cfg.moe_inter_dim * (cfg.n_shared_experts if v3 else 1)
+    if cfg.n_shared_experts:
+        _divisible("moe_inter_dim (shared experts)", shared, tp, "tensor_parallel_size")
+    fp8 = cfg.dtype == "fp8"
+    if v3:
+        if cfg.n_dense_layers:
+            _divisible("inter_dim", cfg.inter_dim, tp, "tensor_parallel_size")
+        if fp8 and tp > 1:
+            h = cfg.n_heads // tp
+            _block("q_b_proj (n_heads * qk_head_dim)", h * cfg.qk_head_dim, 128, tp, "FP8")
+            _block("kv_b_proj (n_heads * (qk_nope_head_dim + v_head_dim))", h * (cfg.qk_nope_head_dim + cfg.v_head_dim),
+                   128, tp, "FP8")
+            _block("o_proj (n_heads * v_head_dim)", h * cfg.v_head_dim, 128, tp, "FP8")
+            if cfg.n_dense_layers:
+                _block("inter_dim", cfg.inter_dim // tp, 128, tp, "FP8")
+            if cfg.n_shared_experts:
+                _block("moe_inter_dim (shared experts)", shared // tp, 128, tp, "FP8")
+            if ep == 1:
+                _block("moe_inter_dim (routed experts)", cfg.moe_inter_dim // tp, 128, tp, "FP8")
+    else:
+        _divisible("o_groups", cfg.o_groups, tp, "tensor_parallel_size")
+        if fp8 and tp > 1:
+            _block("wq_b (n_heads * head_dim)", cfg.n_heads // tp * cfg.head_dim, 128, tp, "FP8")
+            _block("wo_a / wo_b (o_groups * o_lora_rank)", cfg.o_groups // tp * cfg.o_lora_rank, 128, tp, "FP8")
+            if cfg.n_shared_experts:
+                _block("moe_inter_dim (shared experts)", shared // tp, 128, tp, "FP8")
+        ef = cfg.expert_dtype or cfg.dtype
+        if ep == 1 and tp > 1 and ef in ("fp8", "fp4"):
+            _block("moe_inter_dim (routed experts)", cfg.moe_inter_dim // tp, 128 if ef == "fp8" else 32, tp,
+                   ef.upper())
+    if device_memory is not None:
+        need = rank_weight_bytes(cfg, tp, enable_expert_parallel)
+        usable = int(device_memory * DEFAULT_MEMORY_UTILIZATION)
+        if need > usable:
+            raise ConfigError(f"device memory: each of the {tp} ranks needs {need / GiB:.2f} GiB of weights, more than "
+                              f"{DEFAULT_MEMORY_UTILIZATION:.0%} of the {device_memory / GiB:.2f} GiB of one device; "
+                              f"use a larger --tensor-parallel-size (with --enable-expert-parallel) or a quantised "
+                              f"checkpoint")
+
+
+def _inventory(cfg):
+    if isinstance(cfg, DeepseekV3Config):
+        from .sizing_v3 import tensor_inventory_v3
+
+        return [t for t in tensor_inventory_v3(cfg) if not t.copy], True
+    from .sizing import tensor_inventory
+
+    return tensor_inventory(cfg), False
+
+
+def rank_weight_bytes(cfg, tensor_parallel_size: int, enable_expert_parallel: bool = False) -> int:
+    """Checkpoint-format weight bytes one rank holds (every rank holds the same amount; scales included)."""
+    tp, ep = tensor_parallel_size, ep_size(tensor_parallel_size, enable_expert_parallel)
+    inv, v3 = _inventory(cfg)
+    total = 0
+    for t in inv:
+        rule, _ = split_rule(t.name, v3)
+        if rule == "replicate":
+            total += t.nbytes
+        elif rule == "split":
+            total += t.nbytes // tp
+        elif ep > 1:  # whole experts per rank
+            total += t.nbytes // ep
+        else:  # every expert split on N (w1, w3) or K (w2)
+            total += t.nbytes // tp
+    return total
+
+
+def kv_bytes_per_token_rank(cfg, dtype_bytes: int = 2) -> float:
+    """KV bytes one more token of context adds on EACH rank: the KV is replicated (single MQA head in V4, MLA
+    latent in V3), so this is the single-device figure of our pools."""
+    if isinstance(cfg, DeepseekV3Config):
+        from .sizing_v3 import kv_bytes_per_token_v3
+
+        return float(kv_bytes_per_token_v3(cfg, dtype_bytes)["latent_total"])
+    from .sizing import kv_bytes_per_token
+
+    return float(kv_bytes_per_token(cfg, "pool", dtype_bytes)["total"])
+
+
+def parse_bytes(text: str) -> int:
+    """'64GiB' / '64G' / '65536MiB' / '68719476736' -> bytes (binary units)."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?)(?:i?B)?\s*", str(text), re.IGNORECASE)
+    if not m:
+        raise ConfigError(f"--device-memory {text!r}: expected a size such as 64GiB, 32G or 65536MiB")
+    mult = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[m.group(2).upper()]
+    return int(float(m.group(1)) * mult)
+
+
+def format_layout_info(cfg, tensor_parallel_size: int, enable_expert_parallel: bool = False,
+                       device_memory: int | None = None, dtype_bytes: int = 2) -> str:
+    tp = tensor_parallel_size
+    ep = ep_size(tp, enable_expert_parallel)
+    validate_layout(cfg, tp, enable_expert_parallel)
+    w = rank_weight_bytes(cfg, tp, enable_expert_parallel)
+    kv = kv_bytes_per_token_rank(cfg, dtype_bytes)
+    lines = [f"parallel layout: tensor_parallel_size={tp}, expert parallel {'on' if ep > 1 else 'off'} "
+             f"(ep={ep}): {tp} rank(s)",
+             f"  weights per rank (checkpoint format): {w / GiB:,.2f} GiB ({w:,} B)",
+             f"  KV bytes per token per rank (replicated KV, {dtype_bytes}-byte pools): {kv:,.2f} B"]
+    if device_memory is not None:
+        free = int(device_memory * DEFAULT_MEMORY_UTILIZATION) - w
+        lines.append(f"  device memory {device_memory / GiB:,.2f} GiB x {DEFAULT_MEMORY_UTILIZATION:.0%} - weights = "
+                     f"{free / GiB:,.2f} GiB for KV (activations and workspace not counted)")
+        if free <= 0:
+            lines.append("  tokens of KV that fit per rank: 0 (the weights alone do not fit)")
+        else:
+            lines.append(f"  tokens of KV that fit per rank: {math.floor(free / kv):,}" if kv else
+                         "  tokens of KV that fit per rank: unlimited (no per-token KV)")
+    return "\n".join(lines)
