@@ -17,27 +17,79 @@ from torch import nn
 
 import atb_ops
 from quant.errors import QuantFormatError
-from quant.msmodelslim.npu_params import decode_deq_scale, prepare_npu_linear, weight_to_npu_layout
+from quant.msmodelslim.npu_params import MAX_MATMUL_DIM, decode_deq_scale, prepare_npu_linear, weight_to_npu_layout
 
 log = logging.getLogger("ascend_dsv4")
 
 
-class NpuQuantLinear(nn.Module):
-    """``forward(x [M, K]) -> [M, N]`` through :func:`atb_ops.quant_linear` (mode, NPU-layout tensors)."""
+class _Part(nn.Module):
+    """One column block of an :class:`NpuQuantLinear` (all N when N <= the NPU matmul limit)."""
 
-    def __init__(self, name: str, mode: str, weight: torch.Tensor, scale: torch.Tensor, bias=None, offset=None,
-                 input_scale=None, input_offset=None, group_size: int = 0):
+    def __init__(self, **tensors):
         super().__init__()
-        self.name, self.mode, self.group_size = name, mode, int(group_size)
-        self.in_features = weight.shape[0]
-        self.out_features = weight.shape[1] * (8 if weight.dtype == torch.int32 else 1)  # int4: 8 per int32
-        for k, v in (("weight", weight), ("scale", scale), ("bias", bias), ("offset", offset),
-                     ("input_scale", input_scale), ("input_offset", input_offset)):
+        for k, v in tensors.items():
             self.register_buffer(k, v, persistent=False)
 
+
+class NpuQuantLinear(nn.Module):
+    """``forward(x [M, K]) -> [M, N]`` through :func:`atb_ops.quant_linear` (mode, NPU-layout tensors).
+
+    ``npu_quant_matmul`` / ``npu_weight_quant_batchmatmul`` take N <= 65535 (torch_npu_ops.md §5.11; e.g. the
+    DeepSeek-V4-Pro ``wq_b`` has N = 128 x 512 = 65536): a wider linear is stored as column blocks (weight and
+    per-channel tensors sliced along N at load, in multiples of 8 for int4-in-int32 weights) whose outputs are
+    concatenated.
+    """
+
+    def __init__(self, name: str, mode: str, weight: torch.Tensor, scale: torch.Tensor, bias=None, offset=None,
+                 input_scale=None, input_offset=None, group_size: int = 0, max_n: Optional[int] = None):
+        super().__init__()
+        self.name, self.mode, self.group_size = name, mode, int(group_size)
+        packed = weight.dtype == torch.int32
+        self.in_features = weight.shape[0]
+        self.out_features = n = weight.shape[1] * (8 if packed else 1)  # int4: 8 per int32
+        limit = MAX_MATMUL_DIM if max_n is None else max_n
+        chunks = -(-n // limit)
+        size = -(-n // chunks)
+        if packed:
+            size = -(-size // 8) * 8
+        self.register_buffer("input_scale", input_scale, persistent=False)
+        self.register_buffer("input_offset", input_offset, persistent=False)
+        parts = []
+        for a in range(0, n, size):
+            b = min(n, a + size)
+
+            def cols(t, a=a, b=b):
+                return None if t is None else t[..., a:b].contiguous()
+
+            w = weight[:, a // 8:b // 8].contiguous() if packed else cols(weight)
+            parts.append(_Part(weight=w, scale=cols(scale), bias=cols(bias), offset=cols(offset)))
+        self.parts = nn.ModuleList(parts)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return atb_ops.quant_linear(x, self.weight, self.mode, self.scale, self.bias, self.offset, self.input_scale,
-                                    self.input_offset, self.group_size)
+        outs = [atb_ops.quant_linear(x, p.weight, self.mode, p.scale, p.bias, p.offset, self.input_scale,
+                                     self.input_offset, self.group_size) for p in self.parts]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        w = [p.weight for p in self.parts]
+        return w[0] if len(w) == 1 else torch.cat(w, dim=-1)
+
+    def _cat(self, attr: str) -> Optional[torch.Tensor]:
+        ts = [getattr(p, attr) for p in self.parts]
+        return None if ts[0] is None else (ts[0] if len(ts) == 1 else torch.cat(ts, dim=-1))
+
+    @property
+    def scale(self) -> torch.Tensor:
+        return self._cat("scale")
+
+    @property
+    def bias(self) -> Optional[torch.Tensor]:
+        return self._cat("bias")
+
+    @property
+    def offset(self) -> Optional[torch.Tensor]:
+        return self._cat("offset")
 
     def dequant_weight(self) -> torch.Tensor:
         """float32 ``[N, K]`` (for consumers that need the matrix, e.g. MLA absorption)."""
@@ -63,7 +115,8 @@ class NpuQuantLinear(nn.Module):
         return f"{self.name}: npu {self.mode}, in={self.in_features}, out={self.out_features}"
 
 
-def to_npu_linear(ql: nn.Module, dtype: Optional[torch.dtype] = None) -> Optional[NpuQuantLinear]:
+def to_npu_linear(ql: nn.Module, dtype: Optional[torch.dtype] = None,
+                  max_n: Optional[int] = None) -> Optional[NpuQuantLinear]:
     """The NPU form of a QuantLinear, or None (logged) when it has none.
 
     ``dtype``: the activation dtype it will run in. ``npu_quant_matmul`` takes a float32/bfloat16 ``scale`` for
@@ -78,7 +131,7 @@ def to_npu_linear(ql: nn.Module, dtype: Optional[torch.dtype] = None) -> Optiona
             # int4 values widened to int8: npu_quant_matmul int8 x int8 computes the same integers (the int4
             # grouped-matmul form needs scale_bias, whose kernel semantics are not documented for emulation)
             return NpuQuantLinear(name, "dynamic", weight_to_npu_layout(ql.w_q), ql.weight_scale[:, 0].contiguous(),
-                                  bias=ql.bias)
+                                  bias=ql.bias, max_n=max_n)
         if variant in ("float",):
             return None
         deq_enc = "float32" if dtype == torch.bfloat16 and variant in ("static", "mix") else None
@@ -88,12 +141,12 @@ def to_npu_linear(ql: nn.Module, dtype: Optional[torch.dtype] = None) -> Optiona
         return None
     if p["op"] == "npu_weight_quant_batchmatmul":
         return NpuQuantLinear(name, "weight_only", p["weight"], p["antiquant_scale"], p["bias"],
-                              p["antiquant_offset"], group_size=p["antiquant_group_size"])
+                              p["antiquant_offset"], group_size=p["antiquant_group_size"], max_n=max_n)
     if p["op"] == "npu_quant_matmul" and "deq_scale" in p:
         return NpuQuantLinear(name, "static", p["weight"], p["deq_scale"], p["bias"], None, p["input_scale"],
-                              p["input_offset"])
+                              p["input_offset"], max_n=max_n)
     if p["op"] == "npu_quant_matmul":
-        return NpuQuantLinear(name, "dynamic", p["weight"], p["scale"], p["bias"])
+        return NpuQuantLinear(name, "dynamic", p["weight"], p["scale"], p["bias"], max_n=max_n)
     log.warning("msModelSlim %s: no NPU form for op %s; keeping the QuantLinear", name, p["op"])
     return None
 

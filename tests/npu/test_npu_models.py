@@ -189,3 +189,39 @@ def test_generate_ragged_batch_matches_reference(model):
     got = [o.token_ids for o in LLM(model=model, backend="npu", device="cpu", max_num_batched_tokens=16,
                                         progress=False).generate(prompts, sp)]
     assert got == want
+
+
+@pytest.mark.parametrize("case", ["w8a8_static_fp32_v0", "w8a8_dynamic_v1", "w8a16_pergroup_v1"])
+def test_npu_linear_wider_than_the_matmul_limit_is_split(case):
+    """N > 65535 (e.g. V4-Pro wq_b): column blocks, outputs concatenated; same result as one block."""
+    import quant.msmodelslim as msm
+    from ascend_dsv4.weights.msm_npu import to_npu_linear
+
+    with msm.load(os.path.join(FIX, case)) as ck:
+        name = next(k[: -len(".weight")] for k, t in ck.types.items() if k.endswith("mlp.up_proj.weight"))
+        ql = ck.linear(name, path="int")
+    whole, split = to_npu_linear(ql), to_npu_linear(ql, max_n=24)
+    assert len(whole.parts) == 1 and len(split.parts) > 1
+    x = torch.randn(5, ql.in_features, generator=torch.Generator().manual_seed(0))
+    import atb_ops
+
+    with atb_ops.use_backend("npu"):
+        assert torch.equal(split(x), whole(x))
+    assert torch.equal(split.dequant_weight(), whole.dequant_weight())
+
+
+def test_npu_linear_split_keeps_int4_packing():
+    import atb_ops
+    from ascend_dsv4.weights.msm_npu import NpuQuantLinear
+    from quant.msmodelslim.packing import pack_int4_to_int32
+
+    gen = torch.Generator().manual_seed(0)
+    k, n = 64, 48
+    w = pack_int4_to_int32(torch.randint(-8, 8, (k, n), generator=gen, dtype=torch.int8))
+    sc, off = torch.rand(2, n, generator=gen), torch.randint(-2, 2, (2, n), generator=gen).float()
+    whole = NpuQuantLinear("w", "weight_only", w, sc, None, off, group_size=32)
+    split = NpuQuantLinear("w", "weight_only", w, sc, None, off, group_size=32, max_n=20)
+    assert [p.weight.shape[1] * 8 for p in split.parts] == [16, 16, 16]  # ceil(48 / 20) = 3 blocks, 8-aligned
+    x = torch.randn(3, k, generator=gen)
+    with atb_ops.use_backend("npu"):
+        assert torch.allclose(split(x), whole(x), atol=1e-5)
