@@ -84,6 +84,7 @@ def test_dynamic_quant_per_token():
     assert float(s[2]) == 0 and int(y[2].abs().max()) == 0
 
 
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning")
 def test_quantize_div_mode_equals_quantize_per_channel():
     x = rnd(6, 5) * 3
     sc = torch.rand(5, generator=g) + 0.05
