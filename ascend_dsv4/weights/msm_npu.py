@@ -32,6 +32,8 @@ class _Part(nn.Module):
 
 
 class NpuQuantLinear(nn.Module):
+    takes_model_dtype = True  # QuantLinearAdapter hands it x in the model dtype (the NPU ops quantise that)
+
     """``forward(x [M, K]) -> [M, N]`` through :func:`atb_ops.quant_linear` (mode, NPU-layout tensors).
 
     ``npu_quant_matmul`` / ``npu_weight_quant_batchmatmul`` take N <= 65535 (torch_npu_ops.md §5.11; e.g. the

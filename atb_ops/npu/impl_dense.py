@@ -114,3 +114,19 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
         h = (h * n ** -0.5).to(x.device)
         _HAD[key] = h
     return torch.matmul(x.float(), h).to(x.dtype)
+
+
+@candidate("dequantize_weight", "composed", "quant FP8-block / FP4 decoders on the device")
+def dequantize_weight(w: torch.Tensor, w_scale: torch.Tensor | None = None, fmt: str = "dense") -> torch.Tensor:
+    """float32 ``[N, K]`` of a stored weight, decoded on the device (the load-time conversion: Atlas A2/A3 have
+    no FP8/FP4 matmul)."""
+    from quant.fp4 import dequant_fp4
+    from quant.fp8_block import dequant_fp8_block
+
+    if fmt == "dense":
+        return w.float()
+    if fmt == "fp8_block":
+        return dequant_fp8_block(w, w_scale, dtype=torch.float32)
+    if fmt == "fp4":
+        return dequant_fp4(w, w_scale, dtype=torch.float32)
+    raise ValueError(f"unknown weight format {fmt!r}")

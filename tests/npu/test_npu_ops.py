@@ -336,3 +336,14 @@ def test_indexer_topk_reads_non_contiguous_pages_in_place(emu, scattered):
         emu.npu_lightning_indexer = real
     assert torch.equal(got, ref("indexer_topk")(q, w, kc, cand, 8))
     assert seen == (["PA_BSND"] if scattered else ["BSND"])
+
+
+def test_dequantize_weight():
+    from quant.fp4 import quant_fp4
+    from quant.fp8_block import quant_fp8_block
+
+    w = rnd(256, 256)
+    wq, s = quant_fp8_block(w)
+    assert torch.equal(npu("dequantize_weight", wq, s, "fp8_block"), ref("dequantize_weight")(wq, s, "fp8_block"))
+    wq4, s4 = quant_fp4(w)
+    assert torch.equal(npu("dequantize_weight", wq4, s4, "fp4"), ref("dequantize_weight")(wq4, s4, "fp4"))
