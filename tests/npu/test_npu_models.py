@@ -73,12 +73,12 @@ def test_toy_v4_with_the_custom_op_packages_loaded(emu):
 
 
 def test_official_fp8_fp4_checkpoint_dequantised_at_load(tmp_path):
-    from ascend_dsv4.config import preset
-    from ascend_dsv4.weights.random_checkpoint import reduced_config, write_checkpoint
+    from ascend_dsv4.models.registry import preset
+    from ascend_dsv4.weights.random_checkpoint import write_checkpoint
     from parallel.linear import Linear
 
-    cfg = reduced_config(preset("toy-v4"), 2)
-    write_checkpoint(cfg, str(tmp_path), "official", 0, 1 << 30)
+    cfg = preset("toy-v4").replace(vocab_size=512, n_routed_experts=8)
+    write_checkpoint(cfg, str(tmp_path), "official", seed=0, shard_bytes=1 << 30, progress=False)
     ref, got, llm = _pair(str(tmp_path))
     assert _rel_max(got, ref) <= 1e-4
     fmts = {m.fmt for m in llm.model.modules() if isinstance(m, Linear)} | \
