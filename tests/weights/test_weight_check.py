@@ -199,3 +199,20 @@ def test_bos_token_id_out_of_range_names_bos():
         from_official_dict(_official(bos_token_id=5000))
     with pytest.raises(ConfigError, match="'eos_token_id'"):
         from_official_dict(_official(eos_token_id=-1))
+
+
+def test_msmodelslim_float_tensor_nan_is_a_checkpoint_error(tmp_path):
+    src = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "msmodelslim", "dsv3_w8a8_dynamic_v0")
+    d = tmp_path / "msm"
+    shutil.copytree(src, d)
+    p = d / "quant_model_weight_w8a8_dynamic.safetensors"
+    t = load_file(str(p))
+    name = "model.layers.0.post_attention_layernorm.weight"
+    x = t[name].clone()
+    x[3] = math.inf
+    t[name] = x
+    save_file(t, str(p))
+    with pytest.raises(CheckpointError) as e:
+        LLM(model=str(d), device="cpu", progress=False)
+    assert f"quant_model_weight_w8a8_dynamic.safetensors: {name}: 1 non-finite" in str(e.value)
+    LLM(model=str(d), device="cpu", progress=False, skip_weight_check=True)
