@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ascend_dsv4 import LLM
-from ascend_dsv4.config import from_hf_dict, from_official_dict, preset
-from ascend_dsv4.config_v3 import preset_v3
+from ascend_dsv4.models import preset
+from ascend_dsv4.models.deepseek_v4.config import from_hf_dict, from_official_dict
 from ascend_dsv4.entrypoints.cli import main
 from ascend_dsv4.errors import CheckpointError, ConfigError
 from ascend_dsv4.weights import weight_check
@@ -170,9 +170,9 @@ def test_beta_fast_below_beta_slow():
     with pytest.raises(ConfigError, match="'beta_fast'.*beta_slow"):
         from_official_dict(_official(beta_fast=1.0, beta_slow=32.0))
     with pytest.raises(ConfigError, match="'beta_fast'"):
-        preset_v3("toy-v3").replace(beta_fast=0.5, beta_slow=1.0)
+        preset("toy-v3").replace(beta_fast=0.5, beta_slow=1.0)
     with pytest.raises(ConfigError, match="'rope_theta'"):
-        preset_v3("toy-v3").replace(rope_theta=1.0)
+        preset("toy-v3").replace(rope_theta=1.0)
 
 
 @pytest.mark.parametrize("field", ["dim", "n_layers", "vocab_size", "n_heads", "moe_inter_dim"])
@@ -185,10 +185,7 @@ def test_missing_required_official_field_is_named(field):
 
 @pytest.mark.parametrize("field", ["hidden_size", "num_hidden_layers", "num_attention_heads"])
 def test_missing_required_hf_field_is_named(field):
-    cfg = preset("toy-v4")
-    from ascend_dsv4.weights.random_checkpoint import hf_config_dict as hf_config
-
-    d = hf_config(cfg)
+    d = preset("toy-v4").to_hf_dict()
     d.pop(field)
     with pytest.raises(ConfigError, match=f"'{field}' missing"):
         from_hf_dict(d)
