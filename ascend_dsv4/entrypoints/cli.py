@@ -1,4 +1,5 @@
-"""Command line: ``ascend-dsv4 generate``, ``info``, ``make-random-checkpoint``, ``serve`` and ``bench serve``.
+"""Command line: ``ascend-dsv4 generate``, ``info``, ``make-random-checkpoint``, ``serve``, ``bench serve`` and
+``check-env``.
 
 Every failure the user can cause (bad model name, malformed config, prompt too long, invalid sampling
 parameters, ...) prints one ``error: ...`` line and exits with status 2: no stack trace.
@@ -15,6 +16,14 @@ from ..errors import AscendDSV4Error
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="toy-v4", help="preset name (toy-v4, deepseek-v4-flash, ...) or model folder")
+
+
+def _add_parallel_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="ranks (devices) the model is split over")
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="partition the routed experts over the ranks instead of splitting every expert")
+    p.add_argument("--distributed-executor-backend", default=None, choices=("mp",),
+                   help="how ranks run: mp = one worker process per rank on this node (default with -tp > 1)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -41,6 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     _add_model_args(i)
     i.add_argument("--context-len", type=int, default=None, help="context length for the memory estimate")
     i.add_argument("--batch", type=int, default=1, help="number of sequences for the memory estimate")
+    _add_parallel_args(i)
+    i.add_argument("--device-memory", default=None, help="memory of one device (e.g. 64GiB): prints the tokens of "
+                   "KV that fit per rank and checks the per-rank weights against it")
     m = sub.add_parser("make-random-checkpoint",
                        help="write a random-weight checkpoint in the real format (FP8 blocks, FP4 experts, shards)")
     m.add_argument("--preset", default="toy-v4", help="toy-v4 | deepseek-v4-flash | deepseek-v4-pro | toy-v3 | deepseek-v3")
@@ -86,6 +98,11 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--numerics", default="exact", help="exact | reference (official FP8/FP4 activation rounding)")
     s.add_argument("--weights-seed", type=int, default=0, help="seed of the random weights of a preset")
     s.add_argument("--uvicorn-log-level", default="info", help="critical | error | warning | info | debug")
+
+    from .check_env import add_arguments as _add_check_env_args
+
+    _add_check_env_args(sub.add_parser("check-env", help="is this node / Ray cluster ready to serve? one table of "
+                                                         "checks with a verdict and a fix each (exit 1 on FAIL)"))
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench_command", required=True)
@@ -176,6 +193,11 @@ def _info(a: argparse.Namespace) -> int:
     if ctx < 1 or a.batch < 1:
         raise AscendDSV4Error("--context-len and --batch must be positive")
     print(family_of(cfg).format_info(cfg, ctx, a.batch))
+    if a.tensor_parallel_size != 1 or a.enable_expert_parallel or a.device_memory is not None:
+        from ..models.parallel_plan import format_layout_info, parse_bytes
+
+        mem = parse_bytes(a.device_memory) if a.device_memory is not None else None
+        print(format_layout_info(cfg, a.tensor_parallel_size, a.enable_expert_parallel, mem))
     import os
 
     if os.path.isdir(a.model):
@@ -185,12 +207,19 @@ def _info(a: argparse.Namespace) -> int:
     return 0
 
 
+def _check_env(a: argparse.Namespace) -> int:
+    from . import check_env
+
+    return check_env.main(a)
+
+
 def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return {"generate": _generate, "info": _info, "make-random-checkpoint": _make_random_checkpoint,
-                "serve": _serve, "bench": _bench, "quantize": _quantize}[a.command](a)
+                "serve": _serve, "bench": _bench, "quantize": _quantize,
+                "check-env": _check_env}[a.command](a)
     except AscendDSV4Error as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,4 +1,5 @@
-"""Sparse attention over gathered K=V rows with a per-head sink (spec §2.3 "Combined attention")."""
+"""Sparse attention over gathered K=V rows with a per-head sink (ascend_dsv4/models/deepseek_v4/README.md §2.3
+"Combined attention")."""
 
 from __future__ import annotations
 

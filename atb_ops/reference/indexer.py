@@ -1,4 +1,4 @@
-"""Lightning-indexer scores and causal top-k (spec §2.3 "CSA Indexer")."""
+"""Lightning-indexer scores and causal top-k (ascend_dsv4/models/deepseek_v4/README.md §2.3 "CSA Indexer")."""
 
 from __future__ import annotations
 

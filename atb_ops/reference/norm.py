@@ -1,4 +1,4 @@
-"""RMSNorm (spec §2.0)."""
+"""RMSNorm (ascend_dsv4/models/deepseek_v4/README.md §2.0)."""
 
 from __future__ import annotations
 

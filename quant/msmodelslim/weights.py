@@ -1,6 +1,6 @@
 """Find and lazily read the safetensors files of an msModelSlim output folder.
 
-What msModelSlim writes (msmodelslim_notes.md §3; ``modelslim_v1/save/utils/safetensors.py``):
+What msModelSlim writes (README.md §3; ``modelslim_v1/save/utils/safetensors.py``):
 
 * v0 ``safe_tensor`` / ``ascendV1``: one ``quant_model_weight_<type>.safetensors`` (or
   ``quant_model_weight.safetensors`` when ``safetensors_name=`` is passed);
@@ -45,6 +45,10 @@ def _read_index(index: str) -> dict[str, str]:
         raise QuantFormatError(str(e)) from None
     if not wm:
         raise QuantFormatError(f"{index}: malformed index file: expected a non-empty \"weight_map\" object")
+    for k, v in wm.items():  # shard names are plain file names inside the folder: nothing else is opened
+        if v in ("", ".", "..") or "/" in v or "\\" in v or "\0" in v or os.path.isabs(v) or v[1:2] == ":":
+            raise QuantFormatError(f"{index}: \"weight_map\" entry {k!r} names the shard {v!r}, which is not a "
+                                   f"plain file name inside the model folder; it was not opened")
     return wm
 
 
