@@ -37,7 +37,7 @@ sys.path.insert(0, ROOT)
 
 import atb_ops  # noqa: E402
 from ascend_dsv4.models import preset  # noqa: E402
-from ascend_dsv4.kv import PoolSizes  # noqa: E402
+from ascend_dsv4.kv.blocks import PoolSizes  # noqa: E402
 from ascend_dsv4.engine.model_runner import ModelRunner  # noqa: E402
 from ascend_dsv4.models import build_model  # noqa: E402
 from parallel.linear import Linear  # noqa: E402

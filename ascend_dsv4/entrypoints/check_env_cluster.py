@@ -40,9 +40,8 @@ def model_type_of(model: str | None) -> str | None:
 
 def weights_summary(model: str) -> tuple[bool, str]:
     """Is the folder's checkpoint readable here? ``(ok, detail)``: config parses, every shard header reads."""
-    from quant.safetensors_io import checkpoint_inventory
-
     from ..models import load_config
+    from quant.safetensors_io import checkpoint_inventory
 
     if not os.path.isdir(model):
         return False, f"{model}: no such folder"
@@ -87,9 +86,9 @@ def weight_split(cfg, model: str) -> tuple[int, int, str]:
         return experts, sum(i.nbytes for _, i in inv.values()) - experts, "checkpoint files"
     from ..models import family_of
 
-    family = family_of(cfg)
-    experts = sum(t.nbytes for t in family.tensor_inventory(cfg) if t.group == "experts")
-    return experts, family.weights_bytes(cfg) - experts, "preset inventory"
+    fam = family_of(cfg)
+    experts = sum(t.nbytes for t in fam.tensor_inventory(cfg) if t.group == "experts" and not getattr(t, "copy", False))
+    return experts, fam.weights_bytes(cfg) - experts, "preset inventory"
 
 
 def kv_bytes_per_rank(cfg, context_len: int, seqs: int) -> int:

@@ -194,7 +194,7 @@ def _info(a: argparse.Namespace) -> int:
         raise AscendDSV4Error("--context-len and --batch must be positive")
     print(family_of(cfg).format_info(cfg, ctx, a.batch))
     if a.tensor_parallel_size != 1 or a.enable_expert_parallel or a.device_memory is not None:
-        from ..models.parallel_plan import format_layout_info, parse_bytes
+        from ..parallel_plan import format_layout_info, parse_bytes
 
         mem = parse_bytes(a.device_memory) if a.device_memory is not None else None
         print(format_layout_info(cfg, a.tensor_parallel_size, a.enable_expert_parallel, mem))

@@ -38,17 +38,22 @@ class ModelFamily:
     experts_weight_after_w2: bool  # routing weight applied after w2 (V3, as msModelSlim's fake-quant model does)
     tensor_inventory: Callable[[Any], list]  # the checkpoint's tensors (models.sizing.TensorSpec)
     format_info: Callable[[Any, int, int], str]  # (cfg, context_len, batch) -> the ``info`` report
-    weights_bytes: Callable[[Any], int]  # weight bytes in the checkpoint formats (stored copies not counted)
-    memory_plan: Callable[[Any, int, int], dict]  # (cfg, context_len, batch) -> {"kv_bytes", "weights_bytes", ...}
-    needs_custom_ops: bool  # on NPU: needs custom-op packages beyond torch_npu's built-in ops (V4's sparse attn)
     checkpoint_formats: tuple[str, ...]  # random-checkpoint layouts, the first is the default
     random_checkpoint: Callable[[Any, str, int], tuple[dict, Iterator[tuple[str, torch.Tensor]]]]
     # token pages one sequence holds at most (pool sizing): V4 trims to the window, V3 keeps every position
     token_pages_per_sequence: Callable[[Any, int, int, int], int]  # (cfg, block_size, max_model_len, max_batched)
-    pool_kv_bytes_per_token: Callable[[Any, int], float]  # (cfg, dtype_bytes): bytes one token adds to our pools
-    # tensor / expert parallelism: checkpoint names split on dim 0 and on dim 1; the family's layout rules
-    tp_split: tuple[re.Pattern, re.Pattern]
-    check_parallel_layout: Callable[[Any, int, int], None]  # (cfg, tp, ep); raises ConfigError
+    # sizing: checkpoint-format weight bytes; KV bytes one more token adds to our pools at a dtype size;
+    # memory_plan(cfg, context_len, batch) -> dict with at least "weights_bytes" and "kv_bytes"
+    weights_bytes: Callable[[Any], int]
+    kv_pool_bytes_per_token: Callable[[Any, int], float]
+    memory_plan: Callable[[Any, int, int], dict]
+    needs_custom_ops: bool  # on NPU: needs custom-op packages beyond torch_npu's built-in ops (V4's sparse attention)
+    # tensor parallel (ascend_dsv4.parallel_plan): checkpoint names split on dim 0 / dim 1 (others replicated,
+    # routed experts by the expert rule), the family's own layout rules (cfg, tp, ep), the shared experts' width
+    tp_split_dim0: re.Pattern
+    tp_split_dim1: re.Pattern
+    validate_tp: Callable[[Any, int, int], None]
+    shared_expert_inter: Callable[[Any], int]
 
     def model_class(self) -> type:
         return getattr(importlib.import_module(self.model_module), self.model_class_name)

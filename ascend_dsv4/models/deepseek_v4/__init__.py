@@ -4,7 +4,7 @@ names, sizing, pool layout. The model math is written down in ``README.md`` besi
 from __future__ import annotations
 
 from ..family import ModelFamily
-from . import config, names, parallel, pools, random_weights, sizing
+from . import config, names, pools, random_weights, sizing, tp_rules
 
 FAMILY = ModelFamily(
     model_type="deepseek_v4",
@@ -26,13 +26,15 @@ FAMILY = ModelFamily(
     experts_weight_after_w2=False,
     tensor_inventory=sizing.tensor_inventory,
     format_info=sizing.format_info,
-    weights_bytes=sizing.weights_bytes,
-    memory_plan=sizing.memory_plan,
-    needs_custom_ops=True,
     checkpoint_formats=random_weights.FORMATS,
     random_checkpoint=random_weights.random_checkpoint,
     token_pages_per_sequence=pools.token_pages_per_sequence,
-    pool_kv_bytes_per_token=lambda cfg, dtype_bytes: sizing.kv_bytes_per_token(cfg, "pool", dtype_bytes)["total"],
-    tp_split=(parallel.SPLIT_DIM0, parallel.SPLIT_DIM1),
-    check_parallel_layout=parallel.check_parallel_layout,
+    weights_bytes=sizing.weights_bytes,
+    kv_pool_bytes_per_token=lambda cfg, b: float(sizing.kv_bytes_per_token(cfg, "pool", b)["total"]),
+    memory_plan=sizing.memory_plan,
+    needs_custom_ops=True,
+    tp_split_dim0=tp_rules.SPLIT_DIM0,
+    tp_split_dim1=tp_rules.SPLIT_DIM1,
+    validate_tp=tp_rules.validate,
+    shared_expert_inter=tp_rules.shared_expert_inter,
 )

@@ -34,9 +34,9 @@ from __future__ import annotations
 import math
 import re
 
-from ..errors import ConfigError
-from .layout_rules import check_divisible
-from .registry import family_of
+from .errors import ConfigError
+from .models import family_of
+from .models.layout_checks import divisible as _divisible
 
 _EXPERT = re.compile(r"\.experts\.(\{e\}|\d+)\.")
 
@@ -48,12 +48,13 @@ def ep_size(tp: int, enable_expert_parallel: bool) -> int:
     return tp if enable_expert_parallel else 1
 
 
-def split_rule(name: str, family) -> tuple[str, int]:
-    """('expert', -1) | ('split', dim) | ('replicate', -1) for a checkpoint tensor name of ``family`` (scales follow
-    weights); the family's ``tp_split`` regexes name the tensors split on dim 0 and on dim 1."""
+def split_rule(name: str, cfg) -> tuple[str, int]:
+    """('expert', -1) | ('split', dim) | ('replicate', -1) for a checkpoint tensor name of ``cfg``'s family
+    (scales follow weights)."""
     if _EXPERT.search(name):
         return "expert", -1
-    d0, d1 = family.tp_split
+    fam = family_of(cfg)
+    d0, d1 = fam.tp_split_dim0, fam.tp_split_dim1
     if d1.search(name):
         return "split", 1
     if d0.search(name):
@@ -73,12 +74,15 @@ def validate_layout(cfg, tensor_parallel_size: int, enable_expert_parallel: bool
     if visible_devices is not None and tp > visible_devices:
         raise ConfigError(f"tensor_parallel_size = {tp} needs {tp} {device or 'devices'} on this node, but "
                           f"{visible_devices} are visible (check ASCEND_RT_VISIBLE_DEVICES / CUDA_VISIBLE_DEVICES)")
-    check_divisible("n_heads", cfg.n_heads, tp, "tensor_parallel_size")
-    check_divisible("vocab_size", cfg.vocab_size, tp, "tensor_parallel_size")
-    check_divisible("n_routed_experts", cfg.n_routed_experts, ep, "the expert-parallel size (= tensor_parallel_size)")
+    fam = family_of(cfg)
+    _divisible("n_heads", cfg.n_heads, tp, "tensor_parallel_size")
+    _divisible("vocab_size", cfg.vocab_size, tp, "tensor_parallel_size")
+    _divisible("n_routed_experts", cfg.n_routed_experts, ep, "the expert-parallel size (= tensor_parallel_size)")
     if ep == 1:
-        check_divisible("moe_inter_dim", cfg.moe_inter_dim, tp, "tensor_parallel_size (experts split inside)")
-    family_of(cfg).check_parallel_layout(cfg, tp, ep)
+        _divisible("moe_inter_dim", cfg.moe_inter_dim, tp, "tensor_parallel_size (experts split inside)")
+    if cfg.n_shared_experts:
+        _divisible("moe_inter_dim (shared experts)", fam.shared_expert_inter(cfg), tp, "tensor_parallel_size")
+    fam.validate_tp(cfg, tp, ep)
     if device_memory is not None:
         need = rank_weight_bytes(cfg, tp, enable_expert_parallel)
         usable = int(device_memory * DEFAULT_MEMORY_UTILIZATION)
@@ -92,12 +96,11 @@ def validate_layout(cfg, tensor_parallel_size: int, enable_expert_parallel: bool
 def rank_weight_bytes(cfg, tensor_parallel_size: int, enable_expert_parallel: bool = False) -> int:
     """Checkpoint-format weight bytes one rank holds (every rank holds the same amount; scales included)."""
     tp, ep = tensor_parallel_size, ep_size(tensor_parallel_size, enable_expert_parallel)
-    family = family_of(cfg)
     total = 0
-    for t in family.tensor_inventory(cfg):
-        if getattr(t, "copy", False):  # a stored copy (V3's MTP embed / head): not held twice
+    for t in family_of(cfg).tensor_inventory(cfg):
+        if getattr(t, "copy", False):  # a stored duplicate (V3's MTP copies of embed / head) is not loaded twice
             continue
-        rule, _ = split_rule(t.name, family)
+        rule, _ = split_rule(t.name, cfg)
         if rule == "replicate":
             total += t.nbytes
         elif rule == "split":
@@ -112,7 +115,7 @@ def rank_weight_bytes(cfg, tensor_parallel_size: int, enable_expert_parallel: bo
 def kv_bytes_per_token_rank(cfg, dtype_bytes: int = 2) -> float:
     """KV bytes one more token of context adds on EACH rank: the KV is replicated (single MQA head in V4, MLA
     latent in V3), so this is the single-device figure of our pools."""
-    return float(family_of(cfg).pool_kv_bytes_per_token(cfg, dtype_bytes))
+    return family_of(cfg).kv_pool_bytes_per_token(cfg, dtype_bytes)
 
 
 def parse_bytes(text: str) -> int:
