@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .._dispatch import register
+from .._registry import register
 
 
 def _scores(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, scale: float):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .._dispatch import register
+from .._registry import register
 
 
 @register("compressor_pool", "reference")

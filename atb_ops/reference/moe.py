@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .._dispatch import register
+from .._registry import register
 
 
 @register("moe_gate", "reference")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .._dispatch import register
+from .._registry import register
 
 FP8_MAX = 448.0
 FP4_MAX = 6.0

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from .._dispatch import register
+from .._registry import register
 
 
 def rope_inv_freq(

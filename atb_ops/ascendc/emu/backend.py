@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..._dispatch import register
+from ..._registry import register
 from .runner import run_compressor, run_mla
 
 _NATIVE = (torch.float32, torch.bfloat16)
