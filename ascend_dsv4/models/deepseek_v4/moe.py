@@ -1,4 +1,4 @@
-"""DeepSeek-V4 MoE: sqrt-softplus gate (biased top-k or hash routing), clamped SwiGLU experts (spec §2.4)."""
+"""DeepSeek-V4 MoE: sqrt-softplus gate (biased top-k or hash routing), clamped SwiGLU experts (README.md §2.4)."""
 
 from __future__ import annotations
 
