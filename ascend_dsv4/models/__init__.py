@@ -18,5 +18,6 @@ def model_class(cfg):
     raise ValueError(f"no model for model_type {cfg.model_type!r}")
 
 
-def build_model(cfg, dtype: torch.dtype, numerics: str = "exact") -> torch.nn.Module:
-    return model_class(cfg)(cfg, dtype, numerics)
+def build_model(cfg, dtype: torch.dtype, numerics: str = "exact", parallel=None) -> torch.nn.Module:
+    """The model (``parallel``: a :class:`parallel.groups.ParallelState` for one rank's share; None = whole)."""
+    return model_class(cfg)(cfg, dtype, numerics, parallel) if parallel is not None else model_class(cfg)(cfg, dtype, numerics)

@@ -18,30 +18,36 @@ import torch
 from torch import nn
 
 import atb_ops
+from parallel.groups import Group
+from parallel.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from parallel.linear import Linear
 
 from .common import RMSNorm, fp32_param
-from .v4_moe import Experts
+from .v4_moe import reduce_moe, routed_experts
 
 
 class MLA(nn.Module):
-    def __init__(self, cfg, layer_id: int, dtype: torch.dtype):
+    """Under tensor parallelism (``tp``) the heads are split (``q_b_proj`` / ``q_proj``, ``kv_b_proj`` column-,
+    ``o_proj`` row-parallel); ``q_a_proj`` and ``kv_a_proj_with_mqa`` are replicated and so is the latent cache."""
+
+    def __init__(self, cfg, layer_id: int, dtype: torch.dtype, tp: Group | None = None):
         super().__init__()
+        tp = tp or Group()
         self.layer_id = layer_id
         H, C, R = cfg.n_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
-        self.H, self.C, self.R, self.Dn, self.Dv = H, C, R, cfg.qk_nope_head_dim, cfg.v_head_dim
+        self.H, self.C, self.R, self.Dn, self.Dv = H // tp.size, C, R, cfg.qk_nope_head_dim, cfg.v_head_dim
         qk = cfg.qk_nope_head_dim + R
         if cfg.q_lora_rank:
             self.q_a_proj = Linear(cfg.dim, cfg.q_lora_rank, dtype)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
-            self.q_b_proj = Linear(cfg.q_lora_rank, H * qk, dtype)
+            self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, H * qk, dtype, tp)
         else:
-            self.q_proj = Linear(cfg.dim, H * qk, dtype)
+            self.q_proj = ColumnParallelLinear(cfg.dim, H * qk, dtype, tp)
         self.kv_a_proj_with_mqa = Linear(cfg.dim, C + R, dtype)
         self.kv_a_layernorm = RMSNorm(C, cfg.norm_eps)
-        self.kv_b_proj = Linear(C, H * (self.Dn + self.Dv), dtype)
+        self.kv_b_proj = ColumnParallelLinear(C, H * (self.Dn + self.Dv), dtype, tp)
         self.kv_b_proj.keep_checkpoint_format = False  # split into W_UK / W_UV for the absorbed decode
-        self.o_proj = Linear(H * self.Dv, cfg.dim, dtype)
+        self.o_proj = RowParallelLinear(H * self.Dv, cfg.dim, dtype, tp)
         self.scale = cfg.softmax_scale
         self.rope_factor = cfg.rope_attention_factor
         self.register_buffer("inv_freq", atb_ops.rope_inv_freq(R, cfg.rope_theta, cfg.rope_factor,
@@ -81,12 +87,14 @@ class MLA(nn.Module):
 
 
 class MLP(nn.Module):
-    """SiLU-gated MLP (dense layers and the shared experts)."""
+    """SiLU-gated MLP (dense layers and the shared experts): gate / up column-, down row-parallel under ``tp``
+    (``reduce=False``: down returns the partial sum, for a caller that reduces it with others)."""
 
-    def __init__(self, dim: int, inter: int, dtype: torch.dtype):
+    def __init__(self, dim: int, inter: int, dtype: torch.dtype, tp: Group | None = None, reduce: bool = True):
         super().__init__()
-        self.gate_proj, self.up_proj = Linear(dim, inter, dtype), Linear(dim, inter, dtype)
-        self.down_proj = Linear(inter, dim, dtype)
+        self.gate_proj = ColumnParallelLinear(dim, inter, dtype, tp)
+        self.up_proj = ColumnParallelLinear(dim, inter, dtype, tp)
+        self.down_proj = RowParallelLinear(inter, dim, dtype, tp, reduce=reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(atb_ops.swiglu(self.gate_proj(x), self.up_proj(x), 0.0).to(x.dtype))
@@ -107,27 +115,32 @@ class Gate(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg, dtype: torch.dtype):
+    """Replicated router; routed experts TP (split inside) or EP (partitioned), see ``v4_moe``; shared experts
+    column / row parallel; one reduction of the partial sums."""
+
+    def __init__(self, cfg, dtype: torch.dtype, parallel=None):
         super().__init__()
+        self.tp = parallel.tp if parallel is not None else Group()
         self.gate = Gate(cfg, dtype)
-        self.experts = Experts(cfg.n_routed_experts, cfg.moe_inter_dim, cfg.dim, 0.0, dtype, False)
-        self.shared_experts = MLP(cfg.dim, cfg.moe_inter_dim * cfg.n_shared_experts, dtype) if cfg.n_shared_experts else None
+        self.experts = routed_experts(cfg, cfg.moe_inter_dim, 0.0, dtype, False, parallel)
+        self.shared_experts = (MLP(cfg.dim, cfg.moe_inter_dim * cfg.n_shared_experts, dtype, self.tp, reduce=False)
+                               if cfg.n_shared_experts else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         y = self.experts(x, weights, ids)
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(x).float()
-        return y.to(x.dtype)
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        return reduce_moe(y, shared, self.experts, self.tp).to(x.dtype)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, layer_id: int, dtype: torch.dtype):
+    def __init__(self, cfg, layer_id: int, dtype: torch.dtype, parallel=None):
         super().__init__()
+        tp = parallel.tp if parallel is not None else None
         self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.self_attn = MLA(cfg, layer_id, dtype)
-        self.mlp = MoE(cfg, dtype) if cfg.is_moe_layer(layer_id) else MLP(cfg.dim, cfg.inter_dim, dtype)
+        self.self_attn = MLA(cfg, layer_id, dtype, tp)
+        self.mlp = MoE(cfg, dtype, parallel) if cfg.is_moe_layer(layer_id) else MLP(cfg.dim, cfg.inter_dim, dtype, tp)
 
     def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
         h = x + self.self_attn(self.input_layernorm(x), ctx)
@@ -143,29 +156,33 @@ class SharedHead(nn.Module):
 class MTPLayer(DecoderLayer):
     """V3 MTP module: eh_proj([enorm(embed(t+1)) | hnorm(h_t)]) -> one decoder layer -> shared_head.norm."""
 
-    def __init__(self, cfg, layer_id: int, dtype: torch.dtype):
-        super().__init__(cfg, layer_id, dtype)
+    def __init__(self, cfg, layer_id: int, dtype: torch.dtype, parallel=None):
+        super().__init__(cfg, layer_id, dtype, parallel)
         self.enorm, self.hnorm = RMSNorm(cfg.dim, cfg.norm_eps), RMSNorm(cfg.dim, cfg.norm_eps)
         self.eh_proj = Linear(2 * cfg.dim, cfg.dim, dtype)
         self.shared_head = SharedHead(cfg)
 
     def forward(self, h, ctx, next_ids, embed):  # see DeepseekV3Model.mtp_forward
-        x = self.eh_proj(torch.cat([self.enorm(embed[next_ids]), self.hnorm(h)], dim=-1))
+        x = self.eh_proj(torch.cat([self.enorm(embed(next_ids)), self.hnorm(h)], dim=-1))
         return DecoderLayer.forward(self, x, ctx)
 
 
 class DeepseekV3Model(nn.Module):
-    def __init__(self, cfg, dtype: torch.dtype = torch.bfloat16, numerics: str = "exact"):
+    """``parallel`` (a :class:`parallel.groups.ParallelState`, None = one device): this rank's share (vocab-parallel
+    embedding and head, split heads, TP or EP experts); hidden states and logits are full on every rank."""
+
+    def __init__(self, cfg, dtype: torch.dtype = torch.bfloat16, numerics: str = "exact", parallel=None):
         super().__init__()
         if numerics != "exact":
             raise ValueError("DeepSeek-V3 supports numerics='exact' only")
         self.cfg, self.dtype, self.numerics = cfg, dtype, numerics
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim, dtype=dtype)
-        self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype) for i in range(cfg.n_layers))
+        self.parallel = parallel
+        tp = parallel.tp if parallel is not None else Group()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.dim, dtype, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, dtype, parallel) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.lm_head = Linear(cfg.dim, cfg.vocab_size, dtype)
-        self.mtp = nn.ModuleList(MTPLayer(cfg, cfg.n_layers + k, dtype) for k in range(cfg.n_mtp_layers))
+        self.lm_head = ParallelLMHead(cfg.dim, cfg.vocab_size, dtype, tp)
+        self.mtp = nn.ModuleList(MTPLayer(cfg, cfg.n_layers + k, dtype, parallel) for k in range(cfg.n_mtp_layers))
 
     def canonical_name(self, checkpoint_name: str) -> str | None:
         """Module name of a checkpoint tensor (the loader's name map for V3)."""
@@ -193,7 +210,7 @@ class DeepseekV3Model(nn.Module):
     def mtp_forward(self, hidden: torch.Tensor, next_ids: torch.Tensor, ctx, k: int = 0) -> torch.Tensor:
         """MTP module k on the main model's final-normed hidden states at positions t and token ids at t+1
         (vLLM / SGLang feed the normed hidden states); returns the MTP layer's hidden states."""
-        return self.mtp[k](self.norm(hidden), ctx, next_ids, self.embed_tokens.weight)
+        return self.mtp[k](self.norm(hidden), ctx, next_ids, self.embed_tokens)
 
     def mtp_logits(self, hidden, next_ids, ctx, k: int = 0, index=None) -> torch.Tensor:
         x = self.mtp_forward(hidden, next_ids, ctx, k)
