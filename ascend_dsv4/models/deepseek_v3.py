@@ -92,6 +92,7 @@ class MLP(nn.Module):
 
     def __init__(self, dim: int, inter: int, dtype: torch.dtype, tp: Group | None = None, reduce: bool = True):
         super().__init__()
+        tp = tp or Group()
         self.gate_proj = ColumnParallelLinear(dim, inter, dtype, tp)
         self.up_proj = ColumnParallelLinear(dim, inter, dtype, tp)
         self.down_proj = RowParallelLinear(inter, dim, dtype, tp, reduce=reduce)
@@ -136,7 +137,7 @@ class MoE(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg, layer_id: int, dtype: torch.dtype, parallel=None):
         super().__init__()
-        tp = parallel.tp if parallel is not None else None
+        tp = parallel.tp if parallel is not None else Group()  # never the default group at world size 1
         self.input_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.self_attn = MLA(cfg, layer_id, dtype, tp)
