@@ -80,10 +80,12 @@ def _block(fld: str, share: int, block: int, tp: int, fmt: str) -> None:
 
 
 def validate_layout(cfg, tensor_parallel_size: int, enable_expert_parallel: bool = False,
-                    visible_devices: int | None = None, device: str = "", device_memory: int | None = None) -> None:
+                    visible_devices: int | None = None, device: str = "", device_memory: int | None = None,
+                    quantized_checkpoint: bool = True) -> None:
     """Raise :class:`ConfigError` naming the field and the rule when the layout cannot work (before any weight is
     read). ``visible_devices``: devices of this node the ranks would use (None = not limited, e.g. CPU ranks);
-    ``device_memory``: bytes per device when known (checked against :func:`rank_weight_bytes`)."""
+    ``device_memory``: bytes per device when known (checked against :func:`rank_weight_bytes`);
+    ``quantized_checkpoint=False`` (random-weight presets) skips the FP8 / FP4 scale-block rules."""
     tp = tensor_parallel_size
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise ConfigError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
@@ -100,7 +102,7 @@ def validate_layout(cfg, tensor_parallel_size: int, enable_expert_parallel: bool
     shared = cfg.moe_inter_dim * (cfg.n_shared_experts if v3 else 1)
     if cfg.n_shared_experts:
         _divisible("moe_inter_dim (shared experts)", shared, tp, "tensor_parallel_size")
-    fp8 = cfg.dtype == "fp8"
+    fp8 = cfg.dtype == "fp8" and quantized_checkpoint
     if v3:
         if cfg.n_dense_layers:
             _divisible("inter_dim", cfg.inter_dim, tp, "tensor_parallel_size")
@@ -124,7 +126,7 @@ def validate_layout(cfg, tensor_parallel_size: int, enable_expert_parallel: bool
             if cfg.n_shared_experts:
                 _block("moe_inter_dim (shared experts)", shared // tp, 128, tp, "FP8")
         ef = cfg.expert_dtype or cfg.dtype
-        if ep == 1 and tp > 1 and ef in ("fp8", "fp4"):
+        if ep == 1 and tp > 1 and ef in ("fp8", "fp4") and quantized_checkpoint:
             _block("moe_inter_dim (routed experts)", cfg.moe_inter_dim // tp, 128 if ef == "fp8" else 32, tp,
                    ef.upper())
     if device_memory is not None:

@@ -70,6 +70,9 @@ class LLM:
         msmodelslim_path: str = "int",
         allow_float_mtp: bool = False,
         msmodelslim_act_sim: str | None = None,
+        tensor_parallel_size: int = 1,
+        enable_expert_parallel: bool = False,
+        distributed_executor_backend: str | None = None,
     ):
         if numerics not in NUMERICS:
             raise ConfigError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
@@ -95,6 +98,15 @@ class LLM:
         if max_num_batched_tokens < 1 or max_num_seqs < 1 or block_size < 1:
             raise ConfigError("max_num_batched_tokens, max_num_seqs and block_size must be positive")
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.executor = None
+        folder = model if os.path.isdir(model) else (os.path.dirname(model) if os.path.isfile(model) else None)
+        if tensor_parallel_size != 1 or enable_expert_parallel or distributed_executor_backend is not None:
+            self._start_parallel(model, folder, numerics, seed, dequantize, block_size, tensor_parallel_size,
+                                 enable_expert_parallel, distributed_executor_backend)
+            self.engine = LLMEngine(self.runner, self.tokenizer, self.max_model_len, max_num_seqs,
+                                    max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
+                                    num_speculative_tokens=num_speculative_tokens)
+            return
 
         with self._ops():
             folder = model if os.path.isdir(model) else (os.path.dirname(model) if os.path.isfile(model) else None)
@@ -122,6 +134,35 @@ class LLM:
                                 num_speculative_tokens=num_speculative_tokens)
 
     # ---- setup ---------------------------------------------------------------------------------------
+    def _start_parallel(self, model, folder, numerics, seed, dequantize, block_size, tp, ep, executor) -> None:
+        """Validate the layout (before any weight is read), then start the ``mp`` executor: rank 0 here, one
+        worker process per other rank."""
+        from parallel.groups import visible_devices
+
+        from ..engine.executor import RankSpec
+        from ..engine.executor_mp import MPExecutor
+        from ..parallel_plan import validate_layout
+
+        if executor not in (None, "mp"):
+            raise ConfigError(f"distributed_executor_backend must be 'mp' (one process per rank on this node), got "
+                              f"{executor!r}; Ray is not available yet")
+        validate_layout(self.cfg, tp, ep, visible_devices=visible_devices(self.device.type), device=self.device.type,
+                        quantized_checkpoint=folder is not None)
+        spec = RankSpec(model=folder or model, cfg=self.cfg, dtype=self.dtype, numerics=numerics,
+                        device_type=self.device.type, seed=seed, pool_sizes=self._pool_sizes(block_size),
+                        tensor_parallel_size=tp, enable_expert_parallel=ep, backend=self.backend,
+                        dequantize=dequantize, timeout_s=float(os.environ.get("ASCEND_DSV4_MP_TIMEOUT", "300")),
+                        env={k: v for k, v in os.environ.items() if k.startswith(("ASCEND_DSV4_", "ATB_OPS_", "HCCL_"))})
+        self.executor = MPExecutor(spec).start()
+        self.runner = self.executor.runner
+        self.model = self.runner.model
+        self.tokenizer = load_tokenizer(folder, self.cfg.bos_token_id, self.cfg.eos_token_id, self.cfg.vocab_size)
+
+    def shutdown(self) -> None:
+        """Stop the worker processes of a tensor-parallel LLM (no-op at world size 1; idempotent)."""
+        if self.executor is not None:
+            self.executor.shutdown()
+
     def _pool_sizes(self, B: int) -> PoolSizes:
         cfg = self.cfg
         c4_b, c128_b = 16, 2
