@@ -25,6 +25,11 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
                    help="how ranks run: mp = one worker process per rank on this node (default with -tp > 1)")
 
 
+def _parallel_kwargs(a: argparse.Namespace) -> dict:
+    return {"tensor_parallel_size": a.tensor_parallel_size, "enable_expert_parallel": a.enable_expert_parallel,
+            "distributed_executor_backend": a.distributed_executor_backend}
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ascend-dsv4", description="DeepSeek-V4 / V3 serving for Ascend NPUs")
     ap.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -44,6 +49,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--numerics", default="exact", help="exact | reference (official FP8/FP4 activation rounding)")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--weights-seed", type=int, default=0, help="seed of the random weights of a preset")
+    _add_parallel_args(g)
 
     i = sub.add_parser("info", help="print the config, parameter count, KV bytes per token and memory needs")
     _add_model_args(i)
@@ -96,6 +102,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     s.add_argument("--numerics", default="exact", help="exact | reference (official FP8/FP4 activation rounding)")
     s.add_argument("--weights-seed", type=int, default=0, help="seed of the random weights of a preset")
+    _add_parallel_args(s)
     s.add_argument("--uvicorn-log-level", default="info", help="critical | error | warning | info | debug")
 
     b = sub.add_parser("bench", help="benchmarks")
@@ -139,13 +146,16 @@ def _generate(a: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                             seed=a.seed)
     llm = LLM(model=a.model, backend=a.backend, dtype=a.dtype, numerics=a.numerics, device=a.device,
-              seed=a.weights_seed, max_model_len=a.max_model_len)
+              seed=a.weights_seed, max_model_len=a.max_model_len, **_parallel_kwargs(a))
 
     def emit(_rid: int, text: str) -> None:
         sys.stdout.write(text)
         sys.stdout.flush()
 
-    out = llm.generate(a.prompt, params, on_text=emit)[0]
+    try:
+        out = llm.generate(a.prompt, params, on_text=emit)[0]
+    finally:
+        llm.shutdown()
     sys.stdout.write("\n")
     print(f"[{len(out.prompt_token_ids)} prompt tokens, {len(out.token_ids)} generated, "
           f"finish_reason={out.finish_reason}]", file=sys.stderr)
@@ -165,11 +175,15 @@ def _serve(a: argparse.Namespace) -> int:
     llm = LLM(model=a.model, backend=a.backend, dtype=a.dtype, numerics=a.numerics, device=a.device,
               seed=a.weights_seed, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
               max_num_batched_tokens=a.max_num_batched_tokens, block_size=a.block_size,
-              enable_prefix_caching=a.enable_prefix_caching, num_speculative_tokens=a.num_speculative_tokens)
-    run_server(llm, host=a.host, port=a.port, api_key=a.api_key or os.environ.get("ASCEND_DSV4_API_KEY"),
-               served_model_name=a.served_model_name or a.model, max_queue=a.max_queue,
-               model_dir=a.model if os.path.isdir(a.model) else None, chat_template=a.chat_template,
-               log_level=a.uvicorn_log_level)
+              enable_prefix_caching=a.enable_prefix_caching, num_speculative_tokens=a.num_speculative_tokens,
+              **_parallel_kwargs(a))
+    try:
+        run_server(llm, host=a.host, port=a.port, api_key=a.api_key or os.environ.get("ASCEND_DSV4_API_KEY"),
+                   served_model_name=a.served_model_name or a.model, max_queue=a.max_queue,
+                   model_dir=a.model if os.path.isdir(a.model) else None, chat_template=a.chat_template,
+                   log_level=a.uvicorn_log_level)
+    finally:
+        llm.shutdown()
     return 0
 
 
