@@ -19,3 +19,8 @@ class RequestError(AscendDSV4Error, ValueError):
 
 class CapacityError(AscendDSV4Error, RuntimeError):
     """The KV pools have no room for what was asked."""
+
+
+class RequestFailed(AscendDSV4Error, RuntimeError):
+    """One request could not be computed (non-finite logits, a sampling or detokenising failure); the engine
+    ends that request with this error and goes on serving the others."""

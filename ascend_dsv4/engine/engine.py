@@ -10,6 +10,7 @@ produced something. Metrics (throughput, TTFT, TPOT, queue length, KV usage, pre
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -19,10 +20,13 @@ from ..errors import RequestError
 from .model_runner import ModelRunner
 from .request import Request, RequestOutput, Status
 from .sampling import Sampler, SamplingParams, apply_penalties, make_generator
+from .sampling_guard import bad_logit_rows, describe_bad_row
 from .prefix_cache import PrefixCache
 from .scheduler import Scheduler
 from .spec_decode import MTPDrafter, rejection_accept
 from .tokenizer import IncrementalDetokenizer
+
+log = logging.getLogger("ascend_dsv4")
 
 
 @dataclass
@@ -162,9 +166,22 @@ class LLMEngine:
         by_req: dict[int, list[int]] = {}
         for j, i in enumerate(owner):
             by_req.setdefault(i, []).append(j)
+        bad_rows = set(bad_logit_rows(logits))
         for i, js in by_req.items():
             r, d = reqs[i], drafts[i]
-            acc = self._verify(r, logits[js], d, outputs)
+            # one request's failure (non-finite logits, sampling, stop strings, detokenising) ends that request
+            # with an error; the engine and the other requests go on
+            bad = [j for j in js if j in bad_rows]
+            if bad:
+                self._fail(r, f"the model produced non-finite logits for this request "
+                              f"({describe_bad_row(logits[bad[0]])})", outputs)
+                continue
+            try:
+                acc = self._verify(r, logits[js], d, outputs)
+            except Exception as e:  # noqa: BLE001 - isolate the request, keep the engine alive
+                log.exception("request %s failed while sampling / detokenising", r.request_id)
+                self._fail(r, f"{type(e).__name__}: {e}", outputs)
+                continue
             committed[i] += acc
             if d:
                 self.stats.mtp_proposed += len(d)
@@ -260,6 +277,18 @@ class LLMEngine:
         r._stop_hold = buf[len(buf) - keep:]
         r.text += out
         return out
+
+    def _fail(self, r: Request, message: str, outputs: list) -> None:
+        """End ``r`` with ``error=message`` (finish_reason "abort"), free its pages, and report it."""
+        log.warning("request %s ended with an error: %s", r.request_id, message)
+        if not r.finished:
+            r.seq.num_tokens = 0  # nothing of this request goes into the prefix cache (its KV may be NaN)
+            r.draft, r.draft_probs = [], None
+            self.scheduler.abort(r)
+            self.stats.aborted += 1
+        r.error = message
+        self.requests.pop(r.request_id, None)
+        outputs.append(self._output(r, [], ""))
 
     def _finish(self, r: Request) -> None:
         self.scheduler.finish(r)

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import RequestFailed
 from .kv_pools import SeqBlocks
 from .sampling import Sampler
+from .sampling_guard import bad_logit_rows
 
 
 def rejection_accept(p: torch.Tensor, q: torch.Tensor, draft: int, gen: torch.Generator | None) -> tuple[bool, int]:
@@ -66,11 +68,18 @@ class MTPDrafter:
         rows = torch.cat([rows for _, _, _, rows in live])
         logits = self.runner.model.mtp_logits(streams[rows], next_ids, ctx, 0, ctx.logits_index).float().cpu()
         drafts = []
+        bad = set(bad_logit_rows(logits))
         for i, (r, *_rest) in enumerate(live):
-            if r.params.greedy:  # greedy verification compares tokens: no distribution needed
+            if i in bad:  # non-finite MTP logits: no draft this step (the request itself goes on)
+                drafts.append(None)
+            elif r.params.greedy:  # greedy verification compares tokens: no distribution needed
                 drafts.append((int(torch.argmax(logits[i])), None))
             else:
-                q = self.sampler.probs(logits[i:i + 1], [r.params])[0]
+                try:
+                    q = self.sampler.probs(logits[i:i + 1], [r.params])[0]
+                except RequestFailed:  # the draft overflowed after temperature: propose nothing
+                    drafts.append(None)
+                    continue
                 drafts.append((int(torch.multinomial(q, 1, generator=r.generator)[0]), q))
         it = iter(drafts)
         return [next(it) if n > 0 else None for _r, _s, n, _rows in items]

@@ -1,4 +1,5 @@
-"""Command line: ``ascend-dsv4 generate``, ``info``, ``make-random-checkpoint``, ``serve`` and ``bench serve``.
+"""Command line: ``ascend-dsv4 generate``, ``info``, ``make-random-checkpoint``, ``serve``, ``bench serve`` and
+``check-env``.
 
 Every failure the user can cause (bad model name, malformed config, prompt too long, invalid sampling
 parameters, ...) prints one ``error: ...`` line and exits with status 2: no stack trace.
@@ -104,6 +105,11 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--weights-seed", type=int, default=0, help="seed of the random weights of a preset")
     _add_parallel_args(s)
     s.add_argument("--uvicorn-log-level", default="info", help="critical | error | warning | info | debug")
+
+    from .check_env import add_arguments as _add_check_env_args
+
+    _add_check_env_args(sub.add_parser("check-env", help="is this node / Ray cluster ready to serve? one table of "
+                                                         "checks with a verdict and a fix each (exit 1 on FAIL)"))
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench_command", required=True)
@@ -226,12 +232,19 @@ def _info(a: argparse.Namespace) -> int:
     return 0
 
 
+def _check_env(a: argparse.Namespace) -> int:
+    from . import check_env
+
+    return check_env.main(a)
+
+
 def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return {"generate": _generate, "info": _info, "make-random-checkpoint": _make_random_checkpoint,
-                "serve": _serve, "bench": _bench, "quantize": _quantize}[a.command](a)
+                "serve": _serve, "bench": _bench, "quantize": _quantize,
+                "check-env": _check_env}[a.command](a)
     except AscendDSV4Error as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -224,6 +224,15 @@ class _State:
 
 
 # ---- streaming plumbing ------------------------------------------------------------------------------------
+def _failed(o: RequestOutput) -> bool:
+    """The engine ended this request with an error while computing it (not for lack of KV cache)."""
+    return bool(o.finished and o.error and "KV cache" not in o.error)
+
+
+def _failure(o: RequestOutput) -> ApiError:
+    return ApiError(500, f"the request failed: {o.error}", None, "request_failed")
+
+
 async def _prime(gens: list, prompt_param: str) -> list[RequestOutput]:
     """Admit every request and wait for its first output, so errors (overload, bad request) become an HTTP
     status before any byte of the response is sent."""
@@ -231,6 +240,9 @@ async def _prime(gens: list, prompt_param: str) -> list[RequestOutput]:
     err = next((r for r in results if isinstance(r, BaseException)), None)
     if err is None:
         for r in results:
+            if _failed(r):
+                err = _failure(r)
+                break
             if r.finished and r.finish_reason == "abort" and not r.token_ids:
                 err = _bad("the request needs more KV cache than this server holds; shorten the prompt or "
                            "max_tokens", prompt_param, "kv_capacity_exceeded")
@@ -252,6 +264,8 @@ async def _merge(gens: list, firsts: list[RequestOutput]) -> AsyncIterator[tuple
             yield 0, o
             while not o.finished:
                 o = await g.__anext__()
+                if _failed(o):
+                    raise _failure(o)
                 yield 0, o
         finally:
             await g.aclose()
@@ -268,6 +282,8 @@ async def _merge(gens: list, firsts: list[RequestOutput]) -> AsyncIterator[tuple
             for t in sorted(done, key=lambda t: tasks[t]):
                 i = tasks.pop(t)
                 o = t.result()
+                if _failed(o):
+                    raise _failure(o)
                 yield i, o
                 if not o.finished:
                     tasks[asyncio.ensure_future(gens[i].__anext__())] = i

@@ -207,6 +207,10 @@ def read_header(path: str) -> ShardHeader:
     meta = obj.pop("__metadata__", None) or {}
     if not isinstance(meta, dict):
         raise CheckpointError(f"{path}: __metadata__ is a {type(meta).__name__}, expected an object")
+    odd = [k for k, v in meta.items() if not isinstance(v, str)]
+    if odd:
+        raise CheckpointError(f"{path}: __metadata__ entry {odd[0]!r} is not a string (safetensors metadata is "
+                              f"a string -> string map)")
     infos = [_parse_entry(path, name, entry) for name, entry in obj.items()]
     infos.sort(key=lambda t: (t.begin, t.end, t.name))
     header = ShardHeader(path, file_size, n, meta, {t.name: t for t in infos})
@@ -219,7 +223,30 @@ def read_header(path: str) -> ShardHeader:
                 f"should be at least {expected} bytes, but it is {file_size} bytes "
                 f"({expected - file_size} bytes missing; re-download it)"
             )
+    _check_layout(path, infos, header.data_size)
     return header
+
+
+def _check_layout(path: str, infos: list[TensorInfo], data_size: int) -> None:
+    """The safetensors format's layout rule: in offset order, every tensor begins where the previous one ends
+    (the first at 0), and the last ends at the end of the file: no overlap, no gap, nothing uncovered.
+    (``safetensors`` rejects a file breaking it with "invalid offset for tensor" / "file not fully covered".)"""
+    pos, prev = 0, None
+    for t in infos:  # sorted by (begin, end)
+        if t.begin != pos:
+            where = f"tensor {prev.name!r} [{prev.begin}, {prev.end}]" if prev else "the start of the data section"
+            what = (f"overlaps {where}" if t.begin < pos else f"leaves a gap of {t.begin - pos} bytes after {where}")
+            raise CheckpointError(
+                f"{path}: corrupt header: tensor {t.name!r} data_offsets [{t.begin}, {t.end}] {what}; each tensor "
+                f"must begin where the previous one ends (expected begin {pos})"
+            )
+        pos, prev = t.end, t
+    if pos != data_size:
+        after = f"after tensor {prev.name!r}" if prev else "and the header lists no tensor"
+        raise CheckpointError(
+            f"{path}: corrupt header: the data section is {data_size} bytes but its tensors cover {pos}: "
+            f"{data_size - pos} bytes {after} belong to no tensor (the file is not fully covered)"
+        )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -252,7 +279,20 @@ def index_weight_map(folder: str) -> dict[str, str] | None:
         raise CheckpointError(
             f"{index}: malformed index file: \"weight_map\" entries without a shard file name: {', '.join(bad[:10])}"
         )
+    for k, v in wm.items():
+        if not is_plain_file_name(v):
+            raise CheckpointError(
+                f"{index}: \"weight_map\" entry {k!r} names the shard {v!r}, which is not a plain file name "
+                f"inside the model folder (no directories, no '..', no absolute paths); it was not opened"
+            )
     return dict(wm)
+
+
+def is_plain_file_name(name: str) -> bool:
+    """True for a file name that stays inside its folder: no separator, not ``.``/``..``, no NUL, not absolute."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+            and "\0" not in name and os.path.basename(name) == name and not os.path.isabs(name)
+            and not (len(name) > 1 and name[1] == ":"))
 
 
 _NUMBERED = re.compile(r"-(\d+)-of-(\d+)\.safetensors$")
@@ -599,6 +639,7 @@ __all__ = [
     "checkpoint_inventory",
     "find_shards",
     "index_weight_map",
+    "is_plain_file_name",
     "read_header",
     "sequential_read_throughput",
     "stream_tensors",

@@ -52,6 +52,10 @@ def _read_index(index: str) -> dict[str, str]:
     wm = obj.get("weight_map") if isinstance(obj, dict) else None
     if not isinstance(wm, dict) or not wm or not all(isinstance(v, str) for v in wm.values()):
         raise QuantFormatError(f"{index}: malformed index file: expected a non-empty \"weight_map\" object")
+    for k, v in wm.items():  # shard names are plain file names inside the folder: nothing else is opened
+        if v in ("", ".", "..") or "/" in v or "\\" in v or "\0" in v or os.path.isabs(v) or v[1:2] == ":":
+            raise QuantFormatError(f"{index}: \"weight_map\" entry {k!r} names the shard {v!r}, which is not a "
+                                   f"plain file name inside the model folder; it was not opened")
     return wm
 
 
