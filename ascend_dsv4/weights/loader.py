@@ -242,10 +242,11 @@ class _Loader:
         items, futures = [], []
         for info in batch:
             actions = self.routes[info.name]
-            if info.name in self.slices:  # this rank's part only
+            if info.name in self.slices:  # this rank's part only, applied at once (no batch of temporaries)
                 t = _read_part(h, info, *self.slices[info.name])
                 self.bytes_read += t.numel() * t.element_size()
-                items.append((info, actions, t, False))
+                self._apply(actions, _as_storable(t), f"{os.path.basename(h.path)}: {info.name}", fmts, False)
+                bar.update(info.nbytes)
                 continue
             self.bytes_read += info.nbytes
             direct = self._direct_target(actions, info)
