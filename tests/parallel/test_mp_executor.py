@@ -22,9 +22,9 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
 
 
 def _outputs(llm):
-    # sequential first request, then the rest together: later ones hit the prefix cache
+    # the first request alone, then all together: later ones hit the prefix cache
     first = llm.generate(PROMPTS[:1], GREEDY)
-    rest = llm.generate(PROMPTS[1:], GREEDY)
+    rest = llm.generate(PROMPTS, GREEDY)
     return [o.token_ids for o in first + rest]
 
 
@@ -33,15 +33,22 @@ def _bounded(monkeypatch):
     monkeypatch.setenv("ASCEND_DSV4_MP_TIMEOUT", "60")
 
 
-def test_tp2_greedy_prefix_cache_mtp_chunked_equals_one_device():
+def test_tp2_greedy_prefix_cache_mtp_chunked_preemption_equals_one_device(monkeypatch):
+    from ascend_dsv4.engine.kv_pools import PoolSizes
+
+    # 6 token pages of 16: three requests together exhaust them -> preemption by recompute
+    monkeypatch.setattr(LLM, "_pool_sizes", lambda self, B: PoolSizes(B, 4, 1, 6, 64, 8))
     kw = dict(max_model_len=256, max_num_batched_tokens=24, enable_prefix_caching=True, num_speculative_tokens=1)
-    want = _outputs(LLM("toy-v4", **kw))
+    one = LLM("toy-v4", **kw)
+    want = _outputs(one)
+    assert one.engine.scheduler.num_preemptions > 0
     llm = LLM("toy-v4", tensor_parallel_size=2, distributed_executor_backend="mp", **kw)
     try:
         assert llm.engine.stats.steps == 0
         got = _outputs(llm)
         assert got == want
-        assert llm.engine.stats.mtp_proposed > 0
+        assert llm.engine.stats.mtp_proposed > 0 and llm.engine.scheduler.num_preemptions > 0
+        assert llm.engine.stats.prefix_hit_tokens > 0
     finally:
         llm.shutdown()
     assert not any(p.is_alive() for p in llm.executor.procs)
