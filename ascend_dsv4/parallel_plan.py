@@ -81,11 +81,13 @@ def _block(fld: str, share: int, block: int, tp: int, fmt: str) -> None:
 
 def validate_layout(cfg, tensor_parallel_size: int, enable_expert_parallel: bool = False,
                     visible_devices: int | None = None, device: str = "", device_memory: int | None = None,
-                    quantized_checkpoint: bool = True) -> None:
+                    quantized_checkpoint: bool = True, numerics: str = "exact") -> None:
     """Raise :class:`ConfigError` naming the field and the rule when the layout cannot work (before any weight is
     read). ``visible_devices``: devices of this node the ranks would use (None = not limited, e.g. CPU ranks);
     ``device_memory``: bytes per device when known (checked against :func:`rank_weight_bytes`);
-    ``quantized_checkpoint=False`` (random-weight presets) skips the FP8 / FP4 scale-block rules."""
+    ``quantized_checkpoint=False`` (random-weight presets) skips the FP8 / FP4 scale-block rules;
+    ``numerics="reference"`` (V4) adds the rule that a split input of an activation-rounded linear keeps whole
+    128-wide rounding blocks on every rank (``wo_b``, w2 of the shared and of TP-split routed experts)."""
     tp = tensor_parallel_size
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise ConfigError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
@@ -125,6 +127,15 @@ def validate_layout(cfg, tensor_parallel_size: int, enable_expert_parallel: bool
             _block("wo_a / wo_b (o_groups * o_lora_rank)", cfg.o_groups // tp * cfg.o_lora_rank, 128, tp, "FP8")
             if cfg.n_shared_experts:
                 _block("moe_inter_dim (shared experts)", shared // tp, 128, tp, "FP8")
+        if numerics == "reference" and tp > 1:
+            _block("wo_b input (o_groups * o_lora_rank), reference numerics", cfg.o_groups // tp * cfg.o_lora_rank,
+                   128, tp, "activation-rounded")
+            if cfg.n_shared_experts:
+                _block("moe_inter_dim (shared expert w2 input), reference numerics", shared // tp, 128, tp,
+                       "activation-rounded")
+            if ep == 1:
+                _block("moe_inter_dim (routed expert w2 input), reference numerics", cfg.moe_inter_dim // tp, 128,
+                       tp, "activation-rounded")
         ef = cfg.expert_dtype or cfg.dtype
         if ep == 1 and tp > 1 and ef in ("fp8", "fp4") and quantized_checkpoint:
             _block("moe_inter_dim (routed experts)", cfg.moe_inter_dim // tp, 128 if ef == "fp8" else 32, tp,

@@ -147,7 +147,7 @@ class LLM:
             raise ConfigError(f"distributed_executor_backend must be 'mp' (one process per rank on this node), got "
                               f"{executor!r}; Ray is not available yet")
         validate_layout(self.cfg, tp, ep, visible_devices=visible_devices(self.device.type), device=self.device.type,
-                        quantized_checkpoint=folder is not None)
+                        quantized_checkpoint=folder is not None, numerics=numerics)
         spec = RankSpec(model=folder or model, cfg=self.cfg, dtype=self.dtype, numerics=numerics,
                         device_type=self.device.type, seed=seed, pool_sizes=self._pool_sizes(block_size),
                         tensor_parallel_size=tp, enable_expert_parallel=ep, backend=self.backend,

@@ -49,6 +49,14 @@ def test_tp2_greedy_prefix_cache_mtp_chunked_preemption_equals_one_device(monkey
         assert got == want
         assert llm.engine.stats.mtp_proposed > 0 and llm.engine.scheduler.num_preemptions > 0
         assert llm.engine.stats.prefix_hit_tokens > 0
+        # a worker that raises (here: a row index past the end) reports its error, the call fails cleanly
+        import torch
+
+        bad = (torch.zeros(1, llm.cfg.hc_mult, llm.cfg.dim), torch.tensor([5]))
+        with pytest.raises(ExecutorError, match=r"worker rank 1 failed during logits: IndexError"):
+            llm.executor.run("logits", lambda *a: None, bad)
+        with pytest.raises(ExecutorError, match="the mp executor is down"):
+            llm.generate(PROMPTS[:1], GREEDY)
     finally:
         llm.shutdown()
     assert not any(p.is_alive() for p in llm.executor.procs)
