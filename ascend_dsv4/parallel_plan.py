@@ -34,17 +34,10 @@ from __future__ import annotations
 import math
 import re
 
-from .config import ModelConfig
-from .config_v3 import DeepseekV3Config
 from .errors import ConfigError
+from .models import family_of
+from .models.layout_checks import divisible as _divisible
 
-# checkpoint names -> split dimension (official V4 names / DeepSeek HF names of V3)
-_V4_DIM0 = re.compile(r"(^embed\.weight$|^head\.weight$|\.attn\.(wq_b|wo_a)\.(weight|scale)$|\.attn\.attn_sink$"
-                      r"|\.shared_experts\.(w1|w3)\.(weight|scale)$)")
-_V4_DIM1 = re.compile(r"(\.attn\.wo_b\.(weight|scale)$|\.shared_experts\.w2\.(weight|scale)$)")
-_V3_DIM0 = re.compile(r"(embed_tokens\.weight$|lm_head\.weight$|\.self_attn\.(q_b_proj|q_proj|kv_b_proj)\.weight"
-                      r"|\.shared_experts\.(gate_proj|up_proj)\.weight|\.mlp\.(gate_proj|up_proj)\.weight)")
-_V3_DIM1 = re.compile(r"(\.self_attn\.o_proj\.weight|\.shared_experts\.down_proj\.weight|\.mlp\.down_proj\.weight)")
 _EXPERT = re.compile(r"\.experts\.(\{e\}|\d+)\.")
 
 GiB = 1 << 30
@@ -55,28 +48,18 @@ def ep_size(tp: int, enable_expert_parallel: bool) -> int:
     return tp if enable_expert_parallel else 1
 
 
-def split_rule(name: str, v3: bool) -> tuple[str, int]:
-    """('expert', -1) | ('split', dim) | ('replicate', -1) for a checkpoint tensor name (scales follow weights)."""
+def split_rule(name: str, cfg) -> tuple[str, int]:
+    """('expert', -1) | ('split', dim) | ('replicate', -1) for a checkpoint tensor name of ``cfg``'s family
+    (scales follow weights)."""
     if _EXPERT.search(name):
         return "expert", -1
-    d0, d1 = (_V3_DIM0, _V3_DIM1) if v3 else (_V4_DIM0, _V4_DIM1)
+    fam = family_of(cfg)
+    d0, d1 = fam.tp_split_dim0, fam.tp_split_dim1
     if d1.search(name):
         return "split", 1
     if d0.search(name):
         return "split", 0
     return "replicate", -1
-
-
-def _divisible(fld: str, value: int, by: int, what: str) -> None:
-    if by > 1 and value % by:
-        raise ConfigError(f"{fld} = {value} is not divisible by {what} {by}: "
-                          f"choose a --tensor-parallel-size that divides it")
-
-
-def _block(fld: str, share: int, block: int, tp: int, fmt: str) -> None:
-    if tp > 1 and share % block:
-        raise ConfigError(f"{fld}: each of the {tp} ranks would hold {share} rows/columns of a {fmt} weight, not a "
-                          f"multiple of its {block}-wide scale blocks; use a smaller --tensor-parallel-size")
 
 
 def validate_layout(cfg, tensor_parallel_size: int, enable_expert_parallel: bool = False,
@@ -95,51 +78,15 @@ def validate_layout(cfg, tensor_parallel_size: int, enable_expert_parallel: bool
     if visible_devices is not None and tp > visible_devices:
         raise ConfigError(f"tensor_parallel_size = {tp} needs {tp} {device or 'devices'} on this node, but "
                           f"{visible_devices} are visible (check ASCEND_RT_VISIBLE_DEVICES / CUDA_VISIBLE_DEVICES)")
-    v3 = isinstance(cfg, DeepseekV3Config)
+    fam = family_of(cfg)
     _divisible("n_heads", cfg.n_heads, tp, "tensor_parallel_size")
     _divisible("vocab_size", cfg.vocab_size, tp, "tensor_parallel_size")
     _divisible("n_routed_experts", cfg.n_routed_experts, ep, "the expert-parallel size (= tensor_parallel_size)")
     if ep == 1:
         _divisible("moe_inter_dim", cfg.moe_inter_dim, tp, "tensor_parallel_size (experts split inside)")
-    shared = cfg.moe_inter_dim * (cfg.n_shared_experts if v3 else 1)
     if cfg.n_shared_experts:
-        _divisible("moe_inter_dim (shared experts)", shared, tp, "tensor_parallel_size")
-    fp8 = cfg.dtype == "fp8" and quantized_checkpoint
-    if v3:
-        if cfg.n_dense_layers:
-            _divisible("inter_dim", cfg.inter_dim, tp, "tensor_parallel_size")
-        if fp8 and tp > 1:
-            h = cfg.n_heads // tp
-            _block("q_b_proj (n_heads * qk_head_dim)", h * cfg.qk_head_dim, 128, tp, "FP8")
-            _block("kv_b_proj (n_heads * (qk_nope_head_dim + v_head_dim))", h * (cfg.qk_nope_head_dim + cfg.v_head_dim),
-                   128, tp, "FP8")
-            _block("o_proj (n_heads * v_head_dim)", h * cfg.v_head_dim, 128, tp, "FP8")
-            if cfg.n_dense_layers:
-                _block("inter_dim", cfg.inter_dim // tp, 128, tp, "FP8")
-            if cfg.n_shared_experts:
-                _block("moe_inter_dim (shared experts)", shared // tp, 128, tp, "FP8")
-            if ep == 1:
-                _block("moe_inter_dim (routed experts)", cfg.moe_inter_dim // tp, 128, tp, "FP8")
-    else:
-        _divisible("o_groups", cfg.o_groups, tp, "tensor_parallel_size")
-        if fp8 and tp > 1:
-            _block("wq_b (n_heads * head_dim)", cfg.n_heads // tp * cfg.head_dim, 128, tp, "FP8")
-            _block("wo_a / wo_b (o_groups * o_lora_rank)", cfg.o_groups // tp * cfg.o_lora_rank, 128, tp, "FP8")
-            if cfg.n_shared_experts:
-                _block("moe_inter_dim (shared experts)", shared // tp, 128, tp, "FP8")
-        if numerics == "reference" and tp > 1:
-            _block("wo_b input (o_groups * o_lora_rank), reference numerics", cfg.o_groups // tp * cfg.o_lora_rank,
-                   128, tp, "activation-rounded")
-            if cfg.n_shared_experts:
-                _block("moe_inter_dim (shared expert w2 input), reference numerics", shared // tp, 128, tp,
-                       "activation-rounded")
-            if ep == 1:
-                _block("moe_inter_dim (routed expert w2 input), reference numerics", cfg.moe_inter_dim // tp, 128,
-                       tp, "activation-rounded")
-        ef = cfg.expert_dtype or cfg.dtype
-        if ep == 1 and tp > 1 and ef in ("fp8", "fp4") and quantized_checkpoint:
-            _block("moe_inter_dim (routed experts)", cfg.moe_inter_dim // tp, 128 if ef == "fp8" else 32, tp,
-                   ef.upper())
+        _divisible("moe_inter_dim (shared experts)", fam.shared_expert_inter(cfg), tp, "tensor_parallel_size")
+    fam.validate_tp(cfg, tp, ep, quantized_checkpoint, numerics)
     if device_memory is not None:
         need = rank_weight_bytes(cfg, tp, enable_expert_parallel)
         usable = int(device_memory * DEFAULT_MEMORY_UTILIZATION)
@@ -150,23 +97,14 @@ def validate_layout(cfg, tensor_parallel_size: int, enable_expert_parallel: bool
                               f"checkpoint")
 
 
-def _inventory(cfg):
-    if isinstance(cfg, DeepseekV3Config):
-        from .sizing_v3 import tensor_inventory_v3
-
-        return [t for t in tensor_inventory_v3(cfg) if not t.copy], True
-    from .sizing import tensor_inventory
-
-    return tensor_inventory(cfg), False
-
-
 def rank_weight_bytes(cfg, tensor_parallel_size: int, enable_expert_parallel: bool = False) -> int:
     """Checkpoint-format weight bytes one rank holds (every rank holds the same amount; scales included)."""
     tp, ep = tensor_parallel_size, ep_size(tensor_parallel_size, enable_expert_parallel)
-    inv, v3 = _inventory(cfg)
     total = 0
-    for t in inv:
-        rule, _ = split_rule(t.name, v3)
+    for t in family_of(cfg).tensor_inventory(cfg):
+        if getattr(t, "copy", False):  # a stored duplicate (V3's MTP copies of embed / head) is not loaded twice
+            continue
+        rule, _ = split_rule(t.name, cfg)
         if rule == "replicate":
             total += t.nbytes
         elif rule == "split":
@@ -181,13 +119,7 @@ def rank_weight_bytes(cfg, tensor_parallel_size: int, enable_expert_parallel: bo
 def kv_bytes_per_token_rank(cfg, dtype_bytes: int = 2) -> float:
     """KV bytes one more token of context adds on EACH rank: the KV is replicated (single MQA head in V4, MLA
     latent in V3), so this is the single-device figure of our pools."""
-    if isinstance(cfg, DeepseekV3Config):
-        from .sizing_v3 import kv_bytes_per_token_v3
-
-        return float(kv_bytes_per_token_v3(cfg, dtype_bytes)["latent_total"])
-    from .sizing import kv_bytes_per_token
-
-    return float(kv_bytes_per_token(cfg, "pool", dtype_bytes)["total"])
+    return family_of(cfg).kv_pool_bytes_per_token(cfg, dtype_bytes)
 
 
 def parse_bytes(text: str) -> int:

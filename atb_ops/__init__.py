@@ -9,6 +9,7 @@ from ._dispatch import BACKENDS, BackendError, device_available, implementations
 from .ops import (
     apply_rope,
     compressor_pool,
+    dequantize_weight,
     fp4_act_round,
     fp8_act_round,
     grouped_matmul,
@@ -30,7 +31,7 @@ from .reference.rope import rope_inv_freq
 OPS = (
     "rms_norm", "apply_rope", "hc_pre", "hc_post", "hc_head", "compressor_pool", "indexer_topk",
     "sparse_attention", "moe_gate", "swiglu", "linear", "grouped_matmul", "fp8_act_round", "fp4_act_round", "hadamard",
-    "mla_decode", "mla_prefill",
+    "mla_decode", "mla_prefill", "dequantize_weight",
 )
 
 __all__ = list(OPS) + [

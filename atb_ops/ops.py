@@ -137,6 +137,16 @@ def linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None = None
     return resolve("linear", x)(x, w, w_scale, fmt)
 
 
+def dequantize_weight(w: torch.Tensor, w_scale: torch.Tensor | None = None, fmt: str = "dense") -> torch.Tensor:
+    """The float32 matrix W of a weight stored as ``fmt`` (the formats and the math of :func:`linear`).
+
+    w: [N, K] (``dense``, ``fp8_block``) or int8 [N, K/2] (``fp4``), w_scale as in :func:`linear`; returns
+    float32 [N, K] on w's device. What a loader calls to convert a weight at load time (``dequantize=True``,
+    layers that compute in float32) and what a backend without a kernel for a format falls back to.
+    """
+    return resolve("dequantize_weight", w)(w, w_scale, fmt)
+
+
 def grouped_matmul(x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor, w_scale: torch.Tensor | None = None,
                    fmt: str = "dense") -> torch.Tensor:
     """Per-row expert matmul: out[m] = x[m] @ W[expert_ids[m]]^T.

@@ -36,8 +36,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import atb_ops  # noqa: E402
-from ascend_dsv4.config import preset  # noqa: E402
-from ascend_dsv4.engine.kv_pools import PoolSizes  # noqa: E402
+from ascend_dsv4.models import preset  # noqa: E402
+from ascend_dsv4.kv.blocks import PoolSizes  # noqa: E402
 from ascend_dsv4.engine.model_runner import ModelRunner  # noqa: E402
 from ascend_dsv4.models import build_model  # noqa: E402
 from parallel.linear import Linear  # noqa: E402

@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from ascend_dsv4.config import preset  # noqa: E402
+from ascend_dsv4.models import preset  # noqa: E402
 
 CFG = preset("toy-v4").replace(name="toy-v4-wide", dim=1024, moe_inter_dim=512, n_routed_experts=32, o_groups=4,
                                n_layers=4, compress_ratios=(0, 4, 128, 4, 0), vocab_size=8192)

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from ascend_dsv4.config import preset
+from ascend_dsv4.models import preset
 from ascend_dsv4.entrypoints.cli import main
 from ascend_dsv4.errors import ConfigError
 from ascend_dsv4.parallel_plan import (format_layout_info, kv_bytes_per_token_rank, parse_bytes, rank_weight_bytes,
                                        split_rule, validate_layout)
-from ascend_dsv4.sizing import weights_bytes
-from ascend_dsv4.sizing_v3 import weights_bytes_v3
+from ascend_dsv4.models.deepseek_v3.sizing import weights_bytes as weights_bytes_v3
+from ascend_dsv4.models.deepseek_v4.sizing import weights_bytes
 
 V4, V3 = preset("deepseek-v4-flash"), preset("deepseek-v3")
 
@@ -70,10 +70,10 @@ def test_rank_bytes_sum_to_the_model():
         assert rank_weight_bytes(cfg, 1) == total
         r8 = rank_weight_bytes(cfg, 8, True)
         assert total / 8 < r8 < total / 4
-    assert split_rule("layers.3.attn.wo_b.scale", False) == ("split", 1)
-    assert split_rule("layers.3.attn.wkv.weight", False) == ("replicate", -1)
-    assert split_rule("layers.3.ffn.experts.17.w2.weight", False) == ("expert", -1)
-    assert split_rule("model.layers.5.self_attn.o_proj.weight_scale_inv", True) == ("split", 1)
+    assert split_rule("layers.3.attn.wo_b.scale", V4) == ("split", 1)
+    assert split_rule("layers.3.attn.wkv.weight", V4) == ("replicate", -1)
+    assert split_rule("layers.3.ffn.experts.17.w2.weight", V4) == ("expert", -1)
+    assert split_rule("model.layers.5.self_attn.o_proj.weight_scale_inv", V3) == ("split", 1)
     assert kv_bytes_per_token_rank(V4) == 6880.0  # spec §4.2's BF16 buffers: replicated, same as one device
 
 

@@ -22,6 +22,7 @@ from .request import Request, RequestOutput, Status
 from .sampling import Sampler, SamplingParams, apply_penalties, make_generator
 from .sampling_guard import bad_logit_rows, describe_bad_row
 from .prefix_cache import PrefixCache
+from .prompts import check_prompt_ids
 from .scheduler import Scheduler
 from .spec_decode import MTPDrafter, rejection_accept
 from .tokenizer import IncrementalDetokenizer
@@ -50,7 +51,7 @@ class LLMEngine:
                  max_num_batched_tokens: int = 512, enable_prefix_caching: bool = False,
                  num_speculative_tokens: int = 0):
         self.runner, self.tokenizer, self.max_model_len = runner, tokenizer, max_model_len
-        self.cfg = runner.model.cfg
+        self.cfg = runner.cfg
         self.stats = EngineStats()
         prefix_cache = PrefixCache(runner.pools, self.stats) if enable_prefix_caching else None
         self.prefix_cache = prefix_cache
@@ -60,7 +61,7 @@ class LLMEngine:
         self.sampler = Sampler()
         if num_speculative_tokens not in (0, 1):
             raise RequestError("num_speculative_tokens must be 0 or 1 (one MTP draft per step)")
-        if num_speculative_tokens and not getattr(runner.model, "mtp", None):
+        if num_speculative_tokens and not runner.has_mtp:
             raise RequestError("speculative decoding needs a model with an MTP module")
         self.num_spec = num_speculative_tokens
         self.drafter = MTPDrafter(runner, self.sampler) if num_speculative_tokens else None
@@ -77,14 +78,7 @@ class LLMEngine:
             text, ids = prompt, self.tokenizer.encode(prompt)
         else:
             text, ids = None, list(prompt)
-        if not ids:
-            raise RequestError("the prompt is empty")
-        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.cfg.vocab_size]
-        if bad:
-            raise RequestError(f"prompt holds {bad[0]!r}, not a token id in [0, {self.cfg.vocab_size})")
-        if len(ids) >= self.max_model_len:
-            raise RequestError(f"the prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
-                               f"(the prompt must leave room for at least one generated token)")
+        ids = check_prompt_ids(ids, self.cfg.vocab_size, self.max_model_len)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         return Request(rid, text, ids, params, IncrementalDetokenizer(self.tokenizer), make_generator(params.seed))
 
@@ -146,7 +140,6 @@ class LLMEngine:
         tokens = [c + d for c, d in zip(chunks, drafts)]
         seqs = [r.seq for r in reqs]
         starts = [s.num_tokens for s in seqs]
-        ids, ctx = runner.prepare(seqs, tokens, "none")
         # logits rows: every verified position of a drafting request, else the last token of a request
         # whose pending tokens are all in this step
         rows, owner = [], []
@@ -158,9 +151,7 @@ class LLMEngine:
                 rows.extend(range(off + len(t) - m, off + len(t)))
                 owner.extend([i] * m)
             off += len(t)
-        with torch.inference_mode():
-            streams = runner.model(ids, ctx)
-            logits = runner.model.logits(streams, torch.tensor(rows, dtype=torch.long, device=ids.device)).float().cpu()
+        logits, hidden = runner.execute(seqs, tokens, rows)
         self.stats.steps += 1
         committed = [len(c) for c in chunks]
         by_req: dict[int, list[int]] = {}
@@ -196,7 +187,7 @@ class LLMEngine:
                 n = committed[i] if not r.finished else 0
                 items.append((r, starts[i], n, torch.arange(off, off + n)))
                 off += len(t)
-            for i, ((r, *_), res) in enumerate(zip(items, self.drafter.catch_up(items, streams))):
+            for i, ((r, *_), res) in enumerate(zip(items, self.drafter.catch_up(items, hidden))):
                 keep = res is not None and i in by_req  # a draft only after a sampled token
                 r.draft, r.draft_probs = ([res[0]], res[1]) if keep else ([], None)
         for r, c in zip(reqs, chunks):

@@ -54,7 +54,7 @@ def build_rank_runner(spec: RankSpec, parallel, device: torch.device):
             plan = load_weights(net, folder, device, dequantize=spec.dequantize, progress=False)
             net.bytes_read = plan.bytes_read
         net = net.to(device).eval()
-    return net, ModelRunner(net, spec.pool_sizes, device)
+    return net, ModelRunner(net, spec.pool_sizes, device, backend=spec.backend)
 
 
 def _send(conn, obj) -> None:

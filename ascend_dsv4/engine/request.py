@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .kv_pools import SeqBlocks
+from ..kv.blocks import SeqBlocks
 from .sampling import SamplingParams, TokenLogprobs
 from .tokenizer import IncrementalDetokenizer
 

@@ -28,7 +28,7 @@ def model_type_of(model: str | None) -> str | None:
     """``"deepseek_v4"`` / ``"deepseek_v3"`` for a preset or folder; None when there is none or it is unreadable."""
     if not model:
         return None
-    from ..config import load_config
+    from ..models import load_config
 
     try:
         return load_config(model).model_type
@@ -40,8 +40,8 @@ def model_type_of(model: str | None) -> str | None:
 
 def weights_summary(model: str) -> tuple[bool, str]:
     """Is the folder's checkpoint readable here? ``(ok, detail)``: config parses, every shard header reads."""
-    from ..config import load_config
-    from ..weights.safetensors_io import checkpoint_inventory
+    from ..models import load_config
+    from quant.safetensors_io import checkpoint_inventory
 
     if not os.path.isdir(model):
         return False, f"{model}: no such folder"
@@ -61,7 +61,7 @@ def weights_summary(model: str) -> tuple[bool, str]:
 
 
 def check_weights(plan: Plan) -> Check:
-    from ..config import ALL_PRESETS
+    from ..models import ALL_PRESETS
 
     if not plan.model:
         return Check("weights", "SKIP", "no --model given")
@@ -79,36 +79,28 @@ def weight_split(cfg, model: str) -> tuple[int, int, str]:
     """``(routed-expert bytes, other bytes, source)``: from the folder's tensors when ``model`` is a folder
     (quantised checkpoints included), else from the config's tensor inventory in its checkpoint formats."""
     if os.path.isdir(model):
-        from ..weights.safetensors_io import checkpoint_inventory
+        from quant.safetensors_io import checkpoint_inventory
 
         inv = checkpoint_inventory(model)
         experts = sum(i.nbytes for n, (_, i) in inv.items() if ".experts." in n)
         return experts, sum(i.nbytes for _, i in inv.values()) - experts, "checkpoint files"
-    if cfg.model_type == "deepseek_v3":
-        from ..sizing_v3 import tensor_inventory_v3, weights_bytes_v3
+    from ..models import family_of
 
-        experts = sum(t.nbytes for t in tensor_inventory_v3(cfg) if t.group == "experts")
-        return experts, weights_bytes_v3(cfg) - experts, "preset inventory"
-    from ..sizing import tensor_inventory, weights_bytes
-
-    experts = sum(t.nbytes for t in tensor_inventory(cfg) if t.group == "experts")
-    return experts, weights_bytes(cfg) - experts, "preset inventory"
+    fam = family_of(cfg)
+    experts = sum(t.nbytes for t in fam.tensor_inventory(cfg) if t.group == "experts" and not getattr(t, "copy", False))
+    return experts, fam.weights_bytes(cfg) - experts, "preset inventory"
 
 
 def kv_bytes_per_rank(cfg, context_len: int, seqs: int) -> int:
     """KV pool bytes of one data-parallel replica's ``seqs`` sequences of ``context_len`` tokens. DeepSeek's
     KV is one shared latent (V4: one K=V head; V3: the MLA latent), so TP ranks each hold all of it."""
-    if cfg.model_type == "deepseek_v3":
-        from ..sizing_v3 import memory_plan_v3
+    from ..models import family_of
 
-        return memory_plan_v3(cfg, context_len, seqs)["kv_bytes"]
-    from ..sizing import memory_plan
-
-    return memory_plan(cfg, context_len, seqs)["kv_bytes"]
+    return family_of(cfg).memory_plan(cfg, context_len, seqs)["kv_bytes"]
 
 
 def check_memory(plan: Plan, probe: Probe) -> Check:
-    from ..config import load_config
+    from ..models import load_config
 
     if not plan.model:
         return Check("memory", "SKIP", "no --model given: pass --model and the layout to plan HBM")

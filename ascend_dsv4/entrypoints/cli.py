@@ -123,24 +123,16 @@ def _parser() -> argparse.ArgumentParser:
 def _make_random_checkpoint(a: argparse.Namespace) -> int:
     import os
 
-    from ..config import preset
-    from ..weights.random_checkpoint import reduced_config, write_checkpoint, write_checkpoint_v3
+    from ..models import preset
+    from ..weights.random_checkpoint import write_checkpoint
 
     cfg = preset(a.preset)
     if a.layers is not None and not 1 <= a.layers <= cfg.n_layers:
         raise AscendDSV4Error(f"--layers must be in [1, {cfg.n_layers}] for {a.preset}, got {a.layers}")
     if os.path.isdir(a.out) and os.listdir(a.out):
         raise AscendDSV4Error(f"--out {a.out} exists and is not empty; refusing to overwrite")
-    if cfg.model_type == "deepseek_v3":
-        if a.format != "hf":
-            raise AscendDSV4Error("DeepSeek-V3 checkpoints are written in DeepSeek's HF format: use --format hf")
-        if a.layers is not None:
-            cfg = cfg.replace(n_layers=a.layers, n_dense_layers=min(cfg.n_dense_layers, a.layers),
-                              name=f"{cfg.name}-{a.layers}l")
-        shards = write_checkpoint_v3(cfg, a.out, a.seed, int(a.shard_gb * (1 << 30)))
-    else:
-        cfg = reduced_config(cfg, a.layers)
-        shards = write_checkpoint(cfg, a.out, a.format, a.seed, int(a.shard_gb * (1 << 30)))
+    cfg = cfg.with_layers(a.layers)
+    shards = write_checkpoint(cfg, a.out, a.format, a.seed, int(a.shard_gb * (1 << 30)))
     print(f"wrote {cfg.name} ({a.format} layout, {cfg.n_layers} layers + {cfg.n_mtp_layers} MTP) to {a.out}: "
           f"{len(shards)} shard(s)")
     return 0
@@ -208,16 +200,13 @@ def _bench(a: argparse.Namespace) -> int:
 
 
 def _info(a: argparse.Namespace) -> int:
-    from ..config import load_config
-    from ..config_v3 import DeepseekV3Config
-    from ..sizing import format_info
-    from ..sizing_v3 import format_info_v3
+    from ..models import family_of, load_config
 
     cfg = load_config(a.model)
     ctx = a.context_len if a.context_len is not None else min(cfg.max_position_embeddings, 131072)
     if ctx < 1 or a.batch < 1:
         raise AscendDSV4Error("--context-len and --batch must be positive")
-    print((format_info_v3 if isinstance(cfg, DeepseekV3Config) else format_info)(cfg, ctx, a.batch))
+    print(family_of(cfg).format_info(cfg, ctx, a.batch))
     if a.tensor_parallel_size != 1 or a.enable_expert_parallel or a.device_memory is not None:
         from ..parallel_plan import format_layout_info, parse_bytes
 

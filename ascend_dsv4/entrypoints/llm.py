@@ -1,14 +1,13 @@
 """Offline API: ``LLM(model=...).generate(prompts, SamplingParams(...))`` and ``LLM.logits(token_ids)``.
 
 ``model`` is a preset name (random weights from ``seed``, e.g. the embedded ``toy-v4``) or a folder with a
-``config.json`` and safetensors weights (official or transformers names). Requests run through the paged
-KV pools with a small continuous-batching loop: every step packs the decode tokens of running requests and
-chunks of pending prompts into one ragged batch of at most ``max_num_batched_tokens`` tokens.
+``config.json`` and safetensors weights (official or transformers names, or msModelSlim). A thin facade: it
+checks the arguments, then hands the model to a :class:`~ascend_dsv4.engine.model_runner.ModelRunner` (build,
+load, pools, steps) and requests to an :class:`~ascend_dsv4.engine.engine.LLMEngine` (continuous batching).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 from typing import Callable, Sequence
@@ -17,16 +16,16 @@ import torch
 
 import atb_ops
 
-from ..config import load_config
-from ..engine.kv_pools import PoolSizes
-from ..engine.model_runner import ModelRunner
 from ..engine.engine import LLMEngine
+from ..engine.model_runner import ModelRunner
+from ..engine.prompts import check_prompt_ids
 from ..engine.request import RequestOutput
 from ..engine.sampling import SamplingParams
 from ..engine.tokenizer import load_tokenizer
 from ..errors import ConfigError, RequestError
-from ..models import build_model
-from ..models.deepseek_v4 import NUMERICS
+from ..models import FAMILIES, family_of, load_config
+
+NUMERICS = tuple(dict.fromkeys(n for f in FAMILIES.values() for n in f.numerics))  # every family's, in order
 
 log = logging.getLogger("ascend_dsv4")
 
@@ -83,8 +82,10 @@ class LLM:
         cfg = load_config(model)
         if config_overrides:
             cfg = cfg.replace(**config_overrides)
-        if cfg.model_type == "deepseek_v3" and numerics != "exact":
-            raise ConfigError("DeepSeek-V3 models run with numerics='exact' only")
+        family = family_of(cfg)
+        if numerics not in family.numerics:
+            raise ConfigError(f"{family.title} models run with numerics={' or '.join(map(repr, family.numerics))} "
+                              f"only, got {numerics!r}")
         self.cfg = cfg
         if isinstance(dtype, torch.dtype):
             self.dtype = dtype
@@ -98,119 +99,88 @@ class LLM:
         if max_num_batched_tokens < 1 or max_num_seqs < 1 or block_size < 1:
             raise ConfigError("max_num_batched_tokens, max_num_seqs and block_size must be positive")
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
-        self.executor = None
+
         folder = model if os.path.isdir(model) else (os.path.dirname(model) if os.path.isfile(model) else None)
+        self.executor = None
         if tensor_parallel_size != 1 or enable_expert_parallel or distributed_executor_backend is not None:
-            self._start_parallel(model, folder, numerics, seed, dequantize, block_size, tensor_parallel_size,
-                                 enable_expert_parallel, distributed_executor_backend)
-            self.engine = LLMEngine(self.runner, self.tokenizer, self.max_model_len, max_num_seqs,
-                                    max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
-                                    num_speculative_tokens=num_speculative_tokens)
-            return
-
-        with self._ops():
-            folder = model if os.path.isdir(model) else (os.path.dirname(model) if os.path.isfile(model) else None)
-            if folder is None:
-                from ..weights.random_init import init_random_
-
-                net = init_random_(build_model(cfg, self.dtype, numerics), seed)
-            else:
-                from ..weights.loader import load_weights
-                from ..weights.msmodelslim_loader import is_msmodelslim_folder, load_msmodelslim
-
-                with torch.device("meta"):
-                    net = build_model(cfg, self.dtype, numerics)
-                if is_msmodelslim_folder(folder):
-                    self.quant_summary = load_msmodelslim(net, folder, msmodelslim_path, allow_float_mtp,
-                                                          msmodelslim_act_sim)
-                else:
-                    load_weights(net, folder, self.device, dequantize=dequantize, progress=progress)
-            net = net.to(self.device).eval()
-        self.model = net
+            self.runner = self._start_parallel(model, folder, numerics, seed, dequantize, block_size,
+                                               tensor_parallel_size, enable_expert_parallel,
+                                               distributed_executor_backend)
+        else:
+            self.runner = ModelRunner.create(
+                model, cfg, device=self.device, dtype=self.dtype, numerics=numerics, backend=self.backend,
+                block_size=block_size, max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
+                max_num_batched_tokens=max_num_batched_tokens, seed=seed, dequantize=dequantize, progress=progress,
+                msmodelslim_path=msmodelslim_path, allow_float_mtp=allow_float_mtp,
+                msmodelslim_act_sim=msmodelslim_act_sim)
         self.tokenizer = load_tokenizer(folder, cfg.bos_token_id, cfg.eos_token_id, cfg.vocab_size)
-        self.runner = ModelRunner(net, self._pool_sizes(block_size), self.device)
         self.engine = LLMEngine(self.runner, self.tokenizer, self.max_model_len, max_num_seqs, max_num_batched_tokens,
                                 enable_prefix_caching=enable_prefix_caching,
                                 num_speculative_tokens=num_speculative_tokens)
 
-    # ---- setup ---------------------------------------------------------------------------------------
-    def _start_parallel(self, model, folder, numerics, seed, dequantize, block_size, tp, ep, executor) -> None:
-        """Validate the layout (before any weight is read), then start the ``mp`` executor: rank 0 here, one
-        worker process per other rank."""
+    def _start_parallel(self, model, folder, numerics, seed, dequantize, block_size, tp, ep, executor):
+        """Validate the layout (before any weight is read), then start the ``mp`` executor (rank 0 in this
+        process, one worker process per other rank); returns rank 0's runner."""
         from parallel.groups import visible_devices
 
+        from ..engine import model_runner
         from ..engine.executor import RankSpec
         from ..engine.executor_mp import MPExecutor
         from ..parallel_plan import validate_layout
 
         if executor not in (None, "mp"):
             raise ConfigError(f"distributed_executor_backend must be 'mp' (one process per rank on this node), got "
-                              f"{executor!r}; Ray is not available yet")
+                              f"{executor!r}")
         validate_layout(self.cfg, tp, ep, visible_devices=visible_devices(self.device.type), device=self.device.type,
                         quantized_checkpoint=folder is not None, numerics=numerics)
+        sizes = model_runner.plan_pool_sizes(self.cfg, block_size, self.max_num_seqs, self.max_model_len,
+                                             self.max_num_batched_tokens)
         spec = RankSpec(model=folder or model, cfg=self.cfg, dtype=self.dtype, numerics=numerics,
-                        device_type=self.device.type, seed=seed, pool_sizes=self._pool_sizes(block_size),
-                        tensor_parallel_size=tp, enable_expert_parallel=ep, backend=self.backend,
-                        dequantize=dequantize, timeout_s=float(os.environ.get("ASCEND_DSV4_MP_TIMEOUT", "300")),
+                        device_type=self.device.type, seed=seed, pool_sizes=sizes, tensor_parallel_size=tp,
+                        enable_expert_parallel=ep, backend=self.backend, dequantize=dequantize,
+                        timeout_s=float(os.environ.get("ASCEND_DSV4_MP_TIMEOUT", "300")),
                         env={k: v for k, v in os.environ.items() if k.startswith(("ASCEND_DSV4_", "ATB_OPS_", "HCCL_"))})
         self.executor = MPExecutor(spec).start()
-        self.runner = self.executor.runner
-        self.model = self.runner.model
-        self.tokenizer = load_tokenizer(folder, self.cfg.bos_token_id, self.cfg.eos_token_id, self.cfg.vocab_size)
+        runner = self.executor.runner
+        runner.max_model_len, runner.max_num_batched_tokens = self.max_model_len, self.max_num_batched_tokens
+        return runner
 
     def shutdown(self) -> None:
         """Stop the worker processes of a tensor-parallel LLM (no-op at world size 1; idempotent)."""
         if self.executor is not None:
             self.executor.shutdown()
 
-    def _pool_sizes(self, B: int) -> PoolSizes:
-        cfg = self.cfg
-        c4_b, c128_b = 16, 2
-        if cfg.model_type == "deepseek_v3":  # full attention: every position of every sequence stays cached
-            per_seq_tokens = -(-self.max_model_len // B) + 1
-        else:  # V4: token pages are trimmed to the window and the open compression blocks
-            keep = max(cfg.window_size, 128 if 128 in cfg.compress_ratios else 8) + B
-            per_seq_tokens = -(-(keep + self.max_num_batched_tokens) // B) + 1
-        return PoolSizes(
-            block_size=B, c4_block_size=c4_b, c128_block_size=c128_b,
-            num_blocks=self.max_num_seqs * per_seq_tokens + -(-self.max_num_batched_tokens // B),
-            num_c4_blocks=self.max_num_seqs * (-(-self.max_model_len // (4 * c4_b)) + 1),
-            num_c128_blocks=self.max_num_seqs * (-(-self.max_model_len // (128 * c128_b)) + 1),
-        )
+    @property
+    def model(self) -> torch.nn.Module:
+        """The runner's model (read-only access for inspection and tests)."""
+        return self.runner.model
+
+    @property
+    def quant_summary(self) -> dict | None:
+        """msModelSlim load summary (quantised linears, quant type, bytes per parameter), None otherwise."""
+        return self.runner.quant_summary
 
     def _ops(self):
-        return atb_ops.use_backend(self.backend) if self.backend else contextlib.nullcontext()
+        return self.runner.ops()
 
     # ---- logits of one sequence ------------------------------------------------------------------------
     def logits(self, token_ids: Sequence[int], prefill_len: int | None = None) -> torch.Tensor:
         """Logits [T, vocab] (float32, CPU) at every position of one sequence: the first ``prefill_len``
         tokens (default all) run as one prefill, the rest one decode step at a time."""
-        ids = self._check_ids(list(token_ids), "token_ids")
-        if not ids:
-            raise RequestError("token_ids is empty")
+        ids = check_prompt_ids(token_ids, self.cfg.vocab_size, self.max_model_len, "token_ids")
         p = len(ids) if prefill_len is None else prefill_len
         if not isinstance(p, int) or not 1 <= p <= len(ids):
             raise RequestError(f"prefill_len must be an integer in [1, {len(ids)}], got {prefill_len!r}")
         seq = self.runner.new_sequence()
         try:
-            with self._ops():
-                rows = [self.runner.step([seq], [ids[:p]], logits="all")]
-                for t in ids[p:]:
-                    rows.append(self.runner.step([seq], [[t]], logits="all"))
+            rows = [self.runner.step([seq], [ids[:p]], logits="all")]
+            for t in ids[p:]:
+                rows.append(self.runner.step([seq], [[t]], logits="all"))
         finally:
             self.runner.release(seq)
         return torch.cat(rows).float().cpu()
 
     # ---- generation ----------------------------------------------------------------------------------
-    def _check_ids(self, ids: list[int], what: str) -> list[int]:
-        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.cfg.vocab_size]
-        if bad:
-            raise RequestError(f"{what} holds {bad[0]!r}, not a token id in [0, {self.cfg.vocab_size})")
-        if len(ids) >= self.max_model_len:
-            raise RequestError(f"{what} has {len(ids)} tokens; max_model_len is {self.max_model_len} "
-                               f"(the prompt must leave room for at least one generated token)")
-        return ids
-
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  on_text: Callable[[str, str], None] | None = None) -> list[RequestOutput]:
         """Generate for one prompt or a list (strings or token-id lists), batched continuously.
@@ -235,23 +205,21 @@ class LLM:
                 ids = list(p)
             else:
                 raise RequestError(f"prompt {i} must be a string or a list of token ids, got {type(p).__name__}")
-            if not ids:
-                raise RequestError(f"prompt {i} is empty")
-            encoded.append((p if isinstance(p, str) else ids, self._check_ids(ids, f"prompt {i}")))
+            ids = check_prompt_ids(ids, self.cfg.vocab_size, self.max_model_len, f"prompt {i}")
+            encoded.append((p if isinstance(p, str) else ids, ids))
         rids = [self.engine.add_request(p, sp) for (p, _ids), sp in zip(encoded, params)]
         final: dict[str, RequestOutput] = {}
-        with self._ops():
-            try:
-                while len(final) < len(rids) and self.engine.has_unfinished():
-                    for out in self.engine.step():
-                        if on_text and out.delta_text:
-                            on_text(out.request_id, out.delta_text)
-                        if out.finished:
-                            final[out.request_id] = out
-                            if out.error:
-                                log.warning("request %s aborted by the engine: %s", out.request_id, out.error)
-            finally:
-                for rid in rids:
-                    if rid not in final:
-                        self.engine.abort_request(rid)
+        try:
+            while len(final) < len(rids) and self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if on_text and out.delta_text:
+                        on_text(out.request_id, out.delta_text)
+                    if out.finished:
+                        final[out.request_id] = out
+                        if out.error:
+                            log.warning("request %s aborted by the engine: %s", out.request_id, out.error)
+        finally:
+            for rid in rids:
+                if rid not in final:
+                    self.engine.abort_request(rid)
         return [final[r] for r in rids]

@@ -36,6 +36,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.async_engine import AsyncEngine, EngineDead, EngineOverloaded
+from ..engine.prompts import PromptError, check_prompt_ids
 from ..engine.request import RequestOutput
 from ..engine.sampling import SamplingParams
 from ..errors import AscendDSV4Error, RequestError
@@ -144,19 +145,16 @@ class _State:
                            "model", "model_not_found")
         return m
 
-    def check_len(self, ids: list[int], param: str) -> None:
-        if not ids:
-            raise _bad(f"{param} is empty", param)
-        if len(ids) >= self.max_model_len:
-            raise _bad(f"This model's maximum context length is {self.max_model_len} tokens. However, your "
-                       f"{param} has {len(ids)} tokens (it must leave room for at least one generated token).",
-                       param, "context_length_exceeded")
-
-    def check_ids(self, ids: list, param: str) -> list[int]:
-        for t in ids:
-            if not _is_int(t) or t < 0 or (self.vocab_size is not None and t >= self.vocab_size):
-                raise _bad(f"{param} holds {t!r}, not a token id in [0, {self.vocab_size})", param)
-        return list(ids)
+    def check_prompt(self, ids: list, param: str) -> list[int]:
+        """The prompt's ids (engine's validator), or a 400 naming ``param`` (OpenAI's wording for length)."""
+        try:
+            return check_prompt_ids(ids, self.vocab_size, self.max_model_len, param)
+        except PromptError as e:
+            if e.code == "context_length_exceeded":
+                raise _bad(f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                           f"{param} has {len(ids)} tokens (it must leave room for at least one generated token).",
+                           param, "context_length_exceeded") from None
+            raise _bad(str(e), param) from None
 
     def completion_prompts(self, p: Any) -> list[_Prompt]:
         if p is None:
@@ -175,8 +173,8 @@ class _State:
             if isinstance(x, str):
                 pr = _Prompt(x, self.tokenizer.encode(x))
             else:
-                pr = _Prompt(None, self.check_ids(x, "prompt"))
-            self.check_len(pr.ids, "prompt")
+                pr = _Prompt(None, list(x))
+            pr.ids = self.check_prompt(pr.ids, "prompt")
             out.append(pr)
         return out
 
@@ -621,7 +619,7 @@ def create_app(async_engine: AsyncEngine, model_name: str | Sequence[str], api_k
         except RequestError as e:
             raise _bad(str(e), "messages") from None
         ids = st.tokenizer.encode(text)
-        st.check_len(ids, "messages")
+        ids = st.check_prompt(ids, "messages")
         mt = _opt_int(body, "max_completion_tokens", 1)
         mt_param = "max_completion_tokens"
         if mt is None:

@@ -21,12 +21,13 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from parallel.linear import Linear
+from quant.safetensors_io import TensorInfo, checkpoint_inventory
 
 from ..errors import CheckpointError
-from ..models.v4_moe import Experts
-from .names import canonical_name, expert_key
+from ..layers.experts import Experts
+from ..models import family_of
+from ..models.deepseek_v4.names import expert_key
 from .tp_shards import Shard, expert_modules, expert_shard, foreign_expert, module_shard
-from .safetensors_io import TensorInfo, checkpoint_inventory
 
 log = logging.getLogger("ascend_dsv4")
 
@@ -117,7 +118,11 @@ def plan_load(model: nn.Module, folder: str) -> Plan:
     """Match checkpoint headers against the model; raise one CheckpointError listing every problem."""
     targets = model_targets(model)
     inv = checkpoint_inventory(folder)
-    canon = getattr(model, "canonical_name", None) or canonical_name
+    fam, n_layers = family_of(model.cfg), model.cfg.n_layers
+
+    def canon(name: str) -> str | None:
+        return fam.canonical_name(name, n_layers)
+
     found: dict[str, Found] = {}
     fused: dict[str, tuple[str, str, TensorInfo]] = {}
     problems: list[str] = []

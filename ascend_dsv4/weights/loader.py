@@ -16,10 +16,11 @@ import os
 import torch
 from torch import nn
 
+import atb_ops
 from parallel.linear import Linear
 
 from ..errors import CheckpointError
-from ..models.v4_moe import Experts
+from ..layers.experts import Experts
 from .checkpoint import Plan, plan_load
 
 log = logging.getLogger("ascend_dsv4")
@@ -208,7 +209,7 @@ class _Loader:
 
         from tqdm import tqdm
 
-        from .safetensors_io import _progress_enabled, find_shards, read_header
+        from quant.safetensors_io import _progress_enabled, find_shards, read_header
 
         plan = []
         for path in find_shards(folder):
@@ -297,10 +298,8 @@ class _Loader:
                     mod.w2.copy_(t)
 
     def _dequant_into(self, key: str, w: torch.Tensor, s: torch.Tensor, fmt: str) -> None:
-        from atb_ops.reference.linear import dequant_weight
-
         try:
-            self.storage[key].copy_(dequant_weight(w, s, fmt))
+            self.storage[key].copy_(atb_ops.dequantize_weight(w, s, fmt))
         except ValueError as e:  # QuantFormatError from the codecs
             self.problems.append(f"{key}: {e}")
 

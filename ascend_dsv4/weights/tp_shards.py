@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..models.v4_moe import Experts
+from ..layers.experts import Experts
 
 _EXPERT = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<id>\d+)\.(?P<w>w[123])\.(weight|scale)$")
 

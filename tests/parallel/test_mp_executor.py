@@ -34,10 +34,12 @@ def _bounded(monkeypatch):
 
 
 def test_tp2_greedy_prefix_cache_mtp_chunked_preemption_equals_one_device(monkeypatch):
-    from ascend_dsv4.engine.kv_pools import PoolSizes
+    from ascend_dsv4.kv.blocks import PoolSizes
 
     # 6 token pages of 16: three requests together exhaust them -> preemption by recompute
-    monkeypatch.setattr(LLM, "_pool_sizes", lambda self, B: PoolSizes(B, 4, 1, 6, 64, 8))
+    from ascend_dsv4.engine import model_runner
+
+    monkeypatch.setattr(model_runner, "plan_pool_sizes", lambda cfg, B, *a: PoolSizes(B, 4, 1, 6, 64, 8))
     kw = dict(max_model_len=256, max_num_batched_tokens=24, enable_prefix_caching=True, num_speculative_tokens=1)
     one = LLM("toy-v4", **kw)
     want = _outputs(one)

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from ascend_dsv4.config import preset
+from ascend_dsv4.models import preset
 
 pytestmark = pytest.mark.distributed
 
@@ -23,14 +23,14 @@ PROMPT = [(7 * i + 3) % 1000 + 2 for i in range(40)]
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    from ascend_dsv4.weights.random_checkpoint import write_checkpoint, write_checkpoint_v3
+    from ascend_dsv4.weights.random_checkpoint import write_checkpoint
 
     root = tmp_path_factory.mktemp("tp_ckpts")
     out = {}
     for name, write in (("v4_official", lambda d: write_checkpoint(V4, d, "official", 1, progress=False)),
                         ("v4_hf", lambda d: write_checkpoint(V4, d, "hf", 2, progress=False)),
-                        ("v3_fp8", lambda d: write_checkpoint_v3(V3, d, 3, progress=False)),
-                        ("v3_bf16", lambda d: write_checkpoint_v3(V3.replace(dtype="bf16"), d, 4, progress=False))):
+                        ("v3_fp8", lambda d: write_checkpoint(V3, d, "hf", 3, progress=False)),
+                        ("v3_bf16", lambda d: write_checkpoint(V3.replace(dtype="bf16"), d, "hf", 4, progress=False))):
         out[name] = str(root / name)
         write(out[name])
     return out
@@ -38,7 +38,7 @@ def folders(tmp_path_factory):
 
 def _run(model):
     """Logits of a 40-token prefill and 2 decode steps, and MTP logits over the prefill: float32 [*, vocab]."""
-    from ascend_dsv4.engine.kv_pools import PoolSizes
+    from ascend_dsv4.kv.blocks import PoolSizes
     from ascend_dsv4.engine.model_runner import ModelRunner
 
     runner = ModelRunner(model, PoolSizes(16, 16, 2, 64, 16, 4), "cpu")
@@ -52,7 +52,7 @@ def _run(model):
 
 
 def _load(folder, parallel):
-    from ascend_dsv4.config import load_config
+    from ascend_dsv4.models import load_config
     from ascend_dsv4.models import build_model
     from ascend_dsv4.weights.loader import load_weights
 

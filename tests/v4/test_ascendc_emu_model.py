@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ascend_dsv4 import LLM
-from ascend_dsv4.config import preset
+from ascend_dsv4.models import preset
 from ascend_dsv4.weights.random_checkpoint import write_checkpoint
 from atb_ops.ascendc.emu import backend, build
 from v4_helpers import rel_err

@@ -15,9 +15,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from ascend_dsv4 import LLM
-from ascend_dsv4.config import preset
+from ascend_dsv4.models import preset
 from ascend_dsv4.errors import CheckpointError
-from ascend_dsv4.weights.safetensors_io import find_shards, index_weight_map, is_plain_file_name, read_header
+from quant.safetensors_io import find_shards, index_weight_map, is_plain_file_name, read_header
 from ascend_dsv4.weights.random_checkpoint import write_checkpoint
 
 _ST = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float8_e4m3fn: "F8_E4M3", torch.int64: "I64",

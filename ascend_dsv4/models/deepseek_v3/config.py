@@ -8,9 +8,9 @@ It is read from
 * DeepSeek's published Hugging Face ``config.json`` (``hidden_size``, ``first_k_dense_replace``, ``n_group``,
   ``rope_scaling = {"type": "yarn", ...}``, ``quantization_config = {"quant_method": "fp8", ...}``) and from what
   ``transformers.DeepseekV3Config(...).to_dict()`` writes (``rope_parameters = {"rope_type": "yarn", ...}``,
-  ``q_lora_rank = None`` for no query compression): :func:`from_hf_dict_v3`;
+  ``q_lora_rank = None`` for no query compression): :func:`from_hf_dict`;
 * the official inference config (``inference/configs/config_671B.json``, ``ModelArgs`` keys):
-  :func:`from_official_dict_v3`;
+  :func:`from_official_dict`;
 * a preset: ``toy-v3`` (CPU test model) and ``deepseek-v3`` (the published V3 / R1 / V3.1 shapes).
 
 YaRN scaling, exactly as transformers does it (``modeling_rope_utils._compute_yarn_parameters`` and
@@ -18,7 +18,7 @@ YaRN scaling, exactly as transformers does it (``modeling_rope_utils._compute_ya
 
 * :attr:`DeepseekV3Config.softmax_scale` = ``qk_head_dim ** -0.5 * g(rope_factor, mscale_all_dim) ** 2`` when YaRN
   is on (``rope_factor > 1``) and ``mscale_all_dim != 0``, else ``qk_head_dim ** -0.5``. (The official inference
-  code uses ``g(rope_factor, mscale) ** 2``: :func:`from_official_dict_v3` therefore sets ``mscale_all_dim =
+  code uses ``g(rope_factor, mscale) ** 2``: :func:`from_official_dict` therefore sets ``mscale_all_dim =
   mscale``.)
 * :attr:`DeepseekV3Config.rope_attention_factor` (transformers' ``attention_factor``, multiplied into cos and sin):
   ``1.0`` without YaRN; with YaRN ``g(f, mscale) / g(f, mscale_all_dim)`` when *both* ``mscale`` and
@@ -26,7 +26,7 @@ YaRN scaling, exactly as transformers does it (``modeling_rope_utils._compute_ya
   matching the official code, which never scales cos/sin.
 
 Every config is validated; a broken one raises :class:`~ascend_dsv4.errors.ConfigError` naming the field and the
-rule. This module imports nothing of the package but :mod:`ascend_dsv4.errors` (``config.py`` imports it).
+rule.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import ConfigError
+from ...errors import ConfigError
 
 
 def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -139,7 +139,7 @@ class DeepseekV3Config:
         return cfg
 
     def to_dict(self) -> dict:
-        """All fields but ``extra`` (these are ``ModelArgs`` names: :func:`from_official_dict_v3` reads it back)."""
+        """All fields but ``extra`` (these are ``ModelArgs`` names: :func:`from_official_dict` reads it back)."""
         d = dataclasses.asdict(self)
         d.pop("extra")
         return d
@@ -148,6 +148,17 @@ class DeepseekV3Config:
         """The official inference ``config.json`` (``ModelArgs`` keys only). Reading it back gives
         ``n_mtp_layers = 0`` (the official converter drops the MTP layer) and ``mscale_all_dim = mscale``."""
         return {k: getattr(self, k) for k in _MODEL_ARGS}
+
+    def dense(self) -> "DeepseekV3Config":
+        """This config with BF16 weights (what a dequantised model holds)."""
+        return self.replace(dtype="bf16")
+
+    def with_layers(self, n_layers: int | None) -> "DeepseekV3Config":
+        """This config cut to its first ``n_layers`` backbone layers (MTP kept, dense layers clipped)."""
+        if n_layers is None or n_layers == self.n_layers:
+            return self
+        return self.replace(n_layers=n_layers, n_dense_layers=min(self.n_dense_layers, n_layers),
+                            name=f"{self.name}-{n_layers}l")
 
     def to_hf_dict(self) -> dict:
         """DeepSeek's published Hugging Face ``config.json`` for this config (``rope_scaling`` / quantization style)."""
@@ -253,13 +264,7 @@ def _v3() -> DeepseekV3Config:
     )
 
 
-V3_PRESETS = {"toy-v3": _toy, "deepseek-v3": _v3}
-
-
-def preset_v3(name: str) -> DeepseekV3Config:
-    if name not in V3_PRESETS:
-        raise ConfigError(f"unknown DeepSeek-V3 preset {name!r}; known: {', '.join(sorted(V3_PRESETS))}")
-    return V3_PRESETS[name]().validate()
+PRESETS = {"toy-v3": _toy, "deepseek-v3": _v3}
 
 
 # ---- parsing ---------------------------------------------------------------------------------------
@@ -300,7 +305,7 @@ _MODEL_ARGS = {
 }
 
 
-def from_official_dict_v3(d: dict, where: str = "config.json") -> DeepseekV3Config:
+def from_official_dict(d: dict, where: str = "config.json") -> DeepseekV3Config:
     """Parse the official DeepSeek-V3 inference config (``ModelArgs`` keys; any other field of
     :class:`DeepseekV3Config` is read too, so ``cfg.to_dict()`` round-trips).
 
@@ -349,7 +354,7 @@ _YARN_KEYS = {"factor": "rope_factor", "original_max_position_embeddings": "orig
               "mscale_all_dim": "mscale_all_dim"}
 
 
-def from_hf_dict_v3(d: dict, where: str = "config.json") -> DeepseekV3Config:
+def from_hf_dict(d: dict, where: str = "config.json") -> DeepseekV3Config:
     """Parse a Hugging Face ``config.json`` of the V3 family: DeepSeek's published file (``rope_scaling`` with
     ``type: yarn``, ``quantization_config`` fp8 / e4m3 / 128x128 blocks) or what transformers writes
     (``rope_parameters`` with ``rope_type``, ``rope_theta`` inside it, ``q_lora_rank: null``).
@@ -427,10 +432,3 @@ def from_hf_dict_v3(d: dict, where: str = "config.json") -> DeepseekV3Config:
     extra = {k: v for k, v in d.items() if k not in used}
     extra.update({k: d[k] for k in ("rope_scaling", "rope_parameters", "quantization_config") if d.get(k)})
     return DeepseekV3Config(name=where, extra=extra, **kw).validate()
-
-
-def from_dict_v3(d: dict, where: str = "config.json") -> DeepseekV3Config:
-    """HF file (``hidden_size`` / ``num_hidden_layers`` present) or official file."""
-    if isinstance(d, dict) and ("hidden_size" in d or "num_hidden_layers" in d):
-        return from_hf_dict_v3(d, where)
-    return from_official_dict_v3(d, where)

@@ -1,6 +1,6 @@
 """Sizes of a DeepSeek-V4 model: parameters, checkpoint bytes, KV bytes per token, memory plans.
 
-Everything here is a pure function of a :class:`~ascend_dsv4.config.ModelConfig` (no torch).
+Everything here is a pure function of a :class:`~ascend_dsv4.config.DeepseekV4Config` (no torch).
 
 **Tensor inventory** (spec §3.1). :func:`tensor_inventory` lists every tensor of the published checkpoint with
 its official name, shape, safetensors dtype and a group. With ``dtype="fp8"`` and ``expert_dtype="fp4"`` it
@@ -36,67 +36,25 @@ elements (a packed-FP4 ``[out, in/2]`` tensor counts ``out*in``), *including* hc
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
-from .config import ModelConfig
-from .errors import RequestError
-
-# safetensors dtype name -> bytes per stored element
-DTYPE_BYTES = {"BF16": 2, "F32": 4, "F8_E4M3": 1, "F8_E8M0": 1, "I64": 8, "I8": 1}
+from ...errors import RequestError
+from ..sizing import TensorSpec, fmt_bytes as _gib, fmt_ids as _ids, fmt_params as _params
+from .config import DeepseekV4Config
 
 KINDS = ("swa", "csa", "hca", "mtp")
 
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """One checkpoint tensor (or ``count`` tensors of the same shape, e.g. the E routed experts).
-
-    ``name`` may hold ``{e}`` for the expert index. ``group`` is the :func:`param_breakdown` bucket;
-    ``scale`` marks quantisation scales and ``table`` the tid2eid lookup tables (neither counts as parameters).
-    ``packed_fp4`` marks I8 tensors holding two FP4 values per byte (logical width ``2 * shape[-1]``).
-    """
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    group: str
-    count: int = 1
-    scale: bool = False
-    table: bool = False
-    packed_fp4: bool = False
-
-    @property
-    def numel(self) -> int:
-        """Stored elements of one tensor."""
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        """Stored bytes of all ``count`` tensors."""
-        return self.count * self.numel * DTYPE_BYTES[self.dtype]
-
-    @property
-    def logical_numel(self) -> int:
-        """Logical elements of all ``count`` tensors (packed FP4: two per stored byte)."""
-        return self.count * self.numel * (2 if self.packed_fp4 else 1)
-
-    @property
-    def is_param(self) -> bool:
-        return not (self.scale or self.table)
-
-
-def layer_counts(cfg: ModelConfig) -> dict[str, int]:
+def layer_counts(cfg: DeepseekV4Config) -> dict[str, int]:
     """Number of layers of each kind: backbone 'swa' / 'csa' / 'hca' and the 'mtp' layers (all SWA-only)."""
     out = {k: len(cfg.layers_of_kind(k)) for k in ("swa", "csa", "hca")}
     out["mtp"] = cfg.n_mtp_layers
     return out
 
 
-def _expert_format(cfg: ModelConfig) -> str:
+def _expert_format(cfg: DeepseekV4Config) -> str:
     return cfg.expert_dtype or cfg.dtype
 
 
-def tensor_inventory(cfg: ModelConfig, include_mtp: bool = True) -> list[TensorSpec]:
+def tensor_inventory(cfg: DeepseekV4Config, include_mtp: bool = True) -> list[TensorSpec]:
     """Every tensor of the checkpoint described by ``cfg`` (see the module docstring for names and formats)."""
     d, H, D, N = cfg.dim, cfg.n_heads, cfg.head_dim, cfg.hc_mult
     mix = (2 + N) * N
@@ -185,14 +143,14 @@ def tensor_inventory(cfg: ModelConfig, include_mtp: bool = True) -> list[TensorS
     return out
 
 
-def param_count(cfg: ModelConfig, include_mtp: bool = True) -> int:
+def param_count(cfg: DeepseekV4Config, include_mtp: bool = True) -> int:
     """Logical parameter count: Σ logical elements of every inventory tensor except scales and tid2eid
     (packed FP4 experts count as their logical ``[out, in]``). Convention in the module docstring; it gives
     spec §1.3's Flash 290,942,289,362 and Pro 1,598,837,347,742 (MTP included)."""
     return sum(t.logical_numel for t in tensor_inventory(cfg, include_mtp) if t.is_param)
 
 
-def param_breakdown(cfg: ModelConfig) -> dict[str, int]:
+def param_breakdown(cfg: DeepseekV4Config) -> dict[str, int]:
     """Logical parameters per bucket; the values sum to ``param_count(cfg)``.
 
     Buckets: 'embed', 'head', 'attention' (wq_a, q_norm, wq_b, wkv, kv_norm, wo_a, wo_b, attn_sink),
@@ -208,7 +166,7 @@ def param_breakdown(cfg: ModelConfig) -> dict[str, int]:
     return out
 
 
-def active_param_count(cfg: ModelConfig, include_mtp: bool = False) -> int:
+def active_param_count(cfg: DeepseekV4Config, include_mtp: bool = False) -> int:
     """Parameters touched per token: all of :func:`param_count` except the routed experts, of which
     ``n_activated_experts / n_routed_experts`` (embedding included, MTP excluded by default)."""
     inv = [t for t in tensor_inventory(cfg, include_mtp) if t.is_param]
@@ -217,14 +175,14 @@ def active_param_count(cfg: ModelConfig, include_mtp: bool = False) -> int:
     return rest + experts * cfg.n_activated_experts // cfg.n_routed_experts
 
 
-def checkpoint_bytes(cfg: ModelConfig, include_mtp: bool = True) -> int:
+def checkpoint_bytes(cfg: DeepseekV4Config, include_mtp: bool = True) -> int:
     """Bytes of the checkpoint tensors in the formats of ``cfg`` (weights, scales and tid2eid tables)."""
     return sum(t.nbytes for t in tensor_inventory(cfg, include_mtp))
 
 
 # ---- KV cache ----------------------------------------------------------------------------------------
 
-def production_entry_bytes(cfg: ModelConfig) -> int:
+def production_entry_bytes(cfg: DeepseekV4Config) -> int:
     """Bytes of one head_dim-wide KV entry in the FlashMLA-style production layout (spec §4.2):
     ``(head_dim - rope_head_dim)`` FP8 nope bytes + ``2 * rope_head_dim`` BF16 rope bytes + one E8M0 scale per
     64 nope channels, the scale bytes padded to a multiple of 8 (448 + 128 + 7 + 1 pad = 584 B for D=512)."""
@@ -233,14 +191,14 @@ def production_entry_bytes(cfg: ModelConfig) -> int:
     return nope + 2 * cfg.rope_head_dim + 8 * -(-scales // 8)
 
 
-def production_indexer_entry_bytes(cfg: ModelConfig, indexer_fp8: bool = False) -> int:
+def production_indexer_entry_bytes(cfg: DeepseekV4Config, indexer_fp8: bool = False) -> int:
     """Bytes of one indexer key: FP4 = ``index_head_dim/2`` + one E8M0 scale per 32 (64 + 4 = 68 B),
     FP8 = ``index_head_dim`` + one FP32 scale (128 + 4 = 132 B)."""
     Di = cfg.index_head_dim
     return Di + 4 if indexer_fp8 else Di // 2 + Di // 32
 
 
-def kv_bytes_per_token(cfg: ModelConfig, layout: str = "production", dtype_bytes: int = 2,
+def kv_bytes_per_token(cfg: DeepseekV4Config, layout: str = "production", dtype_bytes: int = 2,
                        indexer_fp8: bool = False) -> dict[str, float]:
     """KV bytes that one more token of context adds, per ONE layer of each kind, and the model total.
 
@@ -271,7 +229,7 @@ def kv_bytes_per_token(cfg: ModelConfig, layout: str = "production", dtype_bytes
     return per
 
 
-def token_row_bytes(cfg: ModelConfig, dtype_bytes: int = 2) -> int:
+def token_row_bytes(cfg: DeepseekV4Config, dtype_bytes: int = 2) -> int:
     """Bytes of one token position in the token pages of our pools, summed over all layers:
     SWA row ``head_dim * dtype_bytes`` for each of the n_layers + n_mtp_layers layers; per CSA layer the float32
     compressor state ``(2D kv + 2D score) + (2Di kv + 2Di score)`` (main + indexer); per HCA layer ``D kv + D score``
@@ -282,7 +240,7 @@ def token_row_bytes(cfg: ModelConfig, dtype_bytes: int = 2) -> int:
     return swa + n["csa"] * (4 * D + 4 * Di) * 4 + n["hca"] * 2 * D * 4
 
 
-def live_token_span(cfg: ModelConfig) -> int:
+def live_token_span(cfg: DeepseekV4Config) -> int:
     """Most token positions a sequence keeps in the token pages during a decode step:
     ``L = max(window_size, 8 if the model has CSA layers, 128 if it has HCA layers)`` (the window including
     the new token; CSA's previous + open 4-blocks; HCA's open 128-block), from ``V4KVPools.keep_from``."""
@@ -290,7 +248,7 @@ def live_token_span(cfg: ModelConfig) -> int:
     return max(cfg.window_size, 8 if n["csa"] else 0, 128 if n["hca"] else 0)
 
 
-def _keep_from(cfg: ModelConfig, num_tokens: int, has_csa: bool, has_hca: bool) -> int:
+def _keep_from(cfg: DeepseekV4Config, num_tokens: int, has_csa: bool, has_hca: bool) -> int:
     # same rule as V4KVPools.keep_from (kept torch-free here; tests check the two agree)
     keep = num_tokens - cfg.window_size + 1
     if has_csa:
@@ -300,7 +258,7 @@ def _keep_from(cfg: ModelConfig, num_tokens: int, has_csa: bool, has_hca: bool) 
     return max(keep, 0)
 
 
-def fixed_token_pages(cfg: ModelConfig, block_size: int = 64) -> int:
+def fixed_token_pages(cfg: DeepseekV4Config, block_size: int = 64) -> int:
     """Most token pages one decoding sequence holds: while the token at position ``n`` is written, pages
     ``keep_from(n) // B .. n // B`` are live, where ``keep_from`` is ``V4KVPools.keep_from``
     (``max(0, min(n - window + 1, 4*(n//4) - 4 [CSA], 128*(n//128) [HCA]))``). The maximum over ``n`` is taken
@@ -317,7 +275,7 @@ def fixed_token_pages(cfg: ModelConfig, block_size: int = 64) -> int:
                for p in range(start, start + period))
 
 
-def fixed_bytes_per_sequence(cfg: ModelConfig, dtype_bytes: int = 2, block_size: int = 64) -> int:
+def fixed_bytes_per_sequence(cfg: DeepseekV4Config, dtype_bytes: int = 2, block_size: int = 64) -> int:
     """Fixed (context-independent) KV bytes our pools keep per decoding sequence:
 
         fixed_token_pages(cfg, block_size) * block_size * token_row_bytes(cfg, dtype_bytes)
@@ -333,7 +291,7 @@ def fixed_bytes_per_sequence(cfg: ModelConfig, dtype_bytes: int = 2, block_size:
     return fixed_token_pages(cfg, block_size) * block_size * token_row_bytes(cfg, dtype_bytes)
 
 
-def pool_bytes_per_sequence(cfg: ModelConfig, context_len: int, dtype_bytes: int = 2, block_size: int = 64,
+def pool_bytes_per_sequence(cfg: DeepseekV4Config, context_len: int, dtype_bytes: int = 2, block_size: int = 64,
                             c4_block_size: int = 16, c128_block_size: int = 2) -> int:
     """All pool bytes of one sequence of ``context_len`` tokens: the token pages
     (``min(ceil(n / B), fixed_token_pages)`` pages) plus the whole entry pages of its ``n // 4`` CSA entries
@@ -354,7 +312,7 @@ def pool_bytes_per_sequence(cfg: ModelConfig, context_len: int, dtype_bytes: int
 _FP32_AT_RUNTIME = ("norm", "hc_", "ape", "attn_sink", "gate.bias", "compressor.wkv", "compressor.wgate", "head.")
 
 
-def weights_bytes(cfg: ModelConfig) -> int:
+def weights_bytes(cfg: DeepseekV4Config) -> int:
     """Weight bytes in the checkpoint formats of ``cfg`` (= :func:`checkpoint_bytes`): FP8 linears 1 B/param
     + one E8M0 byte per 128x128 block, FP4 experts 0.5 B/param + one byte per 32, BF16 2 B, F32 4 B, tid2eid
     8 B per entry. Exact for the published Flash/Pro files. The official model additionally up-casts norms,
@@ -362,7 +320,7 @@ def weights_bytes(cfg: ModelConfig) -> int:
     return checkpoint_bytes(cfg)
 
 
-def dequantized_weights_bytes(cfg: ModelConfig, dtype_bytes: int = 2) -> int:
+def dequantized_weights_bytes(cfg: DeepseekV4Config, dtype_bytes: int = 2) -> int:
     """Weight bytes when every FP8/FP4/BF16 weight is held dequantised at ``dtype_bytes`` (what the reference
     engine of this package does), the FP32-held tensors (norms, hc_*, ape, attn_sink, gate.bias, compressor
     wkv/wgate, head) at 4 B and tid2eid at 8 B."""
@@ -379,7 +337,7 @@ def dequantized_weights_bytes(cfg: ModelConfig, dtype_bytes: int = 2) -> int:
     return total
 
 
-def memory_plan(cfg: ModelConfig, context_len: int, batch: int, dtype_bytes: int = 2, block_size: int = 64,
+def memory_plan(cfg: DeepseekV4Config, context_len: int, batch: int, dtype_bytes: int = 2, block_size: int = 64,
                 c4_block_size: int = 16, c128_block_size: int = 2) -> dict[str, int]:
     """Memory for ``batch`` sequences of ``context_len`` tokens each (bytes, all ints):
 
@@ -423,49 +381,7 @@ def memory_plan(cfg: ModelConfig, context_len: int, batch: int, dtype_bytes: int
 
 # ---- report ------------------------------------------------------------------------------------------
 
-def _ids(ids: list[int]) -> str:
-    """Compact layer-id list: runs of step 1 as 'a-b', longer arithmetic runs as 'a,b,..,z' ('0-1,3,5,..,59')."""
-    parts, i = [], 0
-    while i < len(ids):
-        j = i + 1
-        if j < len(ids):
-            step = ids[j] - ids[i]
-            while j + 1 < len(ids) and ids[j + 1] - ids[j] == step:
-                j += 1
-            seg = ids[i:j + 1]
-            if step == 1 and len(seg) >= 2:
-                parts.append(f"{seg[0]}-{seg[-1]}")
-            elif len(seg) >= 4:
-                parts.append(f"{seg[0]},{seg[1]},..,{seg[-1]}")
-            else:
-                parts.append(",".join(map(str, seg[:-1])))
-                j -= 1  # the last id may start the next run
-            i = j + 1
-        else:
-            parts.append(str(ids[i]))
-            i += 1
-    return ",".join(parts) or "-"
-
-
-def _gib(n: float) -> str:
-    if n >= 1 << 30:
-        return f"{n / (1 << 30):,.2f} GiB"
-    if n >= 1 << 20:
-        return f"{n / (1 << 20):,.1f} MiB"
-    if n >= 1 << 10:
-        return f"{n / (1 << 10):,.1f} KiB"
-    return f"{n:,.0f} B"
-
-
-def _params(n: int) -> str:
-    if n >= 10**9:
-        return f"{n / 1e9:,.2f} B"
-    if n >= 10**6:
-        return f"{n / 1e6:,.2f} M"
-    return f"{n / 1e3:,.1f} K"
-
-
-def format_info(cfg: ModelConfig, context_len: int, batch: int) -> str:
+def format_info(cfg: DeepseekV4Config, context_len: int, batch: int) -> str:
     """Human-readable report printed by ``ascend-dsv4 info``: config summary, parameters, KV bytes per
     token per layer kind (production and pool layouts) and the memory plan for ``batch`` x ``context_len``."""
     n = layer_counts(cfg)

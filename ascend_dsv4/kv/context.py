@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .kv_pools import SeqBlocks, V4KVPools
+from .blocks import SeqBlocks
+from .tables import logits_rows, lookup_slots, page_tables, token_positions
 
 
 @dataclass
@@ -30,7 +31,7 @@ class CompressCtx:
 
 @dataclass
 class StepContext:
-    pools: V4KVPools
+    pools: "V4KVPools"  # noqa: F821  (kv.compressed_pools; not imported: it imports this module)
     positions: torch.Tensor  # [T] int64
     seq_index: torch.Tensor  # [T] which sequence of the step each token belongs to
     swa_slot: torch.Tensor  # [T] token slot each new token's rows are written to
@@ -45,43 +46,8 @@ class StepContext:
         return int(self.positions.shape[0])
 
 
-def _lookup(tables: torch.Tensor, seq_idx: torch.Tensor, item: torch.Tensor, page: int) -> torch.Tensor:
-    """Slot of item index ``item`` of sequence ``seq_idx`` via padded page tables; -1 if item < 0."""
-    valid = item >= 0
-    it = item.clamp(min=0)
-    pg = tables[seq_idx, it // page]
-    return torch.where(valid & (pg >= 0), pg * page + it % page, torch.full_like(it, -1))
-
-
-def token_positions(starts: list[int], query_lens: list[int]):
-    """(lens, seq_index [T], positions [T]) of a ragged step: sequence s adds positions start_s .. start_s+n_s-1."""
-    lens = torch.tensor(query_lens, dtype=torch.long)
-    seq_index = torch.repeat_interleave(torch.arange(len(query_lens)), lens)
-    offsets = torch.cumsum(lens, 0) - lens
-    positions = torch.tensor(starts, dtype=torch.long)[seq_index] + (torch.arange(int(lens.sum())) - offsets[seq_index])
-    return lens, seq_index, positions
-
-
-def logits_rows(lens: torch.Tensor, logits: str) -> torch.Tensor:
-    """Token rows whose logits a step returns: "last" (one per sequence), "all", or "none"."""
-    if logits == "last":
-        return (torch.cumsum(lens, 0) - 1)[lens > 0]
-    if logits == "all":
-        return torch.arange(int(lens.sum()))
-    return torch.zeros(0, dtype=torch.long)
-
-
-def _tables(rows: list[list[int]]) -> torch.Tensor:
-    width = max([len(r) for r in rows] + [1])
-    t = torch.full((len(rows), width), -1, dtype=torch.long)
-    for i, r in enumerate(rows):
-        if r:
-            t[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-    return t
-
-
 def build_step_context(
-    pools: V4KVPools,
+    pools,
     seqs: list[SeqBlocks],
     query_lens: list[int],
     logits: str = "last",
@@ -97,33 +63,33 @@ def build_step_context(
     starts = [s.num_tokens for s in seqs]
     lens, seq_index, positions = token_positions(starts, query_lens)
 
-    tok_tables = _tables([s.token for s in seqs])
+    tok_tables = page_tables([s.token for s in seqs])
     B = sizes.block_size
-    swa_slot = _lookup(tok_tables, seq_index, positions, B)
+    swa_slot = lookup_slots(tok_tables, seq_index, positions, B)
     if bool((swa_slot < 0).any()):
         raise RuntimeError("build_step_context: a new token has no page; call V4KVPools.ensure first")
     W = cfg.window_size
     win_pos = positions.unsqueeze(1) - (W - 1) + torch.arange(W)  # [T, W]
-    window = _lookup(tok_tables, seq_index.unsqueeze(1).expand(-1, W), win_pos, B)
+    window = lookup_slots(tok_tables, seq_index.unsqueeze(1).expand(-1, W), win_pos, B)
 
     compress: dict[int, CompressCtx] = {}
     for r, tables_rows, page in ((4, [s.c4 for s in seqs], sizes.c4_block_size),
                                  (128, [s.c128 for s in seqs], sizes.c128_block_size)):
         if (r == 4 and not pools.csa_layers) or (r == 128 and not pools.hca_layers):
             continue
-        ent_tables = _tables(tables_rows)
+        ent_tables = page_tables(tables_rows)
         kappa = 2 if r == 4 else 1
         done = (positions + 1) % r == 0
         tok = done.nonzero(as_tuple=True)[0]
         entry = (positions[tok] + 1) // r - 1  # [M]
         cand_pos = entry.unsqueeze(1) * r - (kappa - 1) * r + torch.arange(kappa * r)  # [M, kappa*r]
-        new_cand = _lookup(tok_tables, seq_index[tok].unsqueeze(1).expand_as(cand_pos), cand_pos, B)
-        new_slot = _lookup(ent_tables, seq_index[tok], entry, page)
+        new_cand = lookup_slots(tok_tables, seq_index[tok].unsqueeze(1).expand_as(cand_pos), cand_pos, B)
+        new_slot = lookup_slots(ent_tables, seq_index[tok], entry, page)
         n_vis = (positions + 1) // r  # entries 0..n_vis-1 visible
         nmax = int(n_vis.max()) if len(n_vis) else 0
         ent = torch.arange(nmax).unsqueeze(0).expand(len(positions), -1)
         ent = torch.where(ent < n_vis.unsqueeze(1), ent, torch.full_like(ent, -1))
-        visible = _lookup(ent_tables, seq_index.unsqueeze(1).expand_as(ent), ent, page)
+        visible = lookup_slots(ent_tables, seq_index.unsqueeze(1).expand_as(ent), ent, page)
         compress[r] = CompressCtx(r, new_cand.to(device), (entry * r).to(device), new_slot.to(device),
                                   visible.to(device))
 

@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import save_file
 
 from ascend_dsv4.errors import CheckpointError
-from ascend_dsv4.weights import safetensors_io as sio
-from ascend_dsv4.weights.safetensors_io import (
+from quant import safetensors_io as sio
+from quant.safetensors_io import (
     ShardReader,
     checkpoint_inventory,
     find_shards,

@@ -1,6 +1,6 @@
-"""Model configuration for DeepSeek-V4 (and, later, V3).
+"""Model configuration of DeepSeek-V4.
 
-:class:`ModelConfig` uses the official inference ``ModelArgs`` field names (spec §1.1). It is read from
+:class:`DeepseekV4Config` uses the official inference ``ModelArgs`` field names (spec §1.1). It is read from
 
 * the official inference ``config.json`` (keys ``dim``, ``n_layers``, ...),
 * a Hugging Face ``config.json`` (keys ``hidden_size``, ``num_hidden_layers``, ...; both the published
@@ -20,15 +20,14 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config_v3 import V3_PRESETS, DeepseekV3Config, from_hf_dict_v3, from_official_dict_v3
-from .errors import ConfigError
+from ...errors import ConfigError
 
 LAYER_TYPE_TO_RATIO = {"sliding_attention": 0, "compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
 RATIO_TO_LAYER_TYPE = {v: k for k, v in LAYER_TYPE_TO_RATIO.items()}
 
 
 @dataclass(frozen=True)
-class ModelConfig:
+class DeepseekV4Config:
     model_type: str = "deepseek_v4"
     vocab_size: int = 129280
     dim: int = 4096
@@ -92,10 +91,53 @@ class ModelConfig:
         """Backbone layer ids of one kind ('swa' | 'csa' | 'hca'), MTP layers excluded."""
         return [i for i in range(self.n_layers) if self.layer_kind(i) == kind]
 
-    def replace(self, **changes: Any) -> "ModelConfig":
+    def replace(self, **changes: Any) -> "DeepseekV4Config":
         cfg = dataclasses.replace(self, **changes)
         cfg.validate()
         return cfg
+
+    def dense(self) -> "DeepseekV4Config":
+        """This config with BF16 weights and experts (what a dequantised model holds)."""
+        return self.replace(dtype="bf16", expert_dtype=None, scale_fmt=None)
+
+    def with_layers(self, n_layers: int | None) -> "DeepseekV4Config":
+        """This config cut to its first ``n_layers`` backbone layers (MTP kept, hash layers clipped)."""
+        if n_layers is None or n_layers == self.n_layers:
+            return self
+        ratios = self.compress_ratios[:n_layers] + self.compress_ratios[self.n_layers:]
+        return self.replace(n_layers=n_layers, compress_ratios=ratios, n_hash_layers=min(self.n_hash_layers, n_layers),
+                            name=f"{self.name}-{n_layers}l")
+
+    def to_official_dict(self) -> dict:
+        """The official inference ``config.json`` (``ModelArgs`` keys; :func:`from_official_dict` reads it)."""
+        return {k: v for k, v in self.to_dict().items() if k != "name"}
+
+    def to_hf_dict(self) -> dict:
+        """DeepSeek's Hugging Face ``config.json`` for this config (:func:`from_hf_dict` reads it back)."""
+        d = {
+            "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "vocab_size": self.vocab_size,
+            "hidden_size": self.dim, "moe_intermediate_size": self.moe_inter_dim, "num_hidden_layers": self.n_layers,
+            "num_nextn_predict_layers": self.n_mtp_layers, "num_hash_layers": self.n_hash_layers,
+            "num_attention_heads": self.n_heads, "num_key_value_heads": 1, "head_dim": self.head_dim,
+            "qk_rope_head_dim": self.rope_head_dim, "q_lora_rank": self.q_lora_rank, "o_groups": self.o_groups,
+            "o_lora_rank": self.o_lora_rank, "sliding_window": self.window_size, "compress_ratios": list(self.compress_ratios),
+            "index_n_heads": self.index_n_heads, "index_head_dim": self.index_head_dim, "index_topk": self.index_topk,
+            "n_routed_experts": self.n_routed_experts, "n_shared_experts": self.n_shared_experts,
+            "num_experts_per_tok": self.n_activated_experts, "scoring_func": self.score_func, "norm_topk_prob": True,
+            "routed_scaling_factor": self.route_scale, "swiglu_limit": self.swiglu_limit, "hc_mult": self.hc_mult,
+            "hc_sinkhorn_iters": self.hc_sinkhorn_iters, "hc_eps": self.hc_eps, "rms_norm_eps": self.norm_eps,
+            "rope_theta": self.rope_theta, "compress_rope_theta": self.compress_rope_theta,
+            "max_position_embeddings": self.max_position_embeddings, "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id, "tie_word_embeddings": False,
+            "rope_scaling": {"type": "yarn", "factor": self.rope_factor, "original_max_position_embeddings": self.original_seq_len,
+                             "beta_fast": self.beta_fast, "beta_slow": self.beta_slow},
+        }
+        if self.dtype == "fp8":
+            d["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                        "weight_block_size": [128, 128], "scale_fmt": self.scale_fmt or "ue8m0"}
+            if self.expert_dtype:
+                d["quantization_config"]["expert_dtype"] = self.expert_dtype
+        return d
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -104,7 +146,7 @@ class ModelConfig:
         return d
 
     # ---- validation (spec §5.2) ------------------------------------------------------------------
-    def validate(self) -> "ModelConfig":
+    def validate(self) -> "DeepseekV4Config":
         def bad(fld: str, rule: str) -> None:
             src = f" ({self.name})" if self.name else ""
             raise ConfigError(f"config{src}: field '{fld}' = {getattr(self, fld, '?')!r} breaks the rule: {rule}")
@@ -160,28 +202,24 @@ class ModelConfig:
         return self
 
 
-# a V4 or a V3-family config (config_v3 imports only .errors, so importing it above makes no cycle)
-AnyConfig = ModelConfig | DeepseekV3Config
-
-
 # ---- presets ---------------------------------------------------------------------------------------
 
-def _flash() -> ModelConfig:
-    return ModelConfig(name="deepseek-v4-flash", compress_ratios=tuple([0, 0] + [4, 128] * 20 + [4] + [0]))
+def _flash() -> DeepseekV4Config:
+    return DeepseekV4Config(name="deepseek-v4-flash", compress_ratios=tuple([0, 0] + [4, 128] * 20 + [4] + [0]))
 
 
-def _pro() -> ModelConfig:
-    return ModelConfig(
+def _pro() -> DeepseekV4Config:
+    return DeepseekV4Config(
         name="deepseek-v4-pro", dim=7168, n_layers=61, n_heads=128, q_lora_rank=1536, o_groups=16,
         moe_inter_dim=3072, n_routed_experts=384, route_scale=2.5, index_topk=1024,
         compress_ratios=tuple([128, 128] + [4, 128] * 29 + [4] + [0]),
     )
 
 
-def _toy() -> ModelConfig:
+def _toy() -> DeepseekV4Config:
     # spec §5.1: all three layer kinds, hash layers, MTP, 4 HC streams, an indexer whose top-k is smaller
     # than the number of compressed entries of a few-hundred-token prompt.
-    return ModelConfig(
+    return DeepseekV4Config(
         name="toy-v4", vocab_size=1024, dim=256, moe_inter_dim=128, n_layers=7, n_mtp_layers=1, n_hash_layers=3,
         n_heads=4, head_dim=128, rope_head_dim=64, q_lora_rank=128, o_groups=2, o_lora_rank=128, window_size=32,
         compress_ratios=(0, 0, 4, 128, 4, 128, 4, 0), index_n_heads=4, index_head_dim=128, index_topk=16,
@@ -190,20 +228,11 @@ def _toy() -> ModelConfig:
 
 
 PRESETS = {"toy-v4": _toy, "deepseek-v4-flash": _flash, "deepseek-v4-pro": _pro}
-# every preset name, V4 and V3 family ("toy-v3", "deepseek-v3": DeepseekV3Config). PRESETS itself stays V4-only:
-# tests/test_config.py runs V4-specific checks (compress_ratios, the V4 official parser) over all of its entries.
-ALL_PRESETS = {**PRESETS, **V3_PRESETS}
-
-
-def preset(name: str) -> AnyConfig:
-    if name not in ALL_PRESETS:
-        raise ConfigError(f"unknown model preset {name!r}; known presets: {', '.join(sorted(ALL_PRESETS))}")
-    return ALL_PRESETS[name]().validate()
 
 
 # ---- parsing ---------------------------------------------------------------------------------------
 
-_OFFICIAL_KEYS = {f.name for f in dataclasses.fields(ModelConfig)} - {"name", "extra", "model_type"}
+_OFFICIAL_KEYS = {f.name for f in dataclasses.fields(DeepseekV4Config)} - {"name", "extra", "model_type"}
 
 
 def _num(d: dict, key: str, kind: type, where: str):
@@ -215,7 +244,7 @@ def _num(d: dict, key: str, kind: type, where: str):
 
 
 def _coerce(kw: dict, where: str) -> dict:
-    types = {f.name: f.type for f in dataclasses.fields(ModelConfig)}
+    types = {f.name: f.type for f in dataclasses.fields(DeepseekV4Config)}
     out = {}
     for k, v in kw.items():
         t = types[k]
@@ -232,7 +261,7 @@ def _coerce(kw: dict, where: str) -> dict:
     return out
 
 
-def from_official_dict(d: dict, where: str = "config.json") -> ModelConfig:
+def from_official_dict(d: dict, where: str = "config.json") -> DeepseekV4Config:
     """Parse the official inference ``config.json`` (``ModelArgs`` keys)."""
     if d.get("model_type", "deepseek_v4") != "deepseek_v4":
         raise ConfigError(f"{where}: field 'model_type' is {d.get('model_type')!r}; this loader reads 'deepseek_v4'")
@@ -241,9 +270,9 @@ def from_official_dict(d: dict, where: str = "config.json") -> ModelConfig:
         raise ConfigError(f"{where}: field 'compress_ratios' is missing")
     kw = _coerce(kw, where)
     if "n_mtp_layers" not in kw:
-        kw["n_mtp_layers"] = len(kw["compress_ratios"]) - kw.get("n_layers", ModelConfig.n_layers)
+        kw["n_mtp_layers"] = len(kw["compress_ratios"]) - kw.get("n_layers", DeepseekV4Config.n_layers)
     extra = {k: v for k, v in d.items() if k not in _OFFICIAL_KEYS}
-    return ModelConfig(name=where, extra=extra, **kw).validate()
+    return DeepseekV4Config(name=where, extra=extra, **kw).validate()
 
 
 _HF_MAP = {
@@ -262,7 +291,7 @@ _HF_MAP = {
 }
 
 
-def from_hf_dict(d: dict, where: str = "config.json") -> ModelConfig:
+def from_hf_dict(d: dict, where: str = "config.json") -> DeepseekV4Config:
     """Parse a Hugging Face ``config.json`` (DeepSeek's published file or one written by transformers)."""
     if d.get("model_type", "deepseek_v4") != "deepseek_v4":
         raise ConfigError(f"{where}: field 'model_type' is {d.get('model_type')!r}; this loader reads 'deepseek_v4'")
@@ -270,7 +299,7 @@ def from_hf_dict(d: dict, where: str = "config.json") -> ModelConfig:
     if isinstance(kw.get("eos_token_id"), list) and kw["eos_token_id"]:
         kw["eos_token_id"] = kw["eos_token_id"][0]
     kw = _coerce(kw, where)
-    n_layers = kw.get("n_layers", ModelConfig.n_layers)
+    n_layers = kw.get("n_layers", DeepseekV4Config.n_layers)
     n_mtp = kw.get("n_mtp_layers", 1)
     if "rope_head_dim" not in kw and d.get("partial_rotary_factor"):
         kw["rope_head_dim"] = int(kw.get("head_dim", 512) * d["partial_rotary_factor"])
@@ -298,14 +327,14 @@ def from_hf_dict(d: dict, where: str = "config.json") -> ModelConfig:
     rp = d.get("rope_parameters") or {}
     if isinstance(rp.get("compress"), dict):
         rope = rp["compress"]
-        kw.setdefault("compress_rope_theta", rope.get("rope_theta", ModelConfig.compress_rope_theta))
+        kw.setdefault("compress_rope_theta", rope.get("rope_theta", DeepseekV4Config.compress_rope_theta))
         if isinstance(rp.get("main"), dict) and "rope_theta" in rp["main"]:
             kw["rope_theta"] = rp["main"]["rope_theta"]
     if rope and rope.get("rope_type", rope.get("type")) == "yarn":
-        kw["rope_factor"] = rope.get("factor", ModelConfig.rope_factor)
-        kw["original_seq_len"] = rope.get("original_max_position_embeddings", ModelConfig.original_seq_len)
-        kw["beta_fast"] = rope.get("beta_fast", ModelConfig.beta_fast)
-        kw["beta_slow"] = rope.get("beta_slow", ModelConfig.beta_slow)
+        kw["rope_factor"] = rope.get("factor", DeepseekV4Config.rope_factor)
+        kw["original_seq_len"] = rope.get("original_max_position_embeddings", DeepseekV4Config.original_seq_len)
+        kw["beta_fast"] = rope.get("beta_fast", DeepseekV4Config.beta_fast)
+        kw["beta_slow"] = rope.get("beta_slow", DeepseekV4Config.beta_slow)
     elif rope or rp:
         kw["original_seq_len"] = 0  # no YaRN
     q = d.get("quantization_config")
@@ -318,45 +347,4 @@ def from_hf_dict(d: dict, where: str = "config.json") -> ModelConfig:
         kw["expert_dtype"] = d.get("expert_dtype") if q else None
     kw = _coerce(kw, where)
     extra = {k: v for k, v in d.items() if k not in _HF_MAP}
-    return ModelConfig(name=where, extra=extra, **kw).validate()
-
-
-def from_dict(d: dict, where: str = "config.json") -> AnyConfig:
-    """HF or official config dict of V4 or of the V3 family (HF ``model_type == "deepseek_v3"``; official dicts
-    with ``kv_lora_rank`` and no ``compress_ratios``, or ``model_type == "deepseek_v3"``)."""
-    if not isinstance(d, dict):
-        raise ConfigError(f"{where}: expected a JSON object, got {type(d).__name__}")
-    if "hidden_size" in d or "num_hidden_layers" in d:
-        if d.get("model_type") == "deepseek_v3":
-            return from_hf_dict_v3(d, where)
-        return from_hf_dict(d, where)
-    if "dim" in d or "n_layers" in d:
-        if d.get("model_type") == "deepseek_v3" or ("kv_lora_rank" in d and "compress_ratios" not in d):
-            return from_official_dict_v3(d, where)
-        return from_official_dict(d, where)
-    raise ConfigError(f"{where}: not a DeepSeek config (no 'hidden_size' nor 'dim' field)")
-
-
-def load_config(model: str) -> AnyConfig:
-    """A preset name, a ``config.json`` path, or a folder holding ``config.json`` (or ``inference/config.json``).
-    V3-family configs (see :func:`from_dict`) give a :class:`~ascend_dsv4.config_v3.DeepseekV3Config`."""
-    if model in ALL_PRESETS:
-        return preset(model)
-    path = model
-    if os.path.isdir(path):
-        for cand in ("config.json", os.path.join("inference", "config.json")):
-            if os.path.isfile(os.path.join(path, cand)):
-                path = os.path.join(path, cand)
-                break
-        else:
-            raise ConfigError(f"{model}: folder has no config.json")
-    elif not os.path.isfile(path):
-        raise ConfigError(f"unknown model {model!r}: not a preset ({', '.join(sorted(ALL_PRESETS))}), file or folder")
-    try:
-        with open(path, encoding="utf-8") as f:
-            d = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{path}: malformed JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{path}: not a UTF-8 JSON file ({e.reason} at byte {e.start})") from None
-    return from_dict(d, where=path)
+    return DeepseekV4Config(name=where, extra=extra, **kw).validate()

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .context import _lookup, _tables, logits_rows, token_positions
-from .kv_pools import BlockAllocator, PoolSizes, SeqBlocks
 from ..errors import CapacityError
+from .blocks import BlockAllocator, EntrySpace, PoolSizes, SeqBlocks
+from .tables import logits_rows, lookup_slots, page_tables, token_positions
 
 
 @dataclass
@@ -35,6 +35,8 @@ class MLAStepContext:
 
 
 class MLAKVPools:
+    """The MLA latent of every position of every layer (backbone + MTP), paged (see module docstring)."""
+
     def __init__(self, cfg, sizes: PoolSizes, dtype: torch.dtype, device="cpu"):
         self.cfg, self.sizes, self.dtype, self.device = cfg, sizes, dtype, torch.device(device)
         width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
@@ -66,6 +68,15 @@ class MLAKVPools:
         if need:
             seq.token.extend(self.token_alloc.alloc(need))
 
+    # ---- the pool protocol's prefix-caching questions (kv.protocol) ---------------------------------
+    radix_window = None  # full attention: a cached token holds its latent page, no window part
+
+    def entry_spaces(self) -> list[EntrySpace]:
+        return []
+
+    def keep_from(self, num_tokens: int) -> int:
+        return 0
+
     def trim(self, seq: SeqBlocks) -> int:
         return 0  # full attention: every position stays readable
 
@@ -81,15 +92,15 @@ class MLAKVPools:
         device = self.device if device is None else device
         starts = [s.num_tokens for s in seqs]
         lens, seq_index, positions = token_positions(starts, query_lens)
-        tables = _tables([s.token for s in seqs])
+        tables = page_tables([s.token for s in seqs])
         B = self.sizes.block_size
-        slot = _lookup(tables, seq_index, positions, B)
+        slot = lookup_slots(tables, seq_index, positions, B)
         if bool((slot < 0).any()):
             raise RuntimeError("MLA step: a new token has no page; call ensure first")
         lmax = int(positions.max()) + 1 if len(positions) else 0
         ctx_pos = torch.arange(lmax).unsqueeze(0).expand(len(positions), -1)
         ctx_pos = torch.where(ctx_pos <= positions.unsqueeze(1), ctx_pos, torch.full_like(ctx_pos, -1))
-        context = _lookup(tables, seq_index.unsqueeze(1).expand_as(ctx_pos), ctx_pos, B)
+        context = lookup_slots(tables, seq_index.unsqueeze(1).expand_as(ctx_pos), ctx_pos, B)
         prefill = (lens > 1)[seq_index]
         logits_index = logits_rows(lens, logits)
         return MLAStepContext(self, positions.to(device), seq_index.to(device), slot.to(device), context.to(device),

@@ -1,8 +1,8 @@
 """Sizes of a DeepSeek-V3-family model: tensors, parameters, MLA KV-cache bytes per token, memory plans.
 
-Pure functions of a :class:`~ascend_dsv4.config_v3.DeepseekV3Config` (no torch).
+Pure functions of a :class:`~ascend_dsv4.models.deepseek_v3.config.DeepseekV3Config` (no torch).
 
-**Tensor inventory** (:func:`tensor_inventory_v3`, Hugging Face names; ``d`` = dim, ``H`` = n_heads, ``q`` =
+**Tensor inventory** (:func:`tensor_inventory`, Hugging Face names; ``d`` = dim, ``H`` = n_heads, ``q`` =
 q_lora_rank, ``c`` = kv_lora_rank, ``n``/``r``/``v`` = qk_nope/qk_rope/v head dims, ``E`` routed experts of width
 ``I`` = moe_inter_dim, ``S`` = n_shared_experts)::
 
@@ -20,9 +20,9 @@ Formats with ``dtype == "fp8"`` (the published checkpoint): every projection of 
 and shared experts is F8_E4M3 plus an F32 ``weight_scale_inv [ceil(out/128), ceil(in/128)]``; embeddings, heads,
 norms, ``mlp.gate.weight`` and ``eh_proj`` are BF16; ``e_score_correction_bias`` is F32. With ``dtype == "bf16"``
 the FP8 projections are BF16 without scales. At V3 sizes this reproduces the published checkpoint exactly:
-91,991 tensors, 688,574,839,360 bytes (``checkpoint_bytes_v3``).
+91,991 tensors, 688,574,839,360 bytes (``checkpoint_bytes``).
 
-**Parameter-count convention** (:func:`param_count_v3`): Σ elements of every weight tensor, *including* norm weights
+**Parameter-count convention** (:func:`param_count`): Σ elements of every weight tensor, *including* norm weights
 and ``e_score_correction_bias``, *excluding* the ``weight_scale_inv`` scales and the MTP layer's copies of the
 embedding and head (``tensor.copy``: shared with the main model, counted once). At V3 sizes:
 
@@ -31,11 +31,11 @@ embedding and head (``tensor.copy``: shared with the main model, counted once). 
   seed's "11.5B unique": +0.96 %; without the 0.21 B ``eh_proj`` it is 11,507,307,776 = 11.51 B, +0.06 %);
   total with MTP 682,636,487,424; checkpoint weight elements incl. the two 0.93 B MTP copies 684,489,845,504
   (the model card's "685B");
-* active per token (:func:`active_param_count_v3`: 8 of 256 routed experts, shared expert, embedding and head):
+* active per token (:func:`active_param_count`: 8 of 256 routed experts, shared expert, embedding and head):
   main 37,552,297,472 = 37.55 B (the seed says 36.7 B; V3's paper says 37 B); MTP 2,541,458,688 incl. the shared
   embedding and head (the seed says 2.4 B).
 
-**KV cache** (:func:`kv_bytes_per_token_v3`): MLA caches the latent ``c_kv`` plus the roped key per token and layer,
+**KV cache** (:func:`kv_bytes_per_token`): MLA caches the latent ``c_kv`` plus the roped key per token and layer,
 ``(kv_lora_rank + qk_rope_head_dim) * dtype_bytes`` = 1,152 B at V3 sizes in BF16, against
 ``H * (qk_head_dim + v_head_dim) * dtype_bytes`` = 81,920 B for the decompressed per-head K and V (the
 "CacheCompressed 1.152 kB vs CacheDecompressed 81.92 kB" table of optimizing_mla.md).
@@ -45,14 +45,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config_v3 import DeepseekV3Config, yarn_get_mscale
-from .errors import RequestError
-from .sizing import TensorSpec, _gib, _ids, _params
+from ...errors import RequestError
+from ..sizing import TensorSpec, fmt_bytes as _gib, fmt_ids as _ids, fmt_params as _params
+from .config import DeepseekV3Config, yarn_get_mscale
 
 
 @dataclass(frozen=True)
 class TensorSpecV3(TensorSpec):
-    """A checkpoint tensor (see :class:`~ascend_dsv4.sizing.TensorSpec`); ``copy`` marks the MTP layer's stored
+    """A checkpoint tensor (see :class:`~ascend_dsv4.models.sizing.TensorSpec`); ``copy`` marks the MTP layer's stored
     copies of the shared embedding and head (in the files, not extra parameters)."""
 
     copy: bool = False
@@ -65,7 +65,7 @@ class TensorSpecV3(TensorSpec):
 GROUPS = ("embed", "head", "attention", "dense_mlp", "router", "experts", "shared_experts", "norms", "mtp")
 
 
-def tensor_inventory_v3(cfg: DeepseekV3Config, include_mtp: bool = True) -> list[TensorSpecV3]:
+def tensor_inventory(cfg: DeepseekV3Config, include_mtp: bool = True) -> list[TensorSpecV3]:
     """Every tensor of the HF checkpoint described by ``cfg`` (module docstring: names, shapes, formats).
 
     Groups: 'embed', 'head', 'attention' (projections and q_a/kv_a layernorms), 'dense_mlp', 'router' (gate weight
@@ -135,31 +135,31 @@ def tensor_inventory_v3(cfg: DeepseekV3Config, include_mtp: bool = True) -> list
     return out
 
 
-def param_count_v3(cfg: DeepseekV3Config, include_mtp: bool = True) -> int:
+def param_count(cfg: DeepseekV3Config, include_mtp: bool = True) -> int:
     """Unique parameters: Σ elements of all weights (norms and e_score_correction_bias included), scales and the
     MTP copies of embedding / head excluded. V3: 671,026,419,200 main; 682,636,487,424 with MTP."""
-    return sum(t.logical_numel for t in tensor_inventory_v3(cfg, include_mtp) if t.is_param)
+    return sum(t.logical_numel for t in tensor_inventory(cfg, include_mtp) if t.is_param)
 
 
-def mtp_param_count_v3(cfg: DeepseekV3Config) -> int:
+def mtp_param_count(cfg: DeepseekV3Config) -> int:
     """Unique MTP parameters (the seed's "11.5B unique": V3 gives 11,610,068,224)."""
-    return param_count_v3(cfg, True) - param_count_v3(cfg, False)
+    return param_count(cfg, True) - param_count(cfg, False)
 
 
-def param_breakdown_v3(cfg: DeepseekV3Config, include_mtp: bool = True) -> dict[str, int]:
-    """Unique parameters per group (:data:`GROUPS`); the values sum to :func:`param_count_v3`."""
+def param_breakdown(cfg: DeepseekV3Config, include_mtp: bool = True) -> dict[str, int]:
+    """Unique parameters per group (:data:`GROUPS`); the values sum to :func:`param_count`."""
     out = {k: 0 for k in GROUPS}
-    for t in tensor_inventory_v3(cfg, include_mtp):
+    for t in tensor_inventory(cfg, include_mtp):
         if t.is_param:
             out[t.group] += t.logical_numel
     return out
 
 
-def checkpoint_tensors_v3(cfg: DeepseekV3Config, include_mtp: bool = True) -> dict[str, int]:
+def checkpoint_tensors(cfg: DeepseekV3Config, include_mtp: bool = True) -> dict[str, int]:
     """What the checkpoint files hold: 'tensors' (count), 'weight_elements' (all non-scale tensors, MTP copies
     included), 'scale_elements', 'copy_elements' (the MTP layers' embed_tokens / shared_head.head copies),
-    'unique_params' (= :func:`param_count_v3`) and 'bytes'. V3: 91,991 tensors, 688,574,839,360 B."""
-    inv = tensor_inventory_v3(cfg, include_mtp)
+    'unique_params' (= :func:`param_count`) and 'bytes'. V3: 91,991 tensors, 688,574,839,360 B."""
+    inv = tensor_inventory(cfg, include_mtp)
     return {
         "tensors": sum(t.count for t in inv),
         "weight_elements": sum(t.logical_numel for t in inv if not t.scale),
@@ -170,17 +170,17 @@ def checkpoint_tensors_v3(cfg: DeepseekV3Config, include_mtp: bool = True) -> di
     }
 
 
-def checkpoint_bytes_v3(cfg: DeepseekV3Config, include_mtp: bool = True) -> int:
+def checkpoint_bytes(cfg: DeepseekV3Config, include_mtp: bool = True) -> int:
     """Bytes of every checkpoint tensor (weights, scales, MTP copies) in the format of ``cfg.dtype``."""
-    return sum(t.nbytes for t in tensor_inventory_v3(cfg, include_mtp))
+    return sum(t.nbytes for t in tensor_inventory(cfg, include_mtp))
 
 
-def active_param_count_v3(cfg: DeepseekV3Config, include_mtp: bool = False) -> int:
+def active_param_count(cfg: DeepseekV3Config, include_mtp: bool = False) -> int:
     """Parameters touched per token: all unique parameters except the routed experts, of which
     ``n_activated_experts / n_routed_experts``. ``include_mtp=True`` gives the MTP module alone *plus* the shared
     embedding and head (the seed's "2.4B activation parameters" convention: 2.54 B at V3); else the main model
     (37.55 B at V3; the seed says 36.7 B)."""
-    inv = tensor_inventory_v3(cfg, include_mtp)
+    inv = tensor_inventory(cfg, include_mtp)
     if include_mtp:
         inv = [t for t in inv if t.group in ("mtp", "embed", "head")]
     inv = [t for t in inv if t.is_param]
@@ -191,7 +191,7 @@ def active_param_count_v3(cfg: DeepseekV3Config, include_mtp: bool = False) -> i
 
 # ---- KV cache ----------------------------------------------------------------------------------------
 
-def kv_bytes_per_token_v3(cfg: DeepseekV3Config, dtype_bytes: int = 2, include_mtp: bool = True) -> dict[str, int]:
+def kv_bytes_per_token(cfg: DeepseekV3Config, dtype_bytes: int = 2, include_mtp: bool = True) -> dict[str, int]:
     """KV bytes that one more token of context adds.
 
     * 'latent': per layer, the compressed MLA cache ``(kv_lora_rank + qk_rope_head_dim) * dtype_bytes``
@@ -212,26 +212,26 @@ def kv_bytes_per_token_v3(cfg: DeepseekV3Config, dtype_bytes: int = 2, include_m
 
 # ---- weights and memory plans ------------------------------------------------------------------------
 
-def weights_bytes_v3(cfg: DeepseekV3Config, include_mtp: bool = True) -> int:
+def weights_bytes(cfg: DeepseekV3Config, include_mtp: bool = True) -> int:
     """Bytes of the weights an engine holds in the checkpoint format: every tensor (scales included) except the
     MTP copies of embedding and head (shared with the main model)."""
-    return sum(t.nbytes for t in tensor_inventory_v3(cfg, include_mtp) if not t.copy)
+    return sum(t.nbytes for t in tensor_inventory(cfg, include_mtp) if not t.copy)
 
 
-def dequantized_weights_bytes_v3(cfg: DeepseekV3Config, dtype_bytes: int = 2, include_mtp: bool = True) -> int:
+def dequantized_weights_bytes(cfg: DeepseekV3Config, dtype_bytes: int = 2, include_mtp: bool = True) -> int:
     """Bytes of the unique weights held dequantised at ``dtype_bytes`` (F32 tensors, i.e.
     e_score_correction_bias, at 4 B); scales dropped."""
     return sum((4 if t.dtype == "F32" else dtype_bytes) * t.logical_numel
-               for t in tensor_inventory_v3(cfg, include_mtp) if t.is_param)
+               for t in tensor_inventory(cfg, include_mtp) if t.is_param)
 
 
-def memory_plan_v3(cfg: DeepseekV3Config, context_len: int, batch: int, dtype_bytes: int = 2,
+def memory_plan(cfg: DeepseekV3Config, context_len: int, batch: int, dtype_bytes: int = 2,
                    include_mtp: bool = True) -> dict[str, int]:
     """Memory for ``batch`` sequences of ``context_len`` tokens each (bytes, all ints):
 
-    * ``weights_bytes``: :func:`weights_bytes_v3` (checkpoint format, scales included, MTP copies not);
-      ``weights_dequantized_bytes``: :func:`dequantized_weights_bytes_v3` at ``dtype_bytes``;
-      ``checkpoint_bytes``: the files (:func:`checkpoint_bytes_v3`, MTP copies included);
+    * ``weights_bytes``: :func:`weights_bytes` (checkpoint format, scales included, MTP copies not);
+      ``weights_dequantized_bytes``: :func:`dequantized_weights_bytes` at ``dtype_bytes``;
+      ``checkpoint_bytes``: the files (:func:`checkpoint_bytes`, MTP copies included);
     * ``kv_per_seq`` = context_len * latent bytes per token over all cached layers (MLA latent cache at
       ``dtype_bytes``); ``kv_bytes`` = batch * kv_per_seq;
     * ``kv_decompressed_bytes``: the same batch with a decompressed per-head K/V cache, for comparison;
@@ -243,15 +243,15 @@ def memory_plan_v3(cfg: DeepseekV3Config, context_len: int, batch: int, dtype_by
     if context_len > cfg.max_position_embeddings:
         raise RequestError(f"context_len {context_len} exceeds the model's max_position_embeddings "
                            f"{cfg.max_position_embeddings}")
-    kv = kv_bytes_per_token_v3(cfg, dtype_bytes, include_mtp)
-    w = weights_bytes_v3(cfg, include_mtp)
+    kv = kv_bytes_per_token(cfg, dtype_bytes, include_mtp)
+    w = weights_bytes(cfg, include_mtp)
     per_seq = context_len * kv["latent_total"]
     return {
         "context_len": context_len,
         "batch": batch,
         "weights_bytes": w,
-        "weights_dequantized_bytes": dequantized_weights_bytes_v3(cfg, dtype_bytes, include_mtp),
-        "checkpoint_bytes": checkpoint_bytes_v3(cfg, include_mtp),
+        "weights_dequantized_bytes": dequantized_weights_bytes(cfg, dtype_bytes, include_mtp),
+        "checkpoint_bytes": checkpoint_bytes(cfg, include_mtp),
         "kv_per_seq": per_seq,
         "kv_bytes": batch * per_seq,
         "kv_decompressed_bytes": batch * context_len * kv["decompressed_total"],
@@ -261,7 +261,7 @@ def memory_plan_v3(cfg: DeepseekV3Config, context_len: int, batch: int, dtype_by
 
 # ---- report ------------------------------------------------------------------------------------------
 
-def format_info_v3(cfg: DeepseekV3Config, context_len: int, batch: int) -> str:
+def format_info(cfg: DeepseekV3Config, context_len: int, batch: int) -> str:
     """Human-readable report printed by ``ascend-dsv4 info`` for a V3-family model: config summary (dense / MoE
     layers, MLA dims, group-limited routing, YaRN / mscale), parameters, MLA cache bytes per token per layer
     (compressed latent vs decompressed K/V) and the memory plan for ``batch`` x ``context_len``."""
@@ -291,17 +291,17 @@ def format_info_v3(cfg: DeepseekV3Config, context_len: int, batch: int) -> str:
       f"norm_topk_prob {str(cfg.norm_topk_prob).lower()}, route_scale {cfg.route_scale:g}")
     fmt = "fp8 (e4m3, 128x128 blocks, F32 weight_scale_inv)" if cfg.dtype == "fp8" else "bf16"
     a(f"checkpoint   {fmt}")
-    main_p, all_p = param_count_v3(cfg, False), param_count_v3(cfg, True)
-    ck = checkpoint_tensors_v3(cfg)
+    main_p, all_p = param_count(cfg, False), param_count(cfg, True)
+    ck = checkpoint_tensors(cfg)
     a(f"parameters   {_params(main_p)} ({main_p:,}) main + {_params(all_p - main_p)} ({all_p - main_p:,}) MTP "
-      f"unique = {_params(all_p)}; {_params(active_param_count_v3(cfg))} active per token (MTP excluded)")
-    a("  " + ", ".join(f"{k} {_params(v)}" for k, v in param_breakdown_v3(cfg).items() if v))
+      f"unique = {_params(all_p)}; {_params(active_param_count(cfg))} active per token (MTP excluded)")
+    a("  " + ", ".join(f"{k} {_params(v)}" for k, v in param_breakdown(cfg).items() if v))
     a(f"  checkpoint: {ck['tensors']:,} tensors, {_gib(ck['bytes'])} ({ck['bytes']:,} B), incl. "
       f"{_params(ck['copy_elements'])} of MTP embed/head copies and {ck['scale_elements']:,} scale elements")
-    p = memory_plan_v3(cfg, context_len, batch)
+    p = memory_plan(cfg, context_len, batch)
     a(f"weights      {_gib(p['weights_bytes'])} in checkpoint format; "
       f"{_gib(p['weights_dequantized_bytes'])} dequantised to BF16")
-    kv = kv_bytes_per_token_v3(cfg, 2)
+    kv = kv_bytes_per_token(cfg, 2)
     ratio = kv["decompressed"] / kv["latent"]
     a(f"KV cache bytes per token (bf16), per layer and over {kv['layers']} layers (MTP included):")
     a(f"  compressed   latent (kv_lora {cfg.kv_lora_rank} + rope {cfg.qk_rope_head_dim}) x 2 B: "

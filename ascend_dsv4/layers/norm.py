@@ -1,4 +1,4 @@
-"""Small building blocks shared by the DeepSeek models."""
+"""RMSNorm and float32 parameters, shared by both model families and the loaders."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import atb_ops
 
 
 def fp32_param(*shape: int) -> nn.Parameter:
+    """A zero float32 parameter of ``shape`` (no gradient): filled by the loaders."""
     return nn.Parameter(torch.zeros(*shape, dtype=torch.float32), requires_grad=False)
 
 

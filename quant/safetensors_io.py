@@ -1,4 +1,7 @@
-"""Find, check and stream the shards of a safetensors checkpoint.
+"""Find, check and stream the shards of a safetensors checkpoint (any checkpoint: the model's own, msModelSlim's).
+
+About 600 lines for one job, the safetensors container: the hand-parsed header, shard discovery, the memory-mapped
+reader and streaming all share the header's validation and its error messages, so they stay together.
 
 The safetensors header is parsed here by hand (8-byte little-endian length, then a UTF-8 JSON object), so
 that a broken checkpoint is reported as a :class:`CheckpointError` naming the shard, the tensor and what
@@ -11,7 +14,8 @@ of one slice (per-rank tensor-parallel shards).
 
 API:
 
-* :func:`find_shards` / :func:`index_weight_map` -- which shard files make up a checkpoint folder.
+* :func:`find_shards` / :func:`index_weight_map` / :func:`read_index` -- which shard files make up a checkpoint
+  folder.
 * :func:`read_header` -> :class:`ShardHeader` of :class:`TensorInfo` -- one shard's header, validated.
 * :class:`ShardReader` -- ``keys / info / get / get_slice`` over one shard (context manager).
 * :func:`stream_tensors` -- every (or the chosen) tensor of a folder, shard by shard, in file order,
@@ -25,10 +29,10 @@ from __future__ import annotations
 
 import glob
 import json
-import re
 import logging
 import math
 import os
+import re
 import struct
 import sys
 import time
@@ -37,7 +41,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from ..errors import CheckpointError
+from quant.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 
@@ -258,6 +262,12 @@ def index_weight_map(folder: str) -> dict[str, str] | None:
     index = os.path.join(folder, INDEX_NAME)
     if not os.path.isfile(index):
         return None
+    return read_index(index)
+
+
+def read_index(index: str) -> dict[str, str]:
+    """The validated ``weight_map`` (tensor name -> shard file name) of a ``*.safetensors.index.json`` file
+    (Hugging Face layout: ``{"metadata": {...}, "weight_map": {...}}``; msModelSlim writes the same)."""
     try:
         with open(index, encoding="utf-8") as f:
             obj = json.load(f)
@@ -298,7 +308,7 @@ def is_plain_file_name(name: str) -> bool:
 _NUMBERED = re.compile(r"-(\d+)-of-(\d+)\.safetensors$")
 
 
-def _check_numbered_set(folder: str, on_disk: list[str]) -> None:
+def check_numbered_set(folder: str, on_disk: list[str], index_name: str = INDEX_NAME) -> None:
     """Without an index, shards named ``*-0000k-of-0000N`` must be a complete set: a missing index file
     and a missing shard would otherwise load a partial model."""
     totals = {int(m.group(2)) for p in on_disk if (m := _NUMBERED.search(p))}
@@ -307,7 +317,7 @@ def _check_numbered_set(folder: str, on_disk: list[str]) -> None:
         gone = sorted(set(range(1, n + 1)) - have)
         if gone:
             raise CheckpointError(
-                f"{folder}: {INDEX_NAME} is missing and the shard set is incomplete: shard(s) "
+                f"{folder}: {index_name} is missing and the shard set is incomplete: shard(s) "
                 f"{', '.join(str(i) for i in gone)} of {n} are not there")
 
 
@@ -324,7 +334,7 @@ def find_shards(folder: str) -> list[str]:
     if wm is None:
         if not on_disk:
             raise CheckpointError(f"no *.safetensors files in {folder}")
-        _check_numbered_set(folder, on_disk)
+        check_numbered_set(folder, on_disk)
         return on_disk
     index = os.path.join(folder, INDEX_NAME)
     if not wm:

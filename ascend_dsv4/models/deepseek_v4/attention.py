@@ -14,12 +14,12 @@ from parallel.groups import Group
 from parallel.layers import ColumnParallelLinear, RowParallelLinear
 from parallel.linear import Linear
 
-from ..config import ModelConfig
-from ..engine.context import StepContext
-from .common import RMSNorm, fp32_param
+from ...kv.context import StepContext
+from ...layers.norm import RMSNorm, fp32_param
+from .config import DeepseekV4Config
 
 
-def layer_inv_freq(cfg: ModelConfig, ratio: int) -> torch.Tensor:
+def layer_inv_freq(cfg: DeepseekV4Config, ratio: int) -> torch.Tensor:
     """RoPE table of a layer: base 10000 without YaRN for ratio 0, else base 160000 with YaRN (spec §2.0)."""
     if ratio == 0:
         return atb_ops.rope_inv_freq(cfg.rope_head_dim, cfg.rope_theta)
@@ -35,7 +35,7 @@ class Compressor(nn.Module):
     the main one (FP8 on the non-rope channels in reference numerics).
     """
 
-    def __init__(self, cfg: ModelConfig, ratio: int, head_dim: int, rotate: bool, dtype: torch.dtype,
+    def __init__(self, cfg: DeepseekV4Config, ratio: int, head_dim: int, rotate: bool, dtype: torch.dtype,
                  reference: bool):
         super().__init__()
         self.ratio, self.head_dim, self.rotate, self.reference = ratio, head_dim, rotate, reference
@@ -78,7 +78,7 @@ def _fp8_nope(v: torch.Tensor, rope_dim: int) -> torch.Tensor:
 class Indexer(nn.Module):
     """Lightning indexer of a CSA layer: picks ``index_topk`` compressed entries per query."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, reference: bool):
+    def __init__(self, cfg: DeepseekV4Config, dtype: torch.dtype, reference: bool):
         super().__init__()
         self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
         self.reference = reference
@@ -105,7 +105,8 @@ class Attention(nn.Module):
 
     _param_shards = {"attn_sink": 0}  # split on dim 0 over ``tp`` (the loader's slicing rule)
 
-    def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype, reference: bool, tp: Group | None = None):
+    def __init__(self, cfg: DeepseekV4Config, layer_id: int, dtype: torch.dtype, reference: bool,
+                 tp: Group | None = None):
         super().__init__()
         self.tp = tp = tp or Group()
         self.layer_id, self.ratio = layer_id, cfg.compress_ratios[layer_id]

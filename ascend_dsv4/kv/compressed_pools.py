@@ -20,85 +20,17 @@ Compressor state starts empty for every sequence: candidates at negative positio
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
-from ..config import ModelConfig
 from ..errors import CapacityError
-
-
-class BlockAllocator:
-    """A free list of page ids ``0 .. num_blocks-1`` with reference counts (sequences and the prefix cache
-    share pages): :meth:`alloc` hands out pages with one reference, :meth:`incref` adds one, :meth:`free`
-    drops one and returns the page to the free list at zero."""
-
-    def __init__(self, num_blocks: int, name: str):
-        self.num_blocks = num_blocks
-        self.name = name
-        self._free = list(range(num_blocks - 1, -1, -1))
-        self._used: dict[int, int] = {}
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def alloc(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise CapacityError(f"KV pool '{self.name}' is full: need {n} more pages, {len(self._free)} free "
-                                f"of {self.num_blocks}; raise num_blocks or lower the batch / context")
-        out = [self._free.pop() for _ in range(n)]
-        for p in out:
-            self._used[p] = 1
-        return out
-
-    def incref(self, pages: list[int]) -> None:
-        for p in pages:
-            if p < 0:
-                continue
-            if p not in self._used:
-                raise RuntimeError(f"KV pool '{self.name}': incref of free page {p}")
-            self._used[p] += 1
-
-    def refcount(self, page: int) -> int:
-        return self._used.get(page, 0)
-
-    def free(self, pages: list[int]) -> None:
-        for p in pages:
-            if p < 0:
-                continue
-            if p not in self._used:
-                raise RuntimeError(f"KV pool '{self.name}': page {p} freed twice or never allocated")
-            self._used[p] -= 1
-            if self._used[p] == 0:
-                del self._used[p]
-                self._free.append(p)
-
-
-@dataclass
-class SeqBlocks:
-    """One sequence's page tables. ``num_tokens`` positions 0..num_tokens-1 have their KV written."""
-
-    token: list[int] = field(default_factory=list)  # -1 where a page was trimmed
-    c4: list[int] = field(default_factory=list)
-    c128: list[int] = field(default_factory=list)
-    num_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class PoolSizes:
-    block_size: int = 64
-    c4_block_size: int = 16
-    c128_block_size: int = 2
-    num_blocks: int = 256
-    num_c4_blocks: int = 256
-    num_c128_blocks: int = 256
+from .blocks import BlockAllocator, EntrySpace, PoolSizes, SeqBlocks
+from .context import StepContext, build_step_context
 
 
 class V4KVPools:
     """All KV state of a DeepSeek-V4 model, paged (see module docstring)."""
 
-    def __init__(self, cfg: ModelConfig, sizes: PoolSizes, dtype: torch.dtype, device: torch.device | str = "cpu"):
+    def __init__(self, cfg, sizes: PoolSizes, dtype: torch.dtype, device: torch.device | str = "cpu"):
         self.cfg, self.sizes, self.dtype, self.device = cfg, sizes, dtype, torch.device(device)
         n_all = cfg.n_layers + cfg.n_mtp_layers
         self.csa_layers = cfg.layers_of_kind("csa")
@@ -200,6 +132,17 @@ class V4KVPools:
         if self.hca_layers:
             self._grow(seq.c128, self.c128_alloc, new_len // 128, s.c128_block_size)
 
+    # ---- the pool protocol's prefix-caching questions (kv.protocol) ---------------------------------
+    @property
+    def radix_window(self) -> int | None:
+        """Live tokens a cached prefix needs before its end: the sliding window and the open compression blocks."""
+        return max(self.cfg.window_size, 128 if self.hca_layers else 0, 8 if self.csa_layers else 0)
+
+    def entry_spaces(self) -> list[EntrySpace]:
+        s = self.sizes
+        return [EntrySpace(4, self.c4_alloc, s.c4_block_size, "c4"),
+                EntrySpace(128, self.c128_alloc, s.c128_block_size, "c128")]
+
     def keep_from(self, num_tokens: int) -> int:
         """Oldest position a query at ``num_tokens`` or later can still read from the token pages."""
         keep = num_tokens - self.cfg.window_size + 1
@@ -226,9 +169,8 @@ class V4KVPools:
         self.c128_alloc.free(seq.c128)
         seq.token, seq.c4, seq.c128, seq.num_tokens = [], [], [], 0
 
-    def build_context(self, seqs: list[SeqBlocks], query_lens: list[int], logits: str = "last", device=None):
-        from .context import build_step_context
-
+    def build_context(self, seqs: list[SeqBlocks], query_lens: list[int], logits: str = "last",
+                      device=None) -> StepContext:
         return build_step_context(self, seqs, query_lens, logits, device)
 
     # ---- sizing --------------------------------------------------------------------------------------

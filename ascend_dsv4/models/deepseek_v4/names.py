@@ -1,4 +1,4 @@
-"""Tensor name maps: transformers' DeepSeek-V4 names <-> official names (spec §3.1, §3.4) <-> our modules.
+"""DeepSeek-V4 tensor name maps: transformers' names <-> official names (spec §3.1, §3.4) <-> our modules.
 
 Our module tree uses the official names, except that routed experts are stacked per layer
 (``layers.i.ffn.experts.w1`` [E, inter, dim] instead of ``layers.i.ffn.experts.e.w1.weight``).
@@ -146,33 +146,18 @@ def hf_writer_name(official: str) -> str:
     return official_to_hf(official)
 
 
-_V3_LAYER_RE = re.compile(r"^(?:model\.)?layers\.(\d+)\.(.+)$")
-_V3_EXPERT_RE = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj\.(weight|weight_scale_inv|scale)$")
+def checkpoint_name(ours: str, n_layers: int) -> str:
+    """Official checkpoint name of one of our parameter / module names: the same (our modules use official
+    names; only routed experts are stacked, see :func:`expert_checkpoint_name`)."""
+    return ours
 
 
-def canonical_name_v3(name: str, n_layers: int) -> str | None:
-    """Our DeepSeek-V3 module name of a Hugging Face V3 checkpoint tensor ("" = a duplicate to ignore).
+def expert_checkpoint_name(module: str, e: int, w: str, n_layers: int) -> str:
+    """Official name (no ``.weight``) of expert ``e``'s ``w`` (w1 / w2 / w3) of the stacked ``module``."""
+    return f"{module}.{e}.{w}"
 
-    ``model.`` is dropped; layer ``n_layers + k`` (the MTP module) becomes ``mtp.k``, whose stored copies of
-    the embedding and head (``embed_tokens``, ``shared_head.head``) are ignored; per-expert
-    ``mlp.experts.e.{gate,up,down}_proj`` become ``mlp.experts.e.{w1,w3,w2}``; ``weight_scale_inv`` -> ``scale``.
-    """
-    if name == "lm_head.weight":
-        return name
-    m = _V3_LAYER_RE.match(name)
-    if not m:
-        rest = name[len("model."):] if name.startswith("model.") else name
-        return rest if rest in ("embed_tokens.weight", "norm.weight") else None
-    lid, rest = int(m.group(1)), m.group(2)
-    prefix = f"layers.{lid}" if lid < n_layers else f"mtp.{lid - n_layers}"
-    if lid >= n_layers and rest in ("embed_tokens.weight", "shared_head.head.weight"):
-        return ""
-    e = _V3_EXPERT_RE.match(rest)
-    if e:
-        suffix = "weight" if e.group(3) == "weight" else "scale"
-        return f"{prefix}.mlp.experts.{e.group(1)}.{_PROJ_TO_W[e.group(2)]}.{suffix}"
-    if rest == "mlp.experts.down_proj":
-        return f"{prefix}.mlp.experts.w2"  # transformers' fused layout
-    if rest.endswith(".weight_scale_inv"):
-        rest = rest[: -len(".weight_scale_inv")] + ".scale"
-    return f"{prefix}.{rest}"
+
+# linears (official names without ``.weight``) the msModelSlim DeepSeek-V4 recipe for Ascend A3 quantises
+# (wq_b, the indexer's wq_b, wo_b, shared experts), and the routed-expert linears
+QUANT_LINEAR_RE = re.compile(r"^(?:layers|mtp)\.\d+\.(?:attn\.(?:wq_b|wo_b|indexer\.wq_b)|ffn\.shared_experts\.w[123])$")
+ROUTED_EXPERT_RE = re.compile(r"^(?:layers|mtp)\.\d+\.ffn\.experts\.\d+\.w[123]$")

@@ -20,11 +20,12 @@ from parallel.groups import Group
 from parallel.layers import ParallelLMHead, VocabParallelEmbedding
 from parallel.linear import Linear
 
-from ..config import ModelConfig
-from ..engine.context import StepContext
-from .common import RMSNorm, fp32_param
-from .v4_attention import Attention
-from .v4_moe import MoE
+from ...kv.compressed_pools import V4KVPools
+from ...kv.context import StepContext
+from ...layers.norm import RMSNorm, fp32_param
+from .attention import Attention
+from .config import DeepseekV4Config
+from .moe import MoE
 
 NUMERICS = ("exact", "reference")
 
@@ -32,7 +33,7 @@ NUMERICS = ("exact", "reference")
 class Block(nn.Module):
     """mHC-wrapped attention then mHC-wrapped MoE (spec §2.2)."""
 
-    def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype, reference: bool, parallel=None):
+    def __init__(self, cfg: DeepseekV4Config, layer_id: int, dtype: torch.dtype, reference: bool, parallel=None):
         super().__init__()
         self.cfg, self.layer_id = cfg, layer_id
         n, mix = cfg.hc_mult, (2 + cfg.hc_mult) * cfg.hc_mult
@@ -59,7 +60,7 @@ class HCHeadMixin:
     """hc_head collapse + final RMSNorm, owned by the main model and by each MTP module (official names
     ``hc_head_fn``, ``hc_head_base``, ``hc_head_scale``, ``norm``)."""
 
-    def _init_head(self, cfg: ModelConfig) -> None:
+    def _init_head(self, cfg: DeepseekV4Config) -> None:
         self.hc_head_fn = fp32_param(cfg.hc_mult, cfg.hc_mult * cfg.dim)
         self.hc_head_base = fp32_param(cfg.hc_mult)
         self.hc_head_scale = fp32_param(1)
@@ -74,7 +75,7 @@ class HCHeadMixin:
 class MTPBlock(Block, HCHeadMixin):
     """MTP module k (spec §2.6): embeds token t+1, mixes it with the main streams at t, runs one SWA block."""
 
-    def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype, reference: bool, parallel=None):
+    def __init__(self, cfg: DeepseekV4Config, layer_id: int, dtype: torch.dtype, reference: bool, parallel=None):
         super().__init__(cfg, layer_id, dtype, reference, parallel)
         self._init_head(cfg)
         self.e_proj = Linear(cfg.dim, cfg.dim, dtype, fp8_input=reference)
@@ -93,7 +94,8 @@ class DeepseekV4Model(nn.Module, HCHeadMixin):
     (vocab-parallel embedding and head, split heads / output groups, TP or EP experts; see
     ``ascend_dsv4.parallel_plan``); streams and logits are the full single-device tensors on every rank."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.bfloat16, numerics: str = "exact", parallel=None):
+    def __init__(self, cfg: DeepseekV4Config, dtype: torch.dtype = torch.bfloat16, numerics: str = "exact",
+                 parallel=None):
         super().__init__()
         if numerics not in NUMERICS:
             raise ValueError(f"numerics must be one of {NUMERICS}, got {numerics!r}")
@@ -108,9 +110,7 @@ class DeepseekV4Model(nn.Module, HCHeadMixin):
         self.mtp = nn.ModuleList(MTPBlock(cfg, cfg.n_layers + k, dtype, ref, parallel)
                                  for k in range(cfg.n_mtp_layers))
 
-    def make_pools(self, sizes, dtype: torch.dtype, device):
-        from ..engine.kv_pools import V4KVPools
-
+    def make_pools(self, sizes, dtype: torch.dtype, device) -> V4KVPools:
         return V4KVPools(self.cfg, sizes, dtype, device)
 
     def forward(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:

@@ -1,13 +1,12 @@
-"""DeepSeek-V4 MoE: sqrt-softplus gate (biased top-k or hash routing), clamped SwiGLU experts (spec §2.4).
+"""The routed experts of one MoE layer, stacked (both families; the loaders fill them in checkpoint format).
 
-Under tensor parallelism (``parallel``: a :class:`parallel.groups.ParallelState`) the router is replicated, the
-shared expert is column (w1, w3) / row (w2) parallel and the routed experts are either split inside every expert
-(TP: w1 / w3 on N, w2 on K, i.e. ``MoeColumnParallelLinear`` + ``MoeRowParallelLinear`` over stacked weights in
-any checkpoint format) or partitioned whole over the expert-parallel ranks (EP). The partial sums of the routed
-and the shared experts are reduced once per layer. Every rank holds the same tokens (attention is TP), so EP can
-either compute its experts' share for all tokens and all-reduce (``allreduce``) or split the tokens over the
-ranks, send each (token, expert) row to the expert's rank and back (``alltoall``: dispatch / combine) and
-all-gather the combined rows. ``ASCEND_DSV4_EP_COMM`` picks one (default ``alltoall``).
+Under tensor parallelism (a :class:`parallel.groups.ParallelState`) the routed experts are either split inside
+every expert (TP: w1 / w3 on N, w2 on K, i.e. the math of ``parallel.MoeColumnParallelLinear`` +
+``parallel.MoeRowParallelLinear`` over stacked weights in any checkpoint format, with the reduction deferred to
+the MoE) or partitioned whole over the expert-parallel ranks (EP). Every rank holds the same tokens (attention
+is TP), so EP either computes its experts' share for all tokens and all-reduces (``allreduce``) or splits the
+tokens over the ranks, sends each (token, expert) row to the expert's rank and back (``alltoall``: dispatch /
+combine) and all-gathers the combined rows. ``ASCEND_DSV4_EP_COMM`` picks one (default ``alltoall``).
 """
 
 from __future__ import annotations
@@ -20,32 +19,8 @@ from torch import nn
 import atb_ops
 from parallel.comm import all_gather, all_reduce, all_to_all, exchange_counts
 from parallel.groups import Group
-from parallel.layers import ColumnParallelLinear, RowParallelLinear
-
-from ..config import ModelConfig
-from .common import fp32_param
 
 EP_COMM = ("alltoall", "allreduce")
-
-
-class Gate(nn.Module):
-    """``weight`` [E, dim]; ``bias`` [E] (non-hash layers, selection only) or ``tid2eid`` [vocab, k] (hash)."""
-
-    def __init__(self, cfg: ModelConfig, hash_routed: bool, dtype: torch.dtype):
-        super().__init__()
-        self.topk, self.route_scale = cfg.n_activated_experts, cfg.route_scale
-        self.hash_routed = hash_routed
-        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.dim, dtype=dtype), requires_grad=False)
-        if hash_routed:
-            self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, cfg.n_activated_experts, dtype=torch.long))
-            self.bias = None
-        else:
-            self.bias = fp32_param(cfg.n_routed_experts)
-
-    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.hash_routed:
-            return atb_ops.moe_gate(x, self.weight, None, self.topk, self.route_scale, self.tid2eid, token_ids)
-        return atb_ops.moe_gate(x, self.weight, self.bias, self.topk, self.route_scale)
 
 
 class Experts(nn.Module):
@@ -147,22 +122,6 @@ class Experts(nn.Module):
         return all_gather(out, g, 0)[:T]
 
 
-class SharedExpert(nn.Module):
-    """Shared expert; under TP w1 / w3 are column- and w2 row-parallel, returning a partial sum (``reduce=False``:
-    the MoE reduces it together with the routed experts)."""
-
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, reference: bool, tp: Group | None = None):
-        super().__init__()
-        d, I = cfg.dim, cfg.moe_inter_dim
-        self.limit = cfg.swiglu_limit  # current official revision clamps the shared expert too
-        self.w1 = ColumnParallelLinear(d, I, dtype, tp, fp8_input=reference)
-        self.w3 = ColumnParallelLinear(d, I, dtype, tp, fp8_input=reference)
-        self.w2 = RowParallelLinear(I, d, dtype, tp, fp8_input=reference, reduce=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(atb_ops.swiglu(self.w1(x), self.w3(x), self.limit).to(x.dtype))
-
-
 def routed_experts(cfg, inter: int, limit: float, dtype: torch.dtype, reference: bool, parallel) -> Experts:
     """The routed experts of one layer for a rank: split inside (TP) or partitioned (EP) per ``parallel``."""
     E = cfg.n_routed_experts
@@ -180,18 +139,3 @@ def reduce_moe(routed: torch.Tensor, shared: torch.Tensor | None, experts: Exper
         return routed if shared is None else routed + all_reduce(shared.float(), tp)
     y = routed if shared is None else routed + shared.float()
     return all_reduce(y, tp)
-
-
-class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, dtype: torch.dtype, reference: bool, parallel=None):
-        super().__init__()
-        self.tp = parallel.tp if parallel is not None else Group()
-        self.gate = Gate(cfg, layer_id < cfg.n_hash_layers and layer_id < cfg.n_layers, dtype)
-        self.experts = routed_experts(cfg, cfg.moe_inter_dim, cfg.swiglu_limit, dtype, reference, parallel)
-        self.shared_experts = SharedExpert(cfg, dtype, reference, self.tp) if cfg.n_shared_experts else None
-
-    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(x, token_ids)
-        y = self.experts(x, weights, ids)
-        shared = self.shared_experts(x) if self.shared_experts is not None else None
-        return reduce_moe(y, shared, self.experts, self.tp).to(x.dtype)
