@@ -7,12 +7,23 @@ write outside the model (``pools.copy_page`` of the prefix cache) is first sent 
 the same call on their own share of the model and their own pools (same sizes, same slots: the engine's
 allocator decides for all ranks), then run on rank 0; collectives inside the model meet across ranks. Step
 inputs are the token ids and the step context (positions, slots, tables) minus the pools; results (logits) come
-from rank 0 only. Interface:
+from rank 0 only.
 
-- ``start()``: start the workers and load every rank (raises on a bad layout before any weight is read);
-- ``runner``: rank 0's runner whose model calls run on all ranks;
-- ``check_health()``: raises :class:`ExecutorError` when a worker died;
-- ``shutdown()``: stop the workers (idempotent; also run at interpreter exit).
+Contract of an executor (``executor_mp.MPExecutor``; a Ray executor implements the same):
+
+- ``Executor(spec: RankSpec).start() -> self``: start ranks 1..N-1 somewhere (each runs
+  ``rank_worker.build_rank_runner(spec, parallel_state, device)`` after joining the process groups, then serves
+  calls), build rank 0 here, wait (bounded) until every rank reported ready; raise :class:`ExecutorError` (after
+  stopping what started) otherwise; a bad layout raises ``ConfigError`` before (``LLM`` validates it);
+- ``runner``: rank 0's runner whose ``model`` methods in :data:`MIRRORED_METHODS` and ``pools.copy_page`` run on
+  every rank (the engine uses nothing else);
+- ``run(method, fn, args)``: one mirrored call: send ``(method, sanitize(args))`` to every other rank, run
+  ``fn(*args)`` here, wait for every rank's acknowledgement; returns rank 0's result;
+- ``check_health()``: raise :class:`ExecutorError` when a rank is gone;
+- ``shutdown()``: stop and reap every rank (idempotent; also at interpreter exit).
+
+A worker applies a call with ``restore(args, its_pools, its_device)`` then ``model(*args)`` (``forward``),
+``getattr(model, method)(*args)`` or ``pools.copy_page(*args)``.
 """
 
 from __future__ import annotations

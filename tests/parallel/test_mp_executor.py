@@ -87,3 +87,13 @@ def test_bad_layout_fails_before_workers_start():
         LLM("toy-v4", tensor_parallel_size=4)
     with pytest.raises(ConfigError, match="distributed_executor_backend must be 'mp'"):
         LLM("toy-v4", tensor_parallel_size=2, distributed_executor_backend="ray")
+
+
+def test_cli_generate_tp2_matches_one_device(capsys):
+    from ascend_dsv4.entrypoints.cli import main
+
+    args = ["generate", "--model", "toy-v4", "--prompt", "hello there", "--max-tokens", "4", "--device", "cpu"]
+    assert main(args) == 0
+    want = capsys.readouterr().out
+    assert main(args + ["--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"]) == 0
+    assert capsys.readouterr().out == want
