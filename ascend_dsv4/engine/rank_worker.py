@@ -42,17 +42,16 @@ def build_rank_runner(spec: RankSpec, parallel, device: torch.device):
             net = copy_rank_slices(full, build_model(spec.cfg, spec.dtype, spec.numerics, parallel))
             del full
         else:
-            from ..errors import ConfigError
             from ..weights.loader import load_weights
-            from ..weights.msmodelslim_loader import is_msmodelslim_folder
+            from ..weights.msmodelslim_loader import is_msmodelslim_folder, load_msmodelslim
 
-            if is_msmodelslim_folder(folder):
-                raise ConfigError(f"{folder}: msModelSlim folders cannot be split over tensor-parallel ranks yet; "
-                                  f"run them with tensor_parallel_size=1")
             with torch.device("meta"):
                 net = build_model(spec.cfg, spec.dtype, spec.numerics, parallel)
-            plan = load_weights(net, folder, device, dequantize=spec.dequantize, progress=False)
-            net.bytes_read = plan.bytes_read
+            if is_msmodelslim_folder(folder):  # split on the rank (weights/msmodelslim_tp.py)
+                load_msmodelslim(net, folder, spec.msmodelslim_path, spec.allow_float_mtp, spec.msmodelslim_act_sim)
+            else:
+                plan = load_weights(net, folder, device, dequantize=spec.dequantize, progress=False)
+                net.bytes_read = plan.bytes_read
         net = net.to(device).eval()
     return net, ModelRunner(net, spec.pool_sizes, device, backend=spec.backend)
 

@@ -105,7 +105,9 @@ class LLM:
         if tensor_parallel_size != 1 or enable_expert_parallel or distributed_executor_backend is not None:
             self.runner = self._start_parallel(model, folder, numerics, seed, dequantize, block_size,
                                                tensor_parallel_size, enable_expert_parallel,
-                                               distributed_executor_backend)
+                                               distributed_executor_backend,
+                                               dict(msmodelslim_path=msmodelslim_path, allow_float_mtp=allow_float_mtp,
+                                                    msmodelslim_act_sim=msmodelslim_act_sim))
         else:
             self.runner = ModelRunner.create(
                 model, cfg, device=self.device, dtype=self.dtype, numerics=numerics, backend=self.backend,
@@ -118,7 +120,7 @@ class LLM:
                                 enable_prefix_caching=enable_prefix_caching,
                                 num_speculative_tokens=num_speculative_tokens)
 
-    def _start_parallel(self, model, folder, numerics, seed, dequantize, block_size, tp, ep, executor):
+    def _start_parallel(self, model, folder, numerics, seed, dequantize, block_size, tp, ep, executor, msm: dict):
         """Validate the layout (before any weight is read), then start the ``mp`` executor (rank 0 in this
         process, one worker process per other rank); returns rank 0's runner."""
         from parallel.groups import visible_devices
@@ -137,7 +139,7 @@ class LLM:
                                              self.max_num_batched_tokens)
         spec = RankSpec(model=folder or model, cfg=self.cfg, dtype=self.dtype, numerics=numerics,
                         device_type=self.device.type, seed=seed, pool_sizes=sizes, tensor_parallel_size=tp,
-                        enable_expert_parallel=ep, backend=self.backend, dequantize=dequantize,
+                        enable_expert_parallel=ep, backend=self.backend, dequantize=dequantize, **msm,
                         timeout_s=float(os.environ.get("ASCEND_DSV4_MP_TIMEOUT", "300")),
                         env={k: v for k, v in os.environ.items() if k.startswith(("ASCEND_DSV4_", "ATB_OPS_", "HCCL_"))})
         self.executor = MPExecutor(spec).start()

@@ -134,7 +134,8 @@ def routed_experts(cfg, inter: int, limit: float, dtype: torch.dtype, reference:
 
 def reduce_moe(routed: torch.Tensor, shared: torch.Tensor | None, experts: Experts, tp: Group) -> torch.Tensor:
     """Sum of the routed and shared outputs (float32 [T, d]) with one all-reduce of the partial sums."""
-    complete = experts.ep.size > 1 and experts.ep_comm == "alltoall"
+    ep = getattr(experts, "ep", None)  # msModelSlim's QuantExperts replace Experts at world size 1
+    complete = ep is not None and ep.size > 1 and getattr(experts, "ep_comm", "") == "alltoall"
     if complete:
         return routed if shared is None else routed + all_reduce(shared.float(), tp)
     y = routed if shared is None else routed + shared.float()
