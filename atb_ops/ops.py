@@ -32,7 +32,7 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
 
 
 def hc_pre(x, fn, base, scale, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
-    """mHC collapse (spec §2.2 steps 1-3).
+    """mHC collapse (ascend_dsv4/models/deepseek_v4/README.md §2.2 steps 1-3).
 
     x: [T, N, d] streams; fn: [(2+N)N, N*d] fp32; base: [(2+N)N]; scale: [3].
     m = (flat(x) @ fn^T) * rsqrt(mean(flat(x)^2) + norm_eps)        (fp32)
@@ -53,7 +53,8 @@ def hc_post(y, x, post, comb):
 
 
 def hc_head(x, fn, base, scale, hc_eps: float, norm_eps: float):
-    """Final stream collapse (spec §2.5): pre = sigmoid(m * scale + base) + hc_eps with
+    """Final stream collapse (ascend_dsv4/models/deepseek_v4/README.md §2.5): pre = sigmoid(m * scale + base) +
+    hc_eps with
     m = (flat(x) @ fn^T) * rsqrt(mean(flat(x)^2) + norm_eps); returns sum_j pre_j x_j ([T, d], x.dtype).
 
     x: [T, N, d]; fn: [N, N*d]; base: [N]; scale: [1].
@@ -62,7 +63,8 @@ def hc_head(x, fn, base, scale, hc_eps: float, norm_eps: float):
 
 
 def compressor_pool(kv_state: torch.Tensor, score_state: torch.Tensor, cand: torch.Tensor, overlap: bool) -> torch.Tensor:
-    """Pool compressed KV entries from per-token compressor rows (spec §2.3 "Compressor").
+    """Pool compressed KV entries from per-token compressor rows (ascend_dsv4/models/deepseek_v4/README.md §2.3
+    "Compressor").
 
     kv_state, score_state: [S, W] float32 rows, one per token (a = wkv x_t; z = wgate x_t + ape[t mod r]).
     cand: [M, K] int64 row indices of each entry's candidate tokens in token order, -1 = absent.
@@ -76,7 +78,7 @@ def compressor_pool(kv_state: torch.Tensor, score_state: torch.Tensor, cand: tor
 
 
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, cand: torch.Tensor, topk: int) -> torch.Tensor:
-    """Lightning-indexer selection (spec §2.3 "CSA Indexer").
+    """Lightning-indexer selection (ascend_dsv4/models/deepseek_v4/README.md §2.3 "CSA Indexer").
 
     q: [T, Hi, Di]; weights: [T, Hi] (already scaled by Di^-1/2 Hi^-1/2); k_cache: [P, Di] rows;
     cand: [T, N] int64 rows of k_cache that token t may see (causal entries), -1 = padding.
@@ -89,7 +91,8 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, 
 
 
 def sparse_attention(q, kv, idx, sink, scale: float, extra_kv=None, extra_idx=None):
-    """One-softmax attention over gathered K=V rows plus a per-head sink (spec §2.3).
+    """One-softmax attention over gathered K=V rows plus a per-head sink (ascend_dsv4/models/deepseek_v4/README.md
+    §2.3).
 
     q: [T, H, D]; kv: [P, D] rows (K = V); idx: [T, K] int64 rows of kv, -1 ignored;
     optional extra_kv: [P2, D] with extra_idx: [T, K2] (the compressed entries; same softmax).
@@ -101,7 +104,7 @@ def sparse_attention(q, kv, idx, sink, scale: float, extra_kv=None, extra_idx=No
 
 def moe_gate(x, weight, bias, topk: int, route_scale: float, tid2eid=None, token_ids=None,
              score_func: str = "sqrtsoftplus", n_groups: int = 1, topk_groups: int = 1, normalize: bool = True):
-    """DeepSeek router (V4 spec §2.4; V3 group-limited routing).
+    """DeepSeek router (V4 ascend_dsv4/models/deepseek_v4/README.md §2.4; V3 group-limited routing).
 
     x: [T, d]; weight: [E, d]; bias: [E] or None (aux-loss-free correction, used only for selection);
     tid2eid: [V, k] int table for hash layers with token_ids: [T].
@@ -219,3 +222,38 @@ def mla_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, k_nope: torch.Tensor, 
     :func:`mla_decode` (q_nope absorbed through W_UK) followed by W_UV, up to rounding.
     """
     return resolve("mla_prefill", q_nope)(q_nope, q_pe, k_nope, k_pe, v, idx, scale)
+
+
+def quant_linear(x: torch.Tensor, weight: torch.Tensor, mode: str, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                 offset: torch.Tensor | None = None, input_scale: torch.Tensor | None = None,
+                 input_offset: torch.Tensor | None = None, group_size: int = 0) -> torch.Tensor:
+    """Integer-path quantised linear with NPU-layout parameters (msModelSlim checkpoints after
+    ``quant.msmodelslim.npu_params`` conversion). x: [M, K] float; weight: int8 [K, N] (``x2`` layout), or for
+    ``weight_only`` also int4 packed 8 per int32 [K, N/8] (element 0 in bits 0-3). Returns [M, N] in x.dtype.
+
+    - ``dynamic`` (W8A8_DYNAMIC, W4A8 per channel): per-token symmetric quant ``s_t = max|x_t| / 127``,
+      ``q = round(x / s_t)`` (half to even; a zero row gives 0); ``y = (q @ W) * scale[n] * s_t + bias``;
+      scale float32 [N], bias float [N] or None.
+    - ``static`` (W8A8, W8A8S, W8A8_MIX decode): ``q = clamp(round(x * (1 / input_scale) + input_offset), -128,
+      127)`` (the offset added before rounding; multiplied by the float32 reciprocal, as the NPU quantiser does);
+      ``y = float32(q @ W + bias) * deq`` with bias = ``quant_bias`` int32 [N] and scale = ``deq_scale``:
+      int64 words holding float32 bits in the low 32 bits, or float32 [N].
+    - ``weight_only`` (W8A16, W4A16): ``y = x @ ((W + offset) * scale) + bias``, the NPU antiquant form (offset =
+      the negated checkpoint zero point), scale / offset [N] per channel or [G, N] with ``group_size`` = K / G.
+
+    Integer products are exact (accumulated in int64 here; the NPU accumulates in int32: a sum outside the
+    int32 range raises).
+    """
+    return resolve("quant_linear", x)(x, weight, mode, scale, bias, offset, input_scale, input_offset, group_size)
+
+
+def quant_grouped_matmul(x: torch.Tensor, weight: torch.Tensor, expert_ids: torch.Tensor,
+                         scale: torch.Tensor) -> torch.Tensor:
+    """Per-row expert matmul of the dynamic int path (msModelSlim W8A8_DYNAMIC / W4A8 per-channel experts):
+    ``out[m] = quant_linear(x[m], weight[expert_ids[m]], "dynamic", scale[expert_ids[m]])``, i.e. per-token
+    ``s_m = max|x_m| / 127``, ``q = round(x_m / s_m)``, ``out[m] = (q @ W_e) * scale[e] * s_m``.
+
+    x: [M, K] float; weight: int8 [E, K, N] (``x2`` layout); expert_ids: [M] int64 in [0, E); scale: float32
+    [E, N]. Returns [M, N] in x.dtype.
+    """
+    return resolve("quant_grouped_matmul", x)(x, weight, expert_ids, scale)

@@ -23,7 +23,7 @@ def test_generate_streams_text(capsys):
 def test_info_reports_sizes(capsys):
     assert main(["info", "--model", "deepseek-v4-flash", "--context-len", "65536", "--batch", "4"]) == 0
     out = capsys.readouterr().out
-    assert "3514" in out.replace(",", "") or "3,514" in out  # production KV bytes per token (spec §4.2)
+    assert "3514" in out.replace(",", "") or "3,514" in out  # production KV bytes per token (ascend_dsv4/models/deepseek_v4/README.md §4.2)
     assert "csa" in out.lower() and "hca" in out.lower()
 
 
@@ -44,7 +44,13 @@ def test_malformed_config_file(tmp_path, capsys):
     (tmp_path / "config.json").write_text('{"dim": 256, "n_layers": 2, "compress_ratios": [0, 5, 0]')
     assert main(["info", "--model", str(tmp_path)]) == 2
     assert "config.json" in capsys.readouterr().err
-    (tmp_path / "config.json").write_text('{"dim": 256, "n_layers": 2, "compress_ratios": [0, 5, 0]}')
+    (tmp_path / "config.json").write_text('{"dim": 256, "n_layers": 2}')
+    assert main(["info", "--model", str(tmp_path)]) == 2
+    assert "'vocab_size', 'n_heads', 'moe_inter_dim', 'n_routed_experts', 'n_activated_experts' missing" in \
+        capsys.readouterr().err  # named, never Flash's defaults
+    (tmp_path / "config.json").write_text('{"dim": 256, "n_layers": 2, "compress_ratios": [0, 5, 0], "vocab_size": '
+                                          '1024, "n_heads": 4, "moe_inter_dim": 128, "n_routed_experts": 16, '
+                                          '"n_activated_experts": 2}')
     assert main(["info", "--model", str(tmp_path)]) == 2
     assert "compress_ratios" in capsys.readouterr().err
 

@@ -22,7 +22,9 @@ class QuantLinearAdapter(nn.Module):
         return self.ql.dequant_weight().to(self.out_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.ql(x.reshape(-1, x.shape[-1]).float())
+        x2 = x.reshape(-1, x.shape[-1])
+        # the NPU form (weights/msm_npu.py) takes the model dtype, as its NPU ops do; the CPU-layout one float32
+        y = self.ql(x2 if getattr(self.ql, "takes_model_dtype", False) else x2.float())
         return y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype if x.dtype != torch.float32 else self.out_dtype)
 
 
@@ -32,7 +34,8 @@ class QuantExperts(nn.Module):
     def __init__(self, experts: list[tuple[nn.Module, nn.Module, nn.Module]], limit: float,
                  weight_after_w2: bool = False):
         super().__init__()
-        # where the routing weight multiplies: before w2 (DeepSeek-V4, spec §2.4) or after (DeepSeek-V3); it
+        # where the routing weight multiplies: before w2 (DeepSeek-V4, ascend_dsv4/models/deepseek_v4/README.md §2.4)
+        # or after (DeepSeek-V3); it
         # matters once w2 quantises its input
         self.weight_after_w2 = weight_after_w2
         self.w1 = nn.ModuleList(e[0] for e in experts)

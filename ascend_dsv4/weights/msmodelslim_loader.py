@@ -26,6 +26,10 @@ from ..layers.experts import Experts
 from ..layers.norm import RMSNorm
 from ..layers.quantized import QuantExperts, QuantLinearAdapter, SmoothedRMSNorm
 from ..models import family_of
+from .weight_check import count_nonfinite, nonfinite_flag
+from .msm_npu import to_npu_experts, to_npu_linear
+from .msmodelslim_tp import ParallelQuantExperts, linear_kind, quant_linear
+from .tp_shards import Shard, module_shard
 
 log = logging.getLogger("ascend_dsv4")
 
@@ -43,8 +47,11 @@ def _set(module: nn.Module, leaf: str, t: torch.Tensor, buffer: bool = False) ->
 
 @torch.no_grad()
 def load_msmodelslim(model: nn.Module, folder: str, path: str = "int", allow_float_mtp: bool = False,
-                     act_sim: str | None = None) -> dict:
-    """Fill ``model`` (built on any device, e.g. meta) from the msModelSlim folder; returns a summary."""
+                     act_sim: str | None = None, check_weights: bool = True, npu: bool = False) -> dict:
+    """Fill ``model`` (built on any device, e.g. meta) from the msModelSlim folder; returns a summary.
+
+    ``check_weights``: every floating-point tensor read is checked for NaN / Inf (:mod:`.weight_check`).
+    ``npu``: convert the int-path linears to their NPU parameter form at load (:mod:`.msm_npu`)."""
     import quant.msmodelslim as msm
 
     cfg, dtype = model.cfg, model.dtype
@@ -62,6 +69,10 @@ def load_msmodelslim(model: nn.Module, folder: str, path: str = "int", allow_flo
         raise CheckpointError(f"{folder}: {e}") from None
     types = ck.types
     kw = {} if act_sim is None else {"act_sim": act_sim}  # float path: which activation fake-quant to apply
+
+    def qlinear(key: str) -> nn.Module:
+        ql = ck.linear(key, path=path, **kw)
+        return (to_npu_linear(ql, dtype) or ql) if npu and path == "int" else ql
     mtp_prefix = fam.checkpoint_name("mtp.0", cfg.n_layers) + "."
     has_mtp = any(k.startswith(mtp_prefix) for k in types)
     problems: list[str] = []
@@ -72,10 +83,19 @@ def load_msmodelslim(model: nn.Module, folder: str, path: str = "int", allow_flo
 
     def tensor(key: str) -> torch.Tensor | None:
         try:
-            return ck.tensor(key)
+            t = ck.tensor(key)
         except (KeyError, ValueError):
             problems.append(f"{key}: missing from the msModelSlim checkpoint in {folder}")
             return None
+        if check_weights:
+            if bool(nonfinite_flag(t)):
+                n = int(count_nonfinite(t))
+                try:
+                    shard = os.path.basename(ck.weights.file_of(key)) + ": "
+                except Exception:  # noqa: BLE001 - the name of the shard is a courtesy
+                    shard = ""
+                problems.append(f"{shard}{key}: {n} non-finite value(s) (NaN or Inf) in the weight")
+        return t
 
     def skip(name: str) -> bool:
         return name.startswith("mtp.") and not has_mtp
@@ -93,15 +113,21 @@ def load_msmodelslim(model: nn.Module, folder: str, path: str = "int", allow_flo
             elif qtype == "FLOAT":
                 t = tensor(key + ".weight")
                 if t is not None:
-                    mod.set_weight(t.to(torch.float32 if mod.compute_fp32 else dtype))
+                    sh = module_shard(mod, "weight")  # tensor parallel: this rank's part
+                    mod.set_weight((sh.take(t, key) if sh else t).to(torch.float32 if mod.compute_fp32 else dtype))
+            elif linear_kind(mod) is not None:
+                setattr(parent, leaf, quant_linear(ck, key, linear_kind(mod), mod.tp, path, kw, dtype,
+                                                   getattr(mod, "reduce", True)))
+                replaced.add(name)
+                n_quant += 1
             else:
-                setattr(parent, leaf, QuantLinearAdapter(ck.linear(key, path=path, **kw), dtype))
+                setattr(parent, leaf, QuantLinearAdapter(qlinear(key), dtype))
                 replaced.add(name)
                 n_quant += 1
             done.update({f"{name}.weight", f"{name}.scale"})
         elif isinstance(mod, Experts):
-            E = mod.w1.shape[0]
-            keys = {(e, w): _expert_name(cfg, name, e, w) for e in range(E) for w in ("w1", "w2", "w3")}
+            E, first = mod.w1.shape[0], getattr(mod, "first_expert", 0)  # EP: this rank's experts only
+            keys = {(e, w): _expert_name(cfg, name, first + e, w) for e in range(E) for w in ("w1", "w2", "w3")}
             kinds = {types.get(k + ".weight") for k in keys.values()}
             if None in kinds:
                 problems.append(f"{name}: experts not (all) described in {folder}")
@@ -109,11 +135,23 @@ def load_msmodelslim(model: nn.Module, folder: str, path: str = "int", allow_flo
                 for w in ("w1", "w2", "w3"):
                     ts = [tensor(keys[(e, w)] + ".weight") for e in range(E)]
                     if all(t is not None for t in ts):
-                        _set(mod, w, torch.stack(ts).to(dtype))
+                        st = torch.stack(ts)
+                        if getattr(mod, "shard", None):  # TP: every expert split
+                            st = Shard(mod.shard[w], mod.tp.rank, mod.tp.size).take(st, f"{name}.{w}")
+                        _set(mod, w, st.to(dtype))
+            elif getattr(mod, "shard", None) or mod.ep.size > 1:
+                kinds_tp = {"w1": "column", "w3": "column", "w2": "row"} if mod.shard else {}
+                triples = [tuple(quant_linear(ck, keys[(e, w)], kinds_tp.get(w), mod.tp, path, kw, dtype, reduce=False)
+                                 for w in ("w1", "w3", "w2")) for e in range(E)]
+                setattr(parent, leaf, ParallelQuantExperts(triples, mod.limit, fam.experts_weight_after_w2, first,
+                                                           mod.ep, mod.tp))
+                replaced.add(name)
+                n_quant += 3 * E
             else:
-                triples = [tuple(QuantLinearAdapter(ck.linear(keys[(e, w)], path=path, **kw), dtype) for w in ("w1", "w3", "w2"))
+                triples = [tuple(QuantLinearAdapter(qlinear(keys[(e, w)]), dtype) for w in ("w1", "w3", "w2"))
                            for e in range(E)]
-                setattr(parent, leaf, QuantExperts(triples, mod.limit, weight_after_w2=fam.experts_weight_after_w2))
+                qe = QuantExperts(triples, mod.limit, weight_after_w2=fam.experts_weight_after_w2)
+                setattr(parent, leaf, to_npu_experts(qe) if npu and path == "int" else qe)
                 replaced.add(name)
                 n_quant += 3 * E
             done.update({f"{name}.{w}" for w in ("w1", "w2", "w3")})
@@ -134,6 +172,10 @@ def load_msmodelslim(model: nn.Module, folder: str, path: str = "int", allow_flo
         t = tensor(_ck_name(cfg, pname))
         if t is None:
             continue
+        owner_name, _, owner_leaf = pname.rpartition(".")
+        sh = module_shard(model.get_submodule(owner_name) if owner_name else model, owner_leaf)
+        if sh is not None:  # tensor parallel: this rank's part (embedding, head, attn_sink)
+            t = sh.take(t, pname)
         if tuple(t.shape) != tuple(p.shape):
             problems.append(f"{_ck_name(cfg, pname)}: shape {list(t.shape)}, expected {list(p.shape)}")
             continue

@@ -1,4 +1,5 @@
-"""Triton manifold-constrained hyper-connections: hc_pre (with Sinkhorn), hc_post, hc_head (spec §2.2, §2.5).
+"""Triton manifold-constrained hyper-connections: hc_pre (with Sinkhorn), hc_post, hc_head
+(ascend_dsv4/models/deepseek_v4/README.md §2.2, §2.5).
 
 Per collapse: the split-K skinny matmul (:mod:`._skinny`) gives flat(x) @ fn^T and sum(flat(x)^2) (float32
 products, as the reference's float32 matmul); ``_split_kernel`` scales them by rsqrt(mean + eps), turns one
@@ -11,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._dispatch import register
+from .._registry import register
 from ._skinny import skinny_matmul
 from ._util import pow2
 
