@@ -15,7 +15,8 @@ Reported per (format, batch, ctx): ms/step (median of ``--steps`` after warm-up)
 the bytes a step must read (every non-routed weight, the weights of the routed experts the step's tokens
 actually selected, the KV rows it reads: window 128 + CSA top-512 entries + indexer keys of all ctx/4 entries
 + HCA ctx/128 entries, per sequence and layer) over the copy bandwidth measured in the same run; the ratio
-floor / measured is the "% of HBM floor". With ``--hf`` transformers' eager DeepseekV4ForCausalLM runs the
+floor / measured is the "% of HBM floor". "host prepare ms" is the part of a step spent building the step
+context on the host (page tables, slot lists, copies to the device): it is not overlapped with the GPU yet. With ``--hf`` transformers' eager DeepseekV4ForCausalLM runs the
 same shapes (BF16) side by side at batch 8.
 
 Usage: python scripts/bench_decode.py [--batches 1,8,32,64] [--ctx 2048,8192] [--formats bf16,fp8] [--hf]
@@ -123,14 +124,14 @@ def copy_bandwidth(dev) -> float:
     return 2 * 256 * 1024 * 1024 * 4 / (t * 1e-3)
 
 
-def make_runner(model, cfg, batch: int, ctx: int, steps: int, dev):
+def make_runner(model, cfg, batch: int, ctx: int, steps: int, dev, graphs: bool = False):
     B = 64
     per_seq_tok = -(-(ctx + steps + 256) // B) + 1
     sizes = PoolSizes(block_size=B, c4_block_size=64, c128_block_size=8,
                       num_blocks=batch * 8 + per_seq_tok + 8,
                       num_c4_blocks=batch * (-(-(ctx + steps) // 256) + 1),
                       num_c128_blocks=batch * (-(-(ctx + steps) // 1024) + 1))
-    runner = ModelRunner(model, sizes, dev)
+    runner = ModelRunner(model, sizes, dev, cuda_graphs=graphs, max_graph_batch=batch)
     seqs = []
     for _ in range(batch):
         s = runner.new_sequence()
@@ -148,9 +149,24 @@ def make_runner(model, cfg, batch: int, ctx: int, steps: int, dev):
     return runner, seqs
 
 
+HOST_MS: list = []
+
+
 def time_decode(runner, seqs, steps: int, warmup: int, vocab: int, expert_log: list | None = None):
+    """Median ms of ``runner.step`` (host + device, synchronised); the host time of ``runner.prepare`` (page
+    tables and the step context, built on the host and copied) of the timed steps goes to HOST_MS."""
     g = torch.Generator().manual_seed(2)
     times = []
+    prep = []
+    orig = runner.prepare
+
+    def timed_prepare(*a, **k):
+        t = time.perf_counter()
+        out = orig(*a, **k)
+        prep.append(time.perf_counter() - t)
+        return out
+
+    runner.prepare = timed_prepare
     for i in range(warmup + steps):
         toks = torch.randint(0, vocab, (len(seqs),), generator=g).tolist()
         if expert_log is not None:
@@ -161,10 +177,29 @@ def time_decode(runner, seqs, steps: int, warmup: int, vocab: int, expert_log: l
         torch.cuda.synchronize()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
+    runner.prepare = orig
+    HOST_MS.clear()
+    HOST_MS.append(statistics.median(prep[warmup:]) * 1e3)
     return statistics.median(times) * 1e3
 
 
-def bench_ours(fmt: str, batches, ctxs, steps, warmup, dev, bw, rows, backend, toy=False):
+PROFILE = False
+
+
+def profile_steps(runner, seqs, vocab: int, label: str, n: int = 3) -> None:
+    """Device time by kernel over ``n`` decode steps (torch.profiler sees the kernels of graph replays)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    g = torch.Generator().manual_seed(3)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            runner.step(seqs, [[int(x)] for x in torch.randint(0, vocab, (len(seqs),), generator=g)])
+        torch.cuda.synchronize()
+    print(f"profile ({label}, {n} steps, device time by kernel):")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
+
+
+def bench_ours(fmt: str, batches, ctxs, steps, warmup, dev, bw, rows, backend, toy=False, modes=("eager",)):
     cfg = preset("toy-v4").replace(n_mtp_layers=0, compress_ratios=(0, 0, 4, 128, 4, 128, 4)) if toy else flash3()
     torch.manual_seed(0)
     model = build_model(cfg, torch.bfloat16, "exact").to(dev).eval()
@@ -173,43 +208,46 @@ def bench_ours(fmt: str, batches, ctxs, steps, warmup, dev, bw, rows, backend, t
         to_official_formats_(model)
     other, per_expert = weight_bytes(model)
     picked: dict[int, set] = {}
-    hooks = []
-    for lid, blk in enumerate(model.layers):
-        def hook(mod, inp, out, lid=lid):
-            picked.setdefault(lid, set()).update(out[1].reshape(-1).tolist())
-        hooks.append(blk.ffn.gate.register_forward_hook(hook))
+
+    def hook(mod, inp, out, lid):
+        picked.setdefault(lid, set()).update(out[1].reshape(-1).tolist())
+
     for ctx in ctxs:
         for batch in batches:
-            try:
-                runner, seqs = make_runner(model, cfg, batch, ctx, warmup + steps + 2, dev)
-                with atb_ops.use_backend(backend):
-                    # one step with the routing hook on: experts a step actually reads
-                    picked.clear()
-                    runner.step(seqs, [[7 + i] for i in range(batch)])
-                    act = {lid: len(v) for lid, v in picked.items()}
-                    for h in hooks:
-                        h.remove()
-                    hooks.clear()
-                    ms = time_decode(runner, seqs, steps, warmup, cfg.vocab_size)
-            except torch.cuda.OutOfMemoryError:
-                print(f"| {fmt} | {batch} | {ctx} | OOM |", flush=True)
+            act = None
+            for mode in modes:
+                graphs = mode == "graph"
+                try:
+                    runner, seqs = make_runner(model, cfg, batch, ctx, warmup + steps + 2, dev, graphs)
+                    with atb_ops.use_backend(backend):
+                        if act is None:  # one eager step with a routing hook: the experts a step reads
+                            picked.clear()
+                            hs = [blk.ffn.gate.register_forward_hook(lambda m, i, o, lid=lid: hook(m, i, o, lid))
+                                  for lid, blk in enumerate(model.layers)]
+                            with torch.inference_mode():
+                                ids, c = runner.prepare(seqs, [[7 + i] for i in range(batch)])
+                                model(ids, c)
+                            for h in hs:
+                                h.remove()
+                            act = {lid: len(v) for lid, v in picked.items()}
+                            runner.commit(seqs, c)
+                        ms = time_decode(runner, seqs, steps, warmup, cfg.vocab_size)
+                        if PROFILE and graphs:
+                            profile_steps(runner, seqs, cfg.vocab_size, f"{fmt} batch {batch} ctx {ctx}")
+                except torch.cuda.OutOfMemoryError:
+                    print(f"| ours ({backend}, {mode}) | {fmt} | {batch} | {ctx} | OOM |", flush=True)
+                    torch.cuda.empty_cache()
+                    continue
+                byt = (other + sum(per_expert[l] * act.get(l, 0) for l in per_expert)
+                       + batch * kv_bytes_per_seq(cfg, ctx, 2))
+                floor = byt / bw * 1e3
+                row = dict(impl=f"ours-{backend}-{mode}", fmt=fmt, batch=batch, ctx=ctx, ms=ms, host_prepare_ms=HOST_MS[0],
+                           tok_s=batch / ms * 1e3, bytes=byt, floor_ms=floor, pct_floor=100 * floor / ms, experts=act)
+                rows.append(row)
+                print(f"| ours ({backend}, {mode}) | {fmt} | {batch} | {ctx} | {ms:.2f} | {row['tok_s']:.0f} | "
+                      f"{byt / 1e9:.2f} | {floor:.2f} | {row['pct_floor']:.1f} | {HOST_MS[0]:.2f} |", flush=True)
+                del runner, seqs
                 torch.cuda.empty_cache()
-                continue
-            byt = other + sum(per_expert[l] * act.get(l, 0) for l in per_expert) + batch * kv_bytes_per_seq(cfg, ctx, 2)
-            floor = byt / bw * 1e3
-            row = dict(impl=f"ours-{backend}", fmt=fmt, batch=batch, ctx=ctx, ms=ms, tok_s=batch / ms * 1e3,
-                       bytes=byt, floor_ms=floor, pct_floor=100 * floor / ms, experts=act)
-            rows.append(row)
-            print(f"| ours ({backend}) | {fmt} | {batch} | {ctx} | {ms:.2f} | {row['tok_s']:.0f} | {byt / 1e9:.2f} | "
-                  f"{floor:.2f} | {row['pct_floor']:.1f} |", flush=True)
-            del runner, seqs
-            torch.cuda.empty_cache()
-            for lid, blk in enumerate(model.layers):
-                def hook(mod, inp, out, lid=lid):
-                    picked.setdefault(lid, set()).update(out[1].reshape(-1).tolist())
-                hooks.append(blk.ffn.gate.register_forward_hook(hook))
-    for h in hooks:
-        h.remove()
     del model
     torch.cuda.empty_cache()
 
@@ -262,25 +300,30 @@ def main() -> None:
     ap.add_argument("--formats", default="bf16,fp8")
     ap.add_argument("--backends", default="cuda", help="comma list of atb_ops backends to time (cuda, reference)")
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=6)
+    ap.add_argument("--modes", default="eager,graph", help="eager and/or graph (CUDA-graph-captured decode)")
     ap.add_argument("--hf", action="store_true", help="also time transformers eager (bf16, batch 8)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--toy", action="store_true", help="the toy model instead (smoke test of this script)")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--profile", action="store_true", help="print a per-kernel device-time profile (graph mode)")
     a = ap.parse_args()
+    global PROFILE
+    PROFILE = a.profile
     dev = torch.device(a.device)
     if dev.type == "cpu":  # smoke test only
         torch.cuda.synchronize = lambda *args: None
     bw = copy_bandwidth(dev) if dev.type == "cuda" else 1e10
     print(f"device: {torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu'}; measured copy bandwidth {bw / 1e12:.2f} TB/s (read + write)")
-    print("| impl | weights | batch | ctx | ms/step | tok/s | bytes/step GB | HBM floor ms | % of floor |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|", flush=True)
+    print("| impl | weights | batch | ctx | ms/step | tok/s | bytes/step GB | HBM floor ms | % of floor | "
+          "host prepare ms |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)
     rows: list = []
     batches = [int(x) for x in a.batches.split(",")]
     ctxs = [int(x) for x in a.ctx.split(",")]
     for backend in a.backends.split(","):
         for fmt in a.formats.split(","):
-            bench_ours(fmt, batches, ctxs, a.steps, a.warmup, dev, bw, rows, backend, a.toy)
+            bench_ours(fmt, batches, ctxs, a.steps, a.warmup, dev, bw, rows, backend, a.toy, tuple(a.modes.split(",")))
     if a.hf:
         for ctx in ctxs:
             bench_hf(8, ctx, a.steps, a.warmup, dev, rows)

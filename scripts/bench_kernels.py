@@ -6,7 +6,10 @@ and the ``reference`` implementation on the same GPU (median of ``triton.testing
 fewest bytes the op must move (each input read once, each output written once; gathered rows counted once
 per distinct row) and its FLOPs, and prints time, GB/s, TFLOP/s, % of the HBM ceiling and % of the bf16
 tensor-core ceiling, both measured in the same run (device-to-device copy; 8192^3 bf16 cuBLAS matmul), and
-the speed-up over the reference op. Each case also checks the kernel against the reference output.
+the speed-up over the reference op. Kernel times are CUDA-graph replays (device time, as inside the captured
+decode step) and, separately, eager calls (with the host's launch cost); the reference ops cannot be captured
+(host synchronisations), so the speed-up compares eager calls. Each case also checks the kernel against the
+reference output.
 
 DeepSeek's TileLang kernels are not run side by side: TileLang is not installed on the device machine.
 
@@ -31,14 +34,26 @@ from quant.fp8_block import quant_fp8_block  # noqa: E402
 
 
 def bench(fn, warmup=10, rep=50) -> float:
-    """Median milliseconds (CUDA events via triton.testing.do_bench)."""
+    """Median milliseconds of eager calls (CUDA events via triton.testing.do_bench): includes host launch cost."""
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
+def bench_graph(fn) -> float | None:
+    """Median milliseconds of the op replayed from a CUDA graph (device time without host launch gaps, as in
+    the graph-captured decode step); None when the op cannot be captured."""
+    import triton.testing
+
+    try:
+        return float(triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median"))
+    except Exception:
+        torch.cuda.synchronize()
+        return None
+
+
 def ceilings(dev) -> dict:
-    n = 256 * 1024 * 1024  # 1 GiB of bf16... as 2 x 512 MiB buffers
+    n = 256 * 1024 * 1024  # two 1 GiB float32 buffers
     a = torch.empty(n, dtype=torch.float32, device=dev).normal_()
     b = torch.empty_like(a)
     t = bench(lambda: b.copy_(a), 5, 30)
@@ -49,6 +64,23 @@ def ceilings(dev) -> dict:
     t = bench(lambda: m @ n2, 5, 30)
     tf = 2 * 8192**3 / (t * 1e-3)
     return {"hbm_Bps": bw, "bf16_flops": tf}
+
+
+ROTATE = 8
+# tile variants of the attention kernel timed side by side: " [BH,BN,WARPS]" (see atb_ops/cuda/attention.py)
+ATTN_VARIANTS = ("", " [32,32,8]", " [64,32,8]", " [64,16,8]", " [64,32,16]")
+
+
+class Rotating:
+    """Calls ``fn`` on the next argument tuple of a list at each call (weights that would fit in L2)."""
+
+    def __init__(self, fn, arg_sets, kw):
+        self.fn, self.arg_sets, self.kw, self.i = fn, arg_sets, kw, 0
+
+    def __call__(self):
+        a = self.arg_sets[self.i % len(self.arg_sets)]
+        self.i += 1
+        return self.fn(*a, **self.kw)
 
 
 def rel(a, b):
@@ -75,7 +107,7 @@ def cases(dev, quick: bool):
         yield f"rms_norm T={T} d=4096", "rms_norm", (x, w, 1e-6), {}, 2 * _nb(x), 3 * x.numel()
         q = r(T, H, D)
         yield f"rms_norm q T={T}x64 d=512", "rms_norm", (q, None, 1e-6), {}, 2 * _nb(q), 3 * q.numel()
-        inv = atb_ops.rope_inv_freq(64, 10000.0)
+        inv = atb_ops.rope_inv_freq(64, 10000.0).to(dev)  # a model buffer lives on the device
         pos = torch.arange(T, device=dev) + 5000
         yield f"apply_rope q T={T}x64x512", "apply_rope", (q, pos, inv), {}, 2 * _nb(q), 6 * T * H * 64
         xs = r(T, 4, Dm)
@@ -109,8 +141,9 @@ def cases(dev, quick: bool):
         rows = T * (128 + k2)
         byt = rows * D * 2 + 2 * _nb(q) + _nb(win, ex)
         fl = 4 * T * h * (128 + k2) * D
-        yield (f"sparse_attention {kind} T={T} h={h} K=128+{k2}", "sparse_attention",
-               (q, swa, win, sink, D**-0.5, pool, ex), {}, byt, fl)
+        for variant in ([""] if quick else ATTN_VARIANTS):
+            yield (f"sparse_attention {kind} T={T} h={h} K=128+{k2}{variant}", "sparse_attention",
+                   (q, swa, win, sink, D**-0.5, pool, ex), {}, byt, fl)
 
     # V3 MLA decode (absorbed): H=128, C=512, R=64
     for T, L in ((1, 4096), (32, 4096)):
@@ -146,16 +179,25 @@ def cases(dev, quick: bool):
         yield (f"indexer_topk T={T} N={n} top-512", "indexer_topk", (q, wts, keys, cand, 512), {},
                _nb(keys, cand, q) + T * 512 * 8, 2 * T * 64 * n * 128)
 
-    # linears: FP8 block (attention / shared expert) and FP4 (experts), N=K=4096
+    # linears: FP8 block (attention / shared expert) and FP4 (experts), N=K=4096. A 4096^2 weight fits in the
+    # 50 MB L2: each case rotates over 8 weight copies (ROTATE) so that every call streams its weight from HBM
     Nl, Kl = 4096, 4096
-    w = torch.randn(Nl, Kl, device=dev, generator=g) * 0.02
-    w8, s8 = quant_fp8_block(w)
-    w4, s4 = quant_fp4(w)
+    ws = [torch.randn(Nl, Kl, device=dev, generator=g) * 0.02 for _ in range(ROTATE)]
+    w8s = [quant_fp8_block(w) for w in ws]
+    w4s = [quant_fp4(w) for w in ws]
+    wbs = [w.to(bf) for w in ws]
+    del ws
     for M in ((32,) if quick else (1, 32, 64, 512)):
         x = r(M, Kl)
-        yield f"linear fp8_block M={M} 4096x4096", "linear", (x, w8, s8, "fp8_block"), {}, _nb(w8, s8, x) + M * Nl * 2, 2 * M * Nl * Kl
-        yield f"linear fp4 M={M} 4096x4096", "linear", (x, w4, s4, "fp4"), {}, _nb(w4, s4, x) + M * Nl * 2, 2 * M * Nl * Kl
-        yield f"linear bf16 (cuBLAS) M={M} 4096x4096", "linear", (x, w.to(bf)), {}, Nl * Kl * 2 + 2 * _nb(x), 2 * M * Nl * Kl
+        w8, s8 = w8s[0]
+        w4, s4 = w4s[0]
+        yield (f"linear fp8_block M={M} 4096x4096", "linear", [(x, w, s, "fp8_block") for w, s in w8s], {},
+               _nb(w8, s8, x) + M * Nl * 2, 2 * M * Nl * Kl)
+        for variant in ("fp4", "fp4-split"):
+            yield (f"linear {variant} M={M} 4096x4096", "linear", [(x, w, s, "fp4") for w, s in w4s], {},
+                   _nb(w4, s4, x) + M * Nl * 2, 2 * M * Nl * Kl)
+        yield (f"linear bf16 (cuBLAS) M={M} 4096x4096", "linear", [(x, w) for w in wbs], {},
+               Nl * Kl * 2 + 2 * _nb(x), 2 * M * Nl * Kl)
 
     # grouped expert GEMM (w1 of the routed experts): E experts [2048, 4096], rows = T * 6 routed
     E, I = 64, 2048
@@ -172,10 +214,10 @@ def cases(dev, quick: bool):
         x = r(rows, Dm)
         fl = 2 * rows * I * Dm
         for fmt, wt, sc, bpw in (("dense", web, None, 2.0), ("fp8_block", we8, se8, 1.0 + 1 / 16384),
-                                 ("fp4", we4, se4, 0.5 + 1 / 32)):
+                                 ("fp4", we4, se4, 0.5 + 1 / 32), ("fp4-split", we4, se4, 0.5 + 1 / 32)):
             byt = int(active * I * Dm * bpw) + _nb(x) + rows * I * 2
-            yield (f"grouped_matmul {fmt} T={T}x6 E={E} 2048x4096", "grouped_matmul", (x, wt, ids, sc, fmt), {},
-                   byt, fl)
+            yield (f"grouped_matmul {fmt} T={T}x6 E={E} 2048x4096", "grouped_matmul",
+                   (x, wt, ids, sc, fmt.split("-")[0]), {}, byt, fl)
 
 
 def main() -> None:
@@ -191,14 +233,22 @@ def main() -> None:
           f"bf16 cuBLAS 8192^3 {ceil['bf16_flops'] / 1e12:.0f} TFLOP/s", flush=True)
     impl = {op: atb_ops.implementations(op) for op in atb_ops.OPS}
     rows = []
-    hdr = "| op / shape | kernel ms | GB/s | % HBM | TFLOP/s | % TC | reference ms | speed-up | rel err |"
-    print(hdr + "\n|---|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)
+    hdr = ("| op / shape | kernel ms (graph) | GB/s | % HBM | TFLOP/s | % TC | kernel ms (eager call) | reference ms "
+           "(eager) | speed-up (eager/eager) | rel err |")
+    print(hdr + "\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)
     for case_name, op, args, kw, byt, fl in cases(dev, a.quick):
+        os.environ["ATB_CUDA_FP4"] = "split" if "fp4-split" in case_name else "join"
+        if "[" in case_name:
+            os.environ["ATB_CUDA_ATTN"] = case_name.split("[")[1].rstrip("]")
+        else:
+            os.environ.pop("ATB_CUDA_ATTN", None)
         cu = impl[op].get("cuda")
         ref = impl[op]["reference"]
         if cu is None:
             print(f"| {case_name} | (no cuda kernel) |")
             continue
+        arg_sets = args if isinstance(args, list) else [args]
+        args = arg_sets[0]
         try:
             out = cu(*args, **kw)
             want = ref(*args, **kw)
@@ -207,18 +257,20 @@ def main() -> None:
             err = 0.0 if o1.dtype == torch.int64 and torch.equal(o1, o2) else rel(o1.float(), o2.float())
             if o1.dtype == torch.int64 and not torch.equal(o1, o2):
                 err = float((o1 != o2).float().mean())  # fraction of differing selections
-            t = bench(lambda: cu(*args, **kw))
-            tr = float("nan") if a.no_reference else bench(lambda: ref(*args, **kw), 3, 20)
+            t_eager = bench(Rotating(cu, arg_sets, kw))
+            t = bench_graph(Rotating(cu, arg_sets, kw)) or t_eager
+            tr = float("nan") if a.no_reference else bench(Rotating(ref, arg_sets, kw), 3, 20)
         except torch.cuda.OutOfMemoryError:
             print(f"| {case_name} | OOM |", flush=True)
             torch.cuda.empty_cache()
             continue
-        row = dict(case=case_name, op=op, ms=t, ref_ms=tr, bytes=byt, flops=fl, gbps=byt / t / 1e6,
+        row = dict(case=case_name, op=op, ms=t, eager_ms=t_eager, ref_ms=tr, bytes=byt, flops=fl, gbps=byt / t / 1e6,
                    hbm_pct=100 * byt / (t * 1e-3) / ceil["hbm_Bps"], tflops=fl / t / 1e9,
-                   tc_pct=100 * fl / (t * 1e-3) / ceil["bf16_flops"], speedup=tr / t, rel_err=err)
+                   tc_pct=100 * fl / (t * 1e-3) / ceil["bf16_flops"], speedup=tr / t_eager, rel_err=err)
         rows.append(row)
-        print(f"| {case_name} | {t:.4f} | {row['gbps']:.0f} | {row['hbm_pct']:.1f} | {row['tflops']:.2f} | "
-              f"{row['tc_pct']:.1f} | {tr:.4f} | {row['speedup']:.1f}x | {err:.1e} |", flush=True)
+        l2 = "*" if byt < 40e6 else ""  # a working set that can stay in the 50 MB L2 across graph replays
+        print(f"| {case_name}{l2} | {t:.4f} | {row['gbps']:.0f} | {row['hbm_pct']:.1f} | {row['tflops']:.2f} | "
+              f"{row['tc_pct']:.1f} | {t_eager:.4f} | {tr:.4f} | {tr / t_eager:.1f}x | {err:.1e} |", flush=True)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(dict(device=name, ceilings=ceil, rows=rows), f, indent=1)

@@ -20,6 +20,7 @@ are wanted. What comes out: float32 logits ``[rows, vocab]`` on the CPU (from ra
                                                         on this step's hidden states for :meth:`draft`
 ``runner.draft(seqs, counts, next_ids, hidden, rows)``  the MTP module over committed positions -> draft logits
 ``runner.step(seqs, tokens, logits="last"|"all")``      execute + commit + trim, for one-shot callers
+``runner.graphs``                                       captured CUDA-graph decode steps (engine/cuda_graphs.py)
 ``runner.new_sequence()``, ``runner.release(seq)``      page tables of a new sequence; free its pages
 =====================================================  ==========================================================
 """
@@ -86,7 +87,8 @@ def build_model(model: str, cfg, dtype: torch.dtype, device: torch.device, numer
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, sizes: PoolSizes, device: torch.device | str = "cpu",
-                 kv_dtype: torch.dtype | None = None, backend: str | None = None, quant_summary: dict | None = None):
+                 kv_dtype: torch.dtype | None = None, backend: str | None = None, quant_summary: dict | None = None,
+                 cuda_graphs: bool = False, max_graph_batch: int = 256):
         self.model = model
         self.cfg = model.cfg
         self.device = torch.device(device)
@@ -95,14 +97,23 @@ class ModelRunner:
         self.pools = model.make_pools(sizes, kv_dtype or model.dtype, self.device)
         self.max_model_len: int | None = None  # limits the pools were sized for (set by create)
         self.max_num_batched_tokens: int | None = None
+        # captured decode steps (CUDA, DeepSeek-V4 pools, Triton kernels: the reference ops synchronise with the
+        # host and cannot be captured), see engine/cuda_graphs.py
+        self.graphs = None
+        if (cuda_graphs and self.device.type == "cuda" and hasattr(self.pools, "csa_layers")
+                and backend in (None, "cuda")):
+            from .cuda_graphs import CudaGraphDecoder
+
+            self.graphs = CudaGraphDecoder(model, self.pools, max_graph_batch)
 
     @classmethod
     def create(cls, model: str, cfg, *, device: torch.device, dtype: torch.dtype, numerics: str = "exact",
                backend: str | None = None, block_size: int = 16, max_num_seqs: int = 8, max_model_len: int,
                max_num_batched_tokens: int = 512, gpu_memory_utilization: float | None = None,
-               **load) -> "ModelRunner":
+               cuda_graphs: bool = False, **load) -> "ModelRunner":
         """Build and load the model (``load``: the keyword arguments of :func:`build_model`) and size its pools
-        (``gpu_memory_utilization``: from the device's free memory, :mod:`.memory_sizing`)."""
+        (``gpu_memory_utilization``: from the device's free memory, :mod:`.memory_sizing`); ``cuda_graphs``:
+        capture decode steps on CUDA (``enforce_eager`` turns this off)."""
         runner_ops = atb_ops.use_backend(backend) if backend else contextlib.nullcontext()
         npu = backend == "npu" or (backend is None and torch.device(device).type == "npu")
         with runner_ops:
@@ -113,7 +124,8 @@ class ModelRunner:
 
             sizes = sized_for_memory(net, sizes, dtype, gpu_memory_utilization, torch.device(device), max_num_seqs,
                                      max_model_len)
-        runner = cls(net, sizes, device, backend=backend, quant_summary=summary)
+        runner = cls(net, sizes, device, backend=backend, quant_summary=summary, cuda_graphs=cuda_graphs,
+                     max_graph_batch=max_num_seqs)
         runner.max_model_len, runner.max_num_batched_tokens = max_model_len, max_num_batched_tokens
         return runner
 
@@ -148,6 +160,18 @@ class ModelRunner:
             s.num_tokens += n
             self.pools.trim(s)
 
+    def forward(self, ids: torch.Tensor, ctx, rows: Sequence[int]):
+        """(streams, float32 logits of token rows ``rows``): a captured graph for decode steps when enabled,
+        else the eager model."""
+        if self.graphs is not None:
+            key = self.graphs.key(ctx, rows)
+            if key is not None:
+                out = self.graphs.run(ids, ctx, key)
+                if out is not None:
+                    return out
+        streams = self.model(ids, ctx)
+        return streams, self.model.logits(streams, torch.tensor(list(rows), dtype=torch.long, device=ids.device))
+
     @torch.inference_mode()
     def execute(self, seqs: Sequence[SeqBlocks], tokens: Sequence[Sequence[int]], rows: Sequence[int]):
         """Run the new ``tokens[s]`` of every ``seqs[s]`` (KV written, sequences not advanced).
@@ -157,9 +181,8 @@ class ModelRunner:
         for :meth:`draft`."""
         with self.ops():
             ids, _ctx = self.prepare(seqs, tokens, "none")
-            hidden = self.model(ids, _ctx)
-            index = torch.tensor(list(rows), dtype=torch.long, device=ids.device)
-            logits = self.model.logits(hidden, index).float().cpu()
+            hidden, logits = self.forward(ids, _ctx, rows)  # a captured CUDA graph for decode steps
+            logits = logits.float().cpu()
         return logits, hidden
 
     @torch.inference_mode()
@@ -179,9 +202,15 @@ class ModelRunner:
              return_streams: bool = False):
         """Run the new ``tokens[s]`` of every ``seqs[s]`` and advance them; returns float32 logits [rows, vocab]
         (rows per ``logits``: "last" = one per sequence, "all" = every token), and the streams if asked."""
+        lens = [len(t) for t in tokens]
+        if logits == "last":
+            rows = [sum(lens[: i + 1]) - 1 for i in range(len(lens)) if lens[i] > 0]
+        elif logits == "all":
+            rows = list(range(sum(lens)))
+        else:
+            rows = []
         with self.ops():
             ids, ctx = self.prepare(seqs, tokens, logits)
-            streams = self.model(ids, ctx)
-            out = self.model.logits(streams, ctx.logits_index)
+            streams, out = self.forward(ids, ctx, rows)
             self.commit(seqs, ctx)
         return (out, streams, ctx, ids) if return_streams else out

@@ -86,6 +86,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="fraction of the device memory for weights + KV cache; on cuda / npu the KV pools are sized "
                         "from it (default: pools for --max-num-seqs sequences of --max-model-len); ignored on cpu")
     g.add_argument("--weights-seed", type=int, default=0, help="seed of the random weights of a preset")
+    g.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode steps eagerly (no CUDA graph capture)")
     _add_weight_check_arg(g)
     _add_parallel_args(g)
 
@@ -137,6 +138,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--block-size", type=int, default=16, help="tokens per KV page")
     s.add_argument("--max-queue", type=int, default=256, help="waiting requests before answering 429")
     s.add_argument("--enable-prefix-caching", action="store_true", help="reuse KV pages of shared prompt prefixes")
+    s.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode steps eagerly (no CUDA graph capture)")
     s.add_argument("--num-speculative-tokens", type=int, default=0, help="MTP draft tokens per step (0 or 1)")
     s.add_argument("--chat-template", default=None, help="Jinja2 chat template (file or string) overriding the "
                    "model folder's; default: tokenizer_config.json's, else DeepSeek's chat format")
@@ -233,7 +235,7 @@ def _generate(a: argparse.Namespace) -> int:
                             seed=a.seed)
     llm = LLM(model=a.model, backend=a.backend, dtype=a.dtype, numerics=a.numerics, device=a.device,
               seed=a.weights_seed, max_model_len=a.max_model_len, skip_weight_check=a.skip_weight_check,
-              gpu_memory_utilization=a.gpu_memory_utilization, **_parallel_kwargs(a))
+              gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager, **_parallel_kwargs(a))
 
     tty = _isatty(sys.stdout)
 
@@ -287,7 +289,7 @@ def _serve_on(a: argparse.Namespace, sock, LLM, run_server) -> int:
               max_num_batched_tokens=a.max_num_batched_tokens, block_size=a.block_size,
               enable_prefix_caching=a.enable_prefix_caching, num_speculative_tokens=a.num_speculative_tokens,
               skip_weight_check=a.skip_weight_check, gpu_memory_utilization=a.gpu_memory_utilization,
-              **_parallel_kwargs(a))
+              enforce_eager=a.enforce_eager, **_parallel_kwargs(a))
     try:
         run_server(llm, host=a.host, port=a.port, api_key=a.api_key or os.environ.get("ASCEND_DSV4_API_KEY"),
                    served_model_name=a.served_model_name or served_name(a.model), max_queue=a.max_queue,

@@ -109,6 +109,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         enable_expert_parallel: bool = False,
         distributed_executor_backend: str | None = None,
+        enforce_eager: bool = False,
     ):
         if numerics not in NUMERICS:
             raise ConfigError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
@@ -159,7 +160,8 @@ class LLM:
                 max_num_batched_tokens=max_num_batched_tokens, seed=seed, dequantize=dequantize, progress=progress,
                 msmodelslim_path=msmodelslim_path, allow_float_mtp=allow_float_mtp,
                 msmodelslim_act_sim=msmodelslim_act_sim, check_weights=not skip_weight_check,
-                gpu_memory_utilization=gpu_memory_utilization)
+                gpu_memory_utilization=gpu_memory_utilization,
+                cuda_graphs=not enforce_eager)  # CUDA-graph decode (vLLM's default); enforce_eager turns it off
         self.tokenizer = load_tokenizer(folder, cfg.bos_token_id, cfg.eos_token_id, cfg.vocab_size)
         self.engine = LLMEngine(self.runner, self.tokenizer, self.max_model_len, max_num_seqs, max_num_batched_tokens,
                                 enable_prefix_caching=enable_prefix_caching,

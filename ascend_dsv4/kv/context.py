@@ -68,9 +68,13 @@ def build_step_context(
     swa_slot = lookup_slots(tok_tables, seq_index, positions, B)
     if bool((swa_slot < 0).any()):
         raise RuntimeError("build_step_context: a new token has no page; call V4KVPools.ensure first")
+    # the [T, W] and [T, Nmax] slot grids are computed on the step's device from the (small) page tables: on a
+    # GPU this keeps the host's share of a decode step flat in batch and context (it runs outside CUDA graphs)
+    dev = torch.device(device)
+    tok_tables_d, seq_index_d, positions_d = tok_tables.to(dev), seq_index.to(dev), positions.to(dev)
     W = cfg.window_size
-    win_pos = positions.unsqueeze(1) - (W - 1) + torch.arange(W)  # [T, W]
-    window = lookup_slots(tok_tables, seq_index.unsqueeze(1).expand(-1, W), win_pos, B)
+    win_pos = positions_d.unsqueeze(1) - (W - 1) + torch.arange(W, device=dev)  # [T, W]
+    window = lookup_slots(tok_tables_d, seq_index_d.unsqueeze(1).expand(-1, W), win_pos, B)
 
     compress: dict[int, CompressCtx] = {}
     for r, tables_rows, page in ((4, [s.c4 for s in seqs], sizes.c4_block_size),
@@ -87,12 +91,12 @@ def build_step_context(
         new_slot = lookup_slots(ent_tables, seq_index[tok], entry, page)
         n_vis = (positions + 1) // r  # entries 0..n_vis-1 visible
         nmax = int(n_vis.max()) if len(n_vis) else 0
-        ent = torch.arange(nmax).unsqueeze(0).expand(len(positions), -1)
-        ent = torch.where(ent < n_vis.unsqueeze(1), ent, torch.full_like(ent, -1))
-        visible = lookup_slots(ent_tables, seq_index.unsqueeze(1).expand_as(ent), ent, page)
+        ent = torch.arange(nmax, device=dev).unsqueeze(0).expand(len(positions), -1)
+        ent = torch.where(ent < n_vis.to(dev).unsqueeze(1), ent, torch.full_like(ent, -1))
+        visible = lookup_slots(ent_tables.to(dev), seq_index_d.unsqueeze(1).expand_as(ent), ent, page)
         compress[r] = CompressCtx(r, new_cand.to(device), (entry * r).to(device), new_slot.to(device),
                                   visible.to(device))
 
     logits_index = logits_rows(lens, logits)
-    return StepContext(pools, positions.to(device), seq_index.to(device), swa_slot.to(device), window.to(device),
+    return StepContext(pools, positions_d, seq_index_d, swa_slot.to(device), window,
                        compress, logits_index.to(device), list(query_lens), starts)

@@ -16,6 +16,8 @@ P is rounded to the value dtype for the P.V product (as FlashAttention does); ac
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -124,6 +126,23 @@ def _combine_kernel(part_ptr, ml_ptr, sink_ptr, out_ptr, T, H, D1, n_split,
     tl.store(out_ptr + (t * H + h) * D1 + d, o.to(out_ptr.dtype.element_ty), mask=d < D1)
 
 
+def _tile(h_count: int, bd1: int, bd2: int, t_count: int = 1, n_keys: int = 0) -> tuple[int, int, int]:
+    """(heads per program, keys per chunk, warps); ATB_CUDA_ATTN="BH,BN,WARPS" overrides (benchmarks).
+
+    Measured on an H100 (scripts/bench_results): 64 heads per program (each gathered row loaded once for all
+    of them, wgmma-sized tiles) wins from 32 tokens with >= 512 keys (prefill 2x); 16 heads with the key list
+    split over more programs wins for a few tokens or short lists."""
+    env = os.environ.get("ATB_CUDA_ATTN")
+    if env:
+        bh, bn, warps = (int(v) for v in env.split(","))
+        return max(16, min(bh, pow2(h_count, 16))), bn, warps
+    if h_count >= 64 and bd1 + bd2 <= 512 and t_count >= 32 and n_keys >= 512:
+        return 64, 32, 8
+    bh = 16 if bd1 >= 512 or h_count <= 16 else 32
+    bn = 32 if bd1 + bd2 <= 640 else 16
+    return bh, bn, 8 if bd1 >= 256 else 4
+
+
 def _run(q1, q2, kv, idx, kv2, idx2, sink, scale, out_dtype):
     t_count, h_count, d1 = q1.shape
     d2 = 0 if q2 is None else q2.shape[-1]
@@ -134,8 +153,7 @@ def _run(q1, q2, kv, idx, kv2, idx2, sink, scale, out_dtype):
     has_extra = kv2 is not None and idx2 is not None and idx2.shape[-1] > 0
     k2 = idx2.shape[-1] if has_extra else 0
     bd1, bd2 = pow2(d1, 16), pow2(d2, 16)
-    bh = 16 if bd1 >= 512 or h_count <= 16 else 32
-    bn = 32 if bd1 + bd2 <= 640 else 16
+    bh, bn, warps = _tile(h_count, bd1, bd2 if d2 else 0, t_count, k1 + k2)
     nc = triton.cdiv(k1, bn) + triton.cdiv(k2, bn)
     hb = triton.cdiv(h_count, bh)
     programs = t_count * hb
@@ -160,7 +178,7 @@ def _run(q1, q2, kv, idx, kv2, idx2, sink, scale, out_dtype):
         q1c, q2c, kvc, idxc, kv2c, idx2c, sinkc, out, part, ml, t_count, h_count, d1, d2, k1, k2,
         kvc.stride(0), kv2c.stride(0), float(scale) * LOG2E, cps,
         HAS_Q2=q2 is not None, HAS_EXTRA=has_extra, HAS_SINK=sink is not None, SPLIT=split,
-        BH=bh, BN=bn, BD1=bd1, BD2=bd2, PREC=prec, num_warps=8 if bd1 >= 256 else 4, num_stages=2)
+        BH=bh, BN=bn, BD1=bd1, BD2=bd2, PREC=prec, num_warps=warps, num_stages=2)
     if split:
         _combine_kernel[(t_count, h_count)](part, ml, sinkc, out, t_count, h_count, d1, n_split,
                                             HAS_SINK=sink is not None, BS=pow2(n_split, 2), BD1=bd1, num_warps=4)

@@ -1,6 +1,7 @@
 """Triton MoE router (V4 sqrt-softplus with bias or hash routing; V3 sigmoid with group-limited top-k).
 
-One program per tile of BT tokens holds all E logits: logits = x @ W^T (float32 products), the score function,
+Logits = x @ W^T come from the split-K skinny matmul (float32 products); then one program per tile of BT tokens
+holds all E logits and applies the score function,
 the selection (hash table lookup, or iterative arg-max over scores + bias after masking to the ``topk_groups``
 groups whose two best biased scores sum highest), then weights = scores[sel] (normalised) * route_scale.
 """
@@ -12,27 +13,22 @@ import triton
 import triton.language as tl
 
 from .._registry import register
-from ._util import mma, dot_precision, pow2, tl_dtype
+from ._skinny import skinny_matmul
+from ._util import pow2
 
 _FUNCS = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
 
 
 @triton.jit
-def _gate_kernel(x_ptr, w_ptr, b_ptr, tid_ptr, tok_ptr, wout_ptr, iout_ptr, T, E, D, route_scale,
+def _gate_kernel(logit_ptr, b_ptr, tid_ptr, tok_ptr, wout_ptr, iout_ptr, T, E, route_scale,
                  K: tl.constexpr, FUNC: tl.constexpr, HAS_BIAS: tl.constexpr, HASH: tl.constexpr,
                  G: tl.constexpr, TG: tl.constexpr, NORM: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr,
-                 BD: tl.constexpr, BK: tl.constexpr, CT: tl.constexpr, PREC: tl.constexpr):
+                 BK: tl.constexpr):
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     tm = t < T
     e = tl.arange(0, BE)
     em = e < E
-    acc = tl.zeros((BT, BE), tl.float32)
-    for d0 in range(0, D, BD):
-        d = d0 + tl.arange(0, BD)
-        dm = d < D
-        xa = tl.load(x_ptr + t[:, None].to(tl.int64) * D + d[None, :], mask=tm[:, None] & dm[None, :], other=0.0)
-        wa = tl.load(w_ptr + e[:, None] * D + d[None, :], mask=em[:, None] & dm[None, :], other=0.0)
-        acc += mma(xa.to(CT), tl.trans(wa.to(CT)), PREC)
+    acc = tl.load(logit_ptr + t[:, None].to(tl.int64) * BE + e[None, :], mask=tm[:, None], other=0.0)
     if FUNC == 0:
         y = tl.exp(tl.minimum(acc, 20.0))
         u = 1.0 + y
@@ -112,13 +108,11 @@ def moe_gate(x, weight, bias, topk: int, route_scale: float, tid2eid=None, token
         raise ValueError(f"moe_gate (cuda): group-limited routing needs a power-of-two number of experts split in "
                          f"a power-of-two number of groups, got E={n_exp}, n_groups={n_groups}")
     bt = 16
-    bd = 64 if be <= 128 else 32
-    wc = weight.contiguous()
+    logits, _ = skinny_matmul(x.contiguous(), weight.contiguous())  # [T, BE] float32
     _gate_kernel[(triton.cdiv(t_count, bt),)](
-        x.contiguous(), wc, bias.float().contiguous() if bias is not None else wc,
-        tid2eid.contiguous() if hashed else wc, token_ids.contiguous() if hashed else wc, w_out, i_out,
-        t_count, n_exp, d, float(route_scale), K=topk, FUNC=_FUNCS[score_func], HAS_BIAS=bias is not None and not hashed,
-        HASH=hashed, G=n_groups if not hashed else 1, TG=topk_groups, NORM=bool(normalize), BT=bt, BE=be, BD=bd,
-        BK=pow2(topk), CT=tl_dtype(x.dtype if x.dtype == weight.dtype else torch.float32),
-        PREC=dot_precision(x.dtype, weight.dtype), num_warps=4 if be <= 64 else 8)
+        logits, bias.float().contiguous() if bias is not None else logits,
+        tid2eid.contiguous() if hashed else logits, token_ids.contiguous() if hashed else logits, w_out, i_out,
+        t_count, n_exp, float(route_scale), K=topk, FUNC=_FUNCS[score_func], HAS_BIAS=bias is not None and not hashed,
+        HASH=hashed, G=n_groups if not hashed else 1, TG=topk_groups, NORM=bool(normalize), BT=bt, BE=be,
+        BK=pow2(topk), num_warps=4 if be <= 64 else 8)
     return w_out, i_out

@@ -5,8 +5,8 @@
 - ``dense``: W tile loaded in its dtype;
 - ``fp8_block``: e4m3 tile converted exactly to the compute dtype; the 128x128 block scale (float32, or E8M0
   decoded in the kernel) multiplies the tile's partial product (BN and BK divide 128, so one scale per tile);
-- ``fp4``: bytes split into low (element 2c) and high (element 2c+1) e2m1 codes, decoded, multiplied by
-  2^(E8M0 - 127) per 32 inputs; exact in bfloat16.
+- ``fp4``: bytes split into low (element 2c) and high (element 2c+1) e2m1 codes, each decoded with its
+  E8M0 scale folded into the exponent bits (exact in bfloat16), multiplied with the even / odd columns of x.
 
 Accumulation is float32. For the grouped op, rows are sorted by expert (stable argsort) and cut into tiles
 of BM rows that never cross an expert; the tile table (expert, first row, end row) is built on the device
@@ -16,14 +16,21 @@ Dense ``linear`` stays on cuBLAS (torch.matmul), which is the ceiling for that c
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from .._registry import register
-from ._util import mma, dot_precision, pow2, tl_dtype
+from ._util import INTERPRET, dot_precision, mma, pow2, tl_dtype
 
 _FMT = {"dense": 0, "fp8_block": 1, "fp4": 2}
+
+
+def _fp4_split() -> bool:
+    """FP4 kernel variant: ATB_CUDA_FP4=split (two dots over even / odd columns) or join (default)."""
+    return os.environ.get("ATB_CUDA_FP4", "join") == "split"
 
 
 @triton.jit
@@ -34,19 +41,20 @@ def _e8m0(b):
 
 
 @triton.jit
-def _fp4_value(c):
-    """float32 value of e2m1 codes c (0..15): magnitude [0, .5, 1, 1.5, 2, 3, 4, 6][c & 7], sign bit 8."""
+def _fp4_scaled(c, sc):
+    """float32 e2m1(c) * 2^(sc - 127) built from bits: sign << 31 | (e - 1 + sc) << 23 | m << 22 for exponent
+    bits e > 0, 2^(sc - 128) for code 1 (0.5), 0 for code 0 (sc in [2, 253], as real scales are)."""
     e = (c >> 1) & 3
-    m = (c & 1).to(tl.float32)
-    p = tl.where(e == 1, 1.0, tl.where(e == 2, 2.0, 4.0))
-    mag = tl.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * p)
-    return tl.where((c & 8) != 0, -mag, mag)
+    m = c & 1
+    sign = (c & 8) << 28
+    bits = tl.where(e > 0, ((e - 1 + sc) << 23) | (m << 22), tl.where(m != 0, (sc - 1) << 23, 0))
+    return (bits | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, order_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr,
                  M, N, K, stride_we, stride_se,
-                 FMT: tl.constexpr, SCALE_E8M0: tl.constexpr, GROUPED: tl.constexpr,
+                 FMT: tl.constexpr, SCALE_E8M0: tl.constexpr, GROUPED: tl.constexpr, FP4_SPLIT: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, CT: tl.constexpr, PREC: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -71,7 +79,8 @@ def _gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, order_ptr, tile_e_ptr, tile_r0_pt
         for k0 in range(0, K, BK):
             k = k0 + tl.arange(0, BK)
             km = k < K
-            a = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=rm[:, None] & km[None, :], other=0.0).to(CT)
+            if FMT != 2:
+                a = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=rm[:, None] & km[None, :], other=0.0).to(CT)
             if FMT == 0:
                 wt = tl.load(w_base + n[:, None].to(tl.int64) * K + k[None, :], mask=nm[:, None] & km[None, :],
                              other=0.0).to(CT)
@@ -85,17 +94,26 @@ def _gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, order_ptr, tile_e_ptr, tile_r0_pt
                     sv = _e8m0(sv)
                 acc += mma(a, tl.trans(wt), PREC) * sv.to(tl.float32)
             else:
-                kh = k0 // 2 + tl.arange(0, BK // 2)
-                b = tl.load(w_base + n[:, None].to(tl.int64) * (K // 2) + kh[None, :],
-                            mask=nm[:, None] & (kh < K // 2)[None, :], other=0).to(tl.int32) & 0xFF
-                lo = _fp4_value(b & 0xF)
-                hi = _fp4_value(b >> 4)
-                wv = tl.reshape(tl.join(lo, hi), (BN, BK))
+                # FP4: element 2c is the low nibble of byte c, 2c+1 the high one; codes decoded with the E8M0
+                # scale of their group of 32 folded into the exponent bits, then interleaved back in K order
+                c = tl.arange(0, BK // 2)
+                kh = k0 // 2 + c
+                cm = nm[:, None] & (kh < K // 2)[None, :]
+                b = tl.load(w_base + n[:, None].to(tl.int64) * (K // 2) + kh[None, :], mask=cm, other=0)
+                b = tl.reshape(b.to(tl.int32) & 0xFF, (BN, BK // 32, 16))
                 kb = k0 // 32 + tl.arange(0, BK // 32)
-                sc = _e8m0(tl.load(s_base + n[:, None].to(tl.int64) * (K // 32) + kb[None, :],
-                                   mask=nm[:, None] & (kb < K // 32)[None, :], other=127))
-                wv = tl.reshape(tl.reshape(wv, (BN, BK // 32, 32)) * sc[:, :, None], (BN, BK)).to(CT)
-                acc += mma(a, tl.trans(wv), PREC)
+                sc = tl.load(s_base + n[:, None].to(tl.int64) * (K // 32) + kb[None, :],
+                             mask=nm[:, None] & (kb < K // 32)[None, :], other=127).to(tl.int32) & 0xFF
+                lo = _fp4_scaled(b & 0xF, sc[:, :, None])
+                hi = _fp4_scaled(b >> 4, sc[:, :, None])
+                a = tl.load(x_ptr + rows[:, None] * K + k[None, :], mask=rm[:, None] & km[None, :], other=0.0).to(CT)
+                if FP4_SPLIT:  # even / odd activation columns against the low / high codes: two dots
+                    a_lo, a_hi = tl.split(tl.reshape(a, (BM, BK // 2, 2)))
+                    acc += mma(a_lo, tl.trans(tl.reshape(lo, (BN, BK // 2)).to(CT)), PREC)
+                    acc += mma(a_hi, tl.trans(tl.reshape(hi, (BN, BK // 2)).to(CT)), PREC)
+                else:  # codes interleaved back into K order: one dot
+                    wv = tl.reshape(tl.join(lo, hi), (BN, BK)).to(CT)
+                    acc += mma(a, tl.trans(wv), PREC)
     tl.store(out_ptr + rows[:, None] * N + n[None, :], acc.to(out_ptr.dtype.element_ty), mask=rm[:, None] & nm[None, :])
 
 
@@ -124,6 +142,8 @@ def _tiles(m: int, n: int, k: int, fmt: str, compute: torch.dtype) -> tuple[int,
     bm = 16 if m <= 16 else (32 if m <= 32 else 64)
     bk = 128 if fmt != "dense" else 64
     bn = 64 if m <= 64 else 128
+    if triton.cdiv(m, bm) * triton.cdiv(n, bn) < 264:  # a decode GEMV: more, narrower column tiles
+        bn = 32
     if compute == torch.float32:
         bk, bn = min(bk, 64), min(bn, 64)
     return bm, bn, bk
@@ -131,12 +151,17 @@ def _tiles(m: int, n: int, k: int, fmt: str, compute: torch.dtype) -> tuple[int,
 
 @register("linear", "cuda")
 def linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None = None, fmt: str = "dense") -> torch.Tensor:
-    """y = x @ W^T, x [M, K]; dense weights on cuBLAS, fp8_block / fp4 through ``_gemm_kernel``."""
+    """y = x @ W^T, x [..., K]; dense weights on cuBLAS (float32 skinny ones in tf32x3 passes), fp8_block / fp4
+    through ``_gemm_kernel``."""
+    if x.dim() != 2:
+        return linear(x.reshape(-1, x.shape[-1]), w, w_scale, fmt).view(*x.shape[:-1], w.shape[0])
+    m, k = x.shape
     if fmt == "dense":
+        if w.dtype == torch.float32 and x.dtype == torch.float32 and 0 < m <= 256 and not INTERPRET:
+            return _fp32_gemv(x, w)
         if w.dtype == x.dtype:
             return x @ w.t()
         return (x.float() @ w.float().t()).to(x.dtype)
-    m, k = x.shape
     _check(fmt, k)
     n = w.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -147,8 +172,24 @@ def linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None = None
     s, e8 = _scale_arg(w_scale, w)
     xc = x.contiguous()
     _gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
-        xc, w.contiguous(), s, out, xc, xc, xc, xc, m, n, k, 0, 0, FMT=_FMT[fmt], SCALE_E8M0=e8, GROUPED=False,
+        xc, w.contiguous(), s, out, xc, xc, xc, xc, m, n, k, 0, 0, FMT=_FMT[fmt], SCALE_E8M0=e8, GROUPED=False, FP4_SPLIT=_fp4_split(),
         BM=bm, BN=bn, BK=bk, CT=tl_dtype(ct), PREC=dot_precision(ct), num_warps=4, num_stages=3)
+    return out
+
+
+def _fp32_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """float32 x [M <= 256, K] @ float32 W^T through the tensor cores in three TF32 passes ("tf32x3": about
+    float32 accuracy); cuBLAS's float32 path for these skinny shapes (the model's float32 head and compressor
+    projections) runs on FMA units at about half the HBM rate."""
+    m, k = x.shape
+    n = w.shape[0]
+    out = torch.empty(m, n, dtype=torch.float32, device=x.device)
+    bm = 16 if m <= 16 else (32 if m <= 32 else 64)
+    bn = 64 if triton.cdiv(m, bm) * triton.cdiv(n, 64) >= 264 else 32
+    xc = x.contiguous()
+    _gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+        xc, w.contiguous(), xc, out, xc, xc, xc, xc, m, n, k, 0, 0, FMT=0, SCALE_E8M0=False, GROUPED=False,
+        FP4_SPLIT=False, BM=bm, BN=bn, BK=32, CT=tl.float32, PREC="tf32x3", num_warps=4, num_stages=4)
     return out
 
 
@@ -161,8 +202,16 @@ def expert_tiles(expert_ids: torch.Tensor, n_experts: int, bm: int):
     m = expert_ids.shape[0]
     dev = expert_ids.device
     ids = expert_ids.long()
-    order = torch.argsort(ids, stable=True)
     counts = torch.zeros(n_experts, dtype=torch.long, device=dev).scatter_add_(0, ids, torch.ones_like(ids))
+    if m * n_experts <= (1 << 16):
+        # stable counting sort (decode sizes): rank of each row among the rows of its expert via a one-hot
+        # cumulative sum; cheaper than a radix sort launch sequence
+        onehot = ids.unsqueeze(1) == torch.arange(n_experts, device=dev).unsqueeze(0)  # [M, E]
+        rank = torch.cumsum(onehot.to(torch.int32), 0).gather(1, ids.unsqueeze(1)).squeeze(1).long() - 1
+        dest = (torch.cumsum(counts, 0) - counts)[ids] + rank
+        order = torch.empty_like(ids).scatter_(0, dest, torch.arange(m, device=dev))
+    else:
+        order = torch.argsort(ids, stable=True)
     tiles = (counts + bm - 1) // bm
     tile_end = torch.cumsum(tiles, 0)
     tile_start = tile_end - tiles
@@ -197,6 +246,6 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor, w
     wc = w.contiguous()
     _gemm_kernel[(te.shape[0], triton.cdiv(n, bn))](
         x.contiguous(), wc, s, out, order, te, r0, r1, m, n, k, wc.stride(0), s.stride(0) if w_scale is not None else 0,
-        FMT=_FMT[fmt], SCALE_E8M0=e8, GROUPED=True, BM=bm, BN=bn, BK=bk, CT=tl_dtype(ct), PREC=dot_precision(ct),
+        FMT=_FMT[fmt], SCALE_E8M0=e8, GROUPED=True, FP4_SPLIT=_fp4_split(), BM=bm, BN=bn, BK=bk, CT=tl_dtype(ct), PREC=dot_precision(ct),
         num_warps=4, num_stages=3)
     return out

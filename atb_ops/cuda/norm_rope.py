@@ -42,36 +42,36 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 
 
 @triton.jit
-def _rope_kernel(x_ptr, pos_ptr, f_ptr, y_ptr, G, D, R, sin_sign, BG: tl.constexpr, BD: tl.constexpr):
+def _rope_kernel(x_ptr, pos_ptr, f_ptr, y_ptr, G, D, R, sin_sign, BG: tl.constexpr, BP: tl.constexpr,
+                 BH: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1) * BG + tl.arange(0, BG)
-    d = tl.arange(0, BD)
     gm = g < G
-    dm = d < D
-    mask = gm[:, None] & dm[None, :]
-    base = t * G * D + g[:, None].to(tl.int64) * D + d[None, :]
-    x = tl.load(x_ptr + base, mask=mask, other=0.0)
-    j = d - (D - R)  # index inside the rope slice (negative: pass-through channel)
-    is_rope = (j >= 0) & dm
-    even = (j % 2) == 0
-    partner = tl.where(even, d + 1, d - 1)
-    p = tl.load(x_ptr + t * G * D + g[:, None].to(tl.int64) * D + partner[None, :],
-                mask=mask & is_rope[None, :], other=0.0).to(tl.float32)
-    pos = tl.load(pos_ptr + t).to(tl.float32)
-    f = tl.load(f_ptr + j // 2, mask=is_rope, other=0.0)
-    ang = pos * f
-    c = tl.cos(ang)
-    s = tl.sin(ang) * sin_sign
-    xf = x.to(tl.float32)
-    rot = xf * c[None, :] + tl.where(even, -p * s[None, :], p * s[None, :])
-    out = tl.where(is_rope[None, :], rot.to(x.dtype), x)
-    tl.store(y_ptr + base, out, mask=mask)
+    row = (t * G + g.to(tl.int64)) * D
+    P = D - R
+    if BP > 0:  # pass-through channels: copied
+        c = tl.arange(0, BP)
+        cm = gm[:, None] & (c < P)[None, :]
+        tl.store(y_ptr + row[:, None] + c[None, :], tl.load(x_ptr + row[:, None] + c[None, :], mask=cm), mask=cm)
+    i = tl.arange(0, BH)  # pair index: channels P + 2i, P + 2i + 1
+    im = i < R // 2
+    ang = tl.load(pos_ptr + t).to(tl.float32) * tl.load(f_ptr + i, mask=im, other=0.0)
+    cs = tl.cos(ang)[None, :]
+    sn = (tl.sin(ang) * sin_sign)[None, :]
+    m = gm[:, None] & im[None, :]
+    pe = row[:, None] + P + 2 * i[None, :]
+    a = tl.load(x_ptr + pe, mask=m, other=0.0)
+    b = tl.load(x_ptr + pe + 1, mask=m, other=0.0).to(tl.float32)
+    af = a.to(tl.float32)
+    tl.store(y_ptr + pe, (af * cs - b * sn).to(a.dtype), mask=m)
+    tl.store(y_ptr + pe + 1, (af * sn + b * cs).to(a.dtype), mask=m)
 
 
 @register("apply_rope", "cuda")
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-    """x [T, ..., D] viewed as [T, G, D]; one program per (token, block of G rows); pairs (2i, 2i+1) of the
-    last R = 2 len(inv_freq) channels rotated by +-pos * theta_i (float32), the other channels copied."""
+    """x [T, ..., D] viewed as [T, G, D]; one program per (token, block of G rows): the cos / sin of the R/2
+    angles pos * theta_i computed once (float32), pairs (P + 2i, P + 2i + 1) of the last R channels rotated,
+    the first P = D - R channels copied."""
     t_count, d = x.shape[0], x.shape[-1]
     xc = x.contiguous()
     y = torch.empty_like(xc)
@@ -80,10 +80,11 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
     g = xc.numel() // (t_count * d)
     f = inv_freq.to(device=x.device, dtype=torch.float32).contiguous()
     pos = positions.to(x.device).contiguous()
-    bd = pow2(d)
-    bg = max(1, min(pow2(g), 4096 // bd))
-    _rope_kernel[(t_count, triton.cdiv(g, bg))](xc, pos, f, y, g, d, 2 * f.numel(), -1.0 if inverse else 1.0,
-                                                 BG=bg, BD=bd, num_warps=4)
+    r = 2 * f.numel()
+    bp = pow2(d - r) if d > r else 0
+    bg = max(1, min(pow2(g), 4096 // max(bp, r, 1)))
+    _rope_kernel[(t_count, triton.cdiv(g, bg))](xc, pos, f, y, g, d, r, -1.0 if inverse else 1.0,
+                                                 BG=bg, BP=bp, BH=pow2(r // 2), num_warps=4)
     return y
 
 

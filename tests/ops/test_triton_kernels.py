@@ -311,3 +311,48 @@ def test_every_hot_op_has_a_cuda_kernel():
                "sparse_attention", "moe_gate", "swiglu", "linear", "grouped_matmul", "fp8_act_round",
                "fp4_act_round", "mla_decode"):
         impls(op)
+
+
+def test_fp4_split_variant(monkeypatch):
+    monkeypatch.setenv("ATB_CUDA_FP4", "split")
+    cu, ref = impls("grouped_matmul")
+    g = gen(13)
+    w, s = _weights("fp4", 64, 160, g, e=3)
+    x = rnd(9, 160, g=g, dtype=torch.bfloat16)
+    ids = torch.randint(0, 3, (9,), generator=g).to(DEV)
+    assert rel(cu(x, w, ids, s, "fp4"), ref(x, w, ids, s, "fp4")) < 1e-2
+
+
+@pytest.mark.parametrize("m", [1, 37, 300])
+def test_linear_dense_float32(m):
+    """float32 skinny linears (the head, the compressor projections) run in three TF32 passes on the GPU."""
+    cu, ref = impls("linear")
+    g = gen(14)
+    w, x = rnd(200, 96, g=g), rnd(m, 96, g=g)
+    a, b = cu(x, w), ref(x, w)
+    assert a.dtype == torch.float32 and rel(a, b) < 1e-5
+
+
+def test_expert_tiles_cover_every_row_once():
+    from atb_ops.cuda.gemm import expert_tiles
+
+    g = gen(15)
+    for m, e, bm in [(37, 6, 16), (5, 64, 16), (200, 4, 64)]:
+        ids = torch.randint(0, e, (m,), generator=g).to(DEV)
+        order, te, r0, r1 = expert_tiles(ids, e, bm)
+        assert torch.equal(order.cpu(), torch.argsort(ids.cpu(), stable=True))
+        seen = torch.cat([order[a:b] for a, b in zip(r0.tolist(), r1.tolist())]).cpu()
+        assert sorted(seen.tolist()) == list(range(m))
+        for ex, a, b in zip(te.tolist(), r0.tolist(), r1.tolist()):
+            assert b - a <= bm and bool((ids[order[a:b]] == ex).all())
+
+
+def test_linear_leading_dims():
+    cu, ref = impls("linear")
+    g = gen(16)
+    w, x = rnd(40, 32, g=g), rnd(2, 3, 32, g=g)
+    a, b = cu(x, w), ref(x, w)
+    assert a.shape == (2, 3, 40) and rel(a, b) < 1e-5
+    w8, s8 = _weights("fp8_block", 40, 128, g)
+    x8 = rnd(2, 5, 128, g=g)
+    assert rel(cu(x8, w8, s8, "fp8_block"), ref(x8, w8, s8, "fp8_block")) < 1e-5

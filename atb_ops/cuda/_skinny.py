@@ -1,0 +1,67 @@
+"""Split-K "skinny" matmul used by the hyper-connection mixes and the MoE router logits.
+
+out[t, o] = sum_k x[t, k] W[o, k] for a small number of outputs O (24 mixes, <= 384 experts) over a long K
+(4 * 4096 streams, 4096 hidden). A tile of BT tokens times all O outputs per program, with K split over
+programs so that a decode step (a few tokens) still fills the GPU; the partial sums (and optionally the
+partial sums of x^2) are reduced in a fixed order afterwards (deterministic). Products are exact float32
+(16-bit operands) or IEEE float32 (float32 operands).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._util import mma, pow2, sm_count, tl_dtype
+
+
+@triton.jit
+def _skinny_kernel(x_ptr, w_ptr, part_ptr, ss_ptr, T, K, O, k_per_split,
+                   BT: tl.constexpr, BO: tl.constexpr, BK: tl.constexpr, CT: tl.constexpr, PREC: tl.constexpr,
+                   WANT_SS: tl.constexpr):
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    sp = tl.program_id(1)
+    o = tl.arange(0, BO)
+    tm = t < T
+    om = o < O
+    acc = tl.zeros((BT, BO), tl.float32)
+    ss = tl.zeros((BT,), tl.float32)
+    k_lo = sp * k_per_split
+    for k0 in range(k_lo, tl.minimum(k_lo + k_per_split, K), BK):
+        k = k0 + tl.arange(0, BK)
+        km = k < K
+        xa = tl.load(x_ptr + t[:, None].to(tl.int64) * K + k[None, :], mask=tm[:, None] & km[None, :], other=0.0)
+        wa = tl.load(w_ptr + o[:, None].to(tl.int64) * K + k[None, :], mask=om[:, None] & km[None, :], other=0.0)
+        acc += mma(xa.to(CT), tl.trans(wa.to(CT)), PREC)
+        if WANT_SS:
+            xf = xa.to(tl.float32)
+            ss += tl.sum(xf * xf, 1)
+    base = sp.to(tl.int64) * T + t
+    tl.store(part_ptr + base[:, None] * BO + o[None, :], acc, mask=tm[:, None])
+    if WANT_SS:
+        tl.store(ss_ptr + base, ss, mask=tm)
+
+
+def skinny_matmul(x: torch.Tensor, w: torch.Tensor, want_ss: bool = False):
+    """x [T, K], w [O, K] -> (float32 [T, BO] with BO = pow2(O) >= 16 (columns >= O are 0), sum(x^2) [T] or None)."""
+    t_count, k = x.shape
+    n_out = w.shape[0]
+    bo = pow2(n_out, 16)
+    ct = x.dtype if (x.dtype == w.dtype and x.dtype != torch.float32) else torch.float32
+    prec = "ieee" if ct == torch.float32 else "tf32"
+    bt = 16
+    bk = 64 if bo <= 64 else 32
+    t_tiles = triton.cdiv(t_count, bt)
+    max_split = triton.cdiv(k, 4 * bk)
+    n_split = max(1, min(max_split, triton.cdiv(2 * sm_count(x.device), t_tiles)))
+    kps = triton.cdiv(triton.cdiv(k, n_split), bk) * bk
+    n_split = triton.cdiv(k, kps)
+    part = torch.empty(n_split, t_count, bo, dtype=torch.float32, device=x.device)
+    ss = torch.empty(n_split, t_count, dtype=torch.float32, device=x.device) if want_ss else part
+    _skinny_kernel[(t_tiles, n_split)](x, w, part, ss, t_count, k, n_out, kps, BT=bt, BO=bo, BK=bk,
+                                       CT=tl_dtype(ct), PREC=prec, WANT_SS=want_ss, num_warps=4)
+    out = part[0] if n_split == 1 else part.sum(0)
+    if not want_ss:
+        return out, None
+    return out, (ss[0] if n_split == 1 else ss.sum(0))
