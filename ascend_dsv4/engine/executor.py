@@ -58,9 +58,7 @@ class RankSpec:
     backend: str | None = None  # atb_ops backend override
     comm_backend: str | None = None  # torch.distributed backend override (default by device)
     dequantize: bool = False
-    msmodelslim_path: str = "int"
-    allow_float_mtp: bool = False
-    msmodelslim_act_sim: str | None = None
+    load: dict = field(default_factory=dict)  # more keyword arguments of model_runner.build_model (msModelSlim ...)
     timeout_s: float = 300.0
     env: dict = field(default_factory=dict)
 

@@ -26,6 +26,8 @@ from ..layers.experts import Experts
 from ..layers.norm import RMSNorm
 from ..layers.quantized import QuantExperts, QuantLinearAdapter, SmoothedRMSNorm
 from ..models import family_of
+from .weight_check import count_nonfinite, nonfinite_flag
+from .msm_npu import to_npu_experts, to_npu_linear
 from .msmodelslim_tp import ParallelQuantExperts, linear_kind, quant_linear
 from .tp_shards import Shard, module_shard
 
@@ -45,8 +47,11 @@ def _set(module: nn.Module, leaf: str, t: torch.Tensor, buffer: bool = False) ->
 
 @torch.no_grad()
 def load_msmodelslim(model: nn.Module, folder: str, path: str = "int", allow_float_mtp: bool = False,
-                     act_sim: str | None = None) -> dict:
-    """Fill ``model`` (built on any device, e.g. meta) from the msModelSlim folder; returns a summary."""
+                     act_sim: str | None = None, check_weights: bool = True, npu: bool = False) -> dict:
+    """Fill ``model`` (built on any device, e.g. meta) from the msModelSlim folder; returns a summary.
+
+    ``check_weights``: every floating-point tensor read is checked for NaN / Inf (:mod:`.weight_check`).
+    ``npu``: convert the int-path linears to their NPU parameter form at load (:mod:`.msm_npu`)."""
     import quant.msmodelslim as msm
 
     cfg, dtype = model.cfg, model.dtype
@@ -64,6 +69,10 @@ def load_msmodelslim(model: nn.Module, folder: str, path: str = "int", allow_flo
         raise CheckpointError(f"{folder}: {e}") from None
     types = ck.types
     kw = {} if act_sim is None else {"act_sim": act_sim}  # float path: which activation fake-quant to apply
+
+    def qlinear(key: str) -> nn.Module:
+        ql = ck.linear(key, path=path, **kw)
+        return (to_npu_linear(ql, dtype) or ql) if npu and path == "int" else ql
     mtp_prefix = fam.checkpoint_name("mtp.0", cfg.n_layers) + "."
     has_mtp = any(k.startswith(mtp_prefix) for k in types)
     problems: list[str] = []
@@ -74,10 +83,19 @@ def load_msmodelslim(model: nn.Module, folder: str, path: str = "int", allow_flo
 
     def tensor(key: str) -> torch.Tensor | None:
         try:
-            return ck.tensor(key)
+            t = ck.tensor(key)
         except (KeyError, ValueError):
             problems.append(f"{key}: missing from the msModelSlim checkpoint in {folder}")
             return None
+        if check_weights:
+            if bool(nonfinite_flag(t)):
+                n = int(count_nonfinite(t))
+                try:
+                    shard = os.path.basename(ck.weights.file_of(key)) + ": "
+                except Exception:  # noqa: BLE001 - the name of the shard is a courtesy
+                    shard = ""
+                problems.append(f"{shard}{key}: {n} non-finite value(s) (NaN or Inf) in the weight")
+        return t
 
     def skip(name: str) -> bool:
         return name.startswith("mtp.") and not has_mtp
@@ -103,7 +121,7 @@ def load_msmodelslim(model: nn.Module, folder: str, path: str = "int", allow_flo
                 replaced.add(name)
                 n_quant += 1
             else:
-                setattr(parent, leaf, QuantLinearAdapter(ck.linear(key, path=path, **kw), dtype))
+                setattr(parent, leaf, QuantLinearAdapter(qlinear(key), dtype))
                 replaced.add(name)
                 n_quant += 1
             done.update({f"{name}.weight", f"{name}.scale"})
@@ -130,9 +148,10 @@ def load_msmodelslim(model: nn.Module, folder: str, path: str = "int", allow_flo
                 replaced.add(name)
                 n_quant += 3 * E
             else:
-                triples = [tuple(QuantLinearAdapter(ck.linear(keys[(e, w)], path=path, **kw), dtype) for w in ("w1", "w3", "w2"))
+                triples = [tuple(QuantLinearAdapter(qlinear(keys[(e, w)]), dtype) for w in ("w1", "w3", "w2"))
                            for e in range(E)]
-                setattr(parent, leaf, QuantExperts(triples, mod.limit, weight_after_w2=fam.experts_weight_after_w2))
+                qe = QuantExperts(triples, mod.limit, weight_after_w2=fam.experts_weight_after_w2)
+                setattr(parent, leaf, to_npu_experts(qe) if npu and path == "int" else qe)
                 replaced.add(name)
                 n_quant += 3 * E
             done.update({f"{name}.{w}" for w in ("w1", "w2", "w3")})
