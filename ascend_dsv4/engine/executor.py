@@ -58,7 +58,10 @@ class RankSpec:
     backend: str | None = None  # atb_ops backend override
     comm_backend: str | None = None  # torch.distributed backend override (default by device)
     dequantize: bool = False
-    load: dict = field(default_factory=dict)  # more keyword arguments of model_runner.build_model (msModelSlim ...)
+    msmodelslim_path: str = "int"
+    allow_float_mtp: bool = False
+    msmodelslim_act_sim: str | None = None
+    check_weights: bool = True  # NaN / Inf check of every tensor as it lands (weights/weight_check.py)
     timeout_s: float = 300.0
     env: dict = field(default_factory=dict)
 

@@ -55,15 +55,13 @@ def plan_pool_sizes(cfg, block_size: int, max_num_seqs: int, max_model_len: int,
 def build_model(model: str, cfg, dtype: torch.dtype, device: torch.device, numerics: str = "exact", seed: int = 0,
                 dequantize: bool = False, progress: bool = True, msmodelslim_path: str = "int",
                 allow_float_mtp: bool = False, msmodelslim_act_sim: str | None = None, check_weights: bool = True,
-                npu: bool = False, parallel=None) -> tuple[torch.nn.Module, dict | None]:
+                npu: bool = False) -> tuple[torch.nn.Module, dict | None]:
     """The model of ``cfg`` on ``device`` in eval mode, with the weights of the folder ``model`` (safetensors or
     msModelSlim) or random ones from ``seed`` for a preset; and the msModelSlim summary (None otherwise).
 
     ``check_weights``: every tensor is checked for NaN / Inf as it lands (:mod:`ascend_dsv4.weights.weight_check`).
     ``npu`` (the NPU backend runs the model): Atlas A2/A3 have no FP8/FP4 matmul, so official FP8/FP4 weights are
-    dequantised at load (tensor by tensor), and msModelSlim int-path linears get their NPU parameter form.
-    ``parallel`` (a :class:`parallel.groups.ParallelState`): build and load only this rank's share (a preset's
-    random weights are drawn whole, then sliced: toy presets only); ``net.bytes_read`` is what it read."""
+    dequantised at load (tensor by tensor), and msModelSlim int-path linears get their NPU parameter form."""
     family = family_of(cfg)
     folder = model if os.path.isdir(model) else (os.path.dirname(model) if os.path.isfile(model) else None)
     summary = None
@@ -71,23 +69,18 @@ def build_model(model: str, cfg, dtype: torch.dtype, device: torch.device, numer
         from ..weights.random_init import init_random_
 
         net = init_random_(family.build_model(cfg, dtype, numerics), seed)
-        if parallel is not None:
-            from ..weights.tp_shards import copy_rank_slices
-
-            net = copy_rank_slices(net, family.build_model(cfg, dtype, numerics, parallel))
     else:
         from ..weights.loader import load_weights
         from ..weights.msmodelslim_loader import is_msmodelslim_folder, load_msmodelslim
 
         with torch.device("meta"):
-            net = family.build_model(cfg, dtype, numerics, parallel)
+            net = family.build_model(cfg, dtype, numerics)
         if is_msmodelslim_folder(folder):
             summary = load_msmodelslim(net, folder, msmodelslim_path, allow_float_mtp, msmodelslim_act_sim,
                                        check_weights=check_weights, npu=npu)
         else:
-            plan = load_weights(net, folder, device, dequantize=dequantize or npu, progress=progress,
-                                check_weights=check_weights)
-            net.bytes_read = plan.bytes_read
+            load_weights(net, folder, device, dequantize=dequantize or npu, progress=progress,
+                         check_weights=check_weights)
     return net.to(device).eval(), summary
 
 

@@ -25,18 +25,38 @@ def rank_device(spec: RankSpec, rank: int) -> torch.device:
 
 
 def build_rank_runner(spec: RankSpec, parallel, device: torch.device):
-    """(model, runner) of this rank (``model_runner.build_model`` with ``parallel``: only this rank's share)."""
+    """(model, runner) of this rank."""
     import atb_ops
 
-    from .model_runner import ModelRunner, build_model
+    from ..models import build_model
+    from .model_runner import ModelRunner
 
     ops = atb_ops.use_backend(spec.backend) if spec.backend else contextlib.nullcontext()
-    npu = spec.backend == "npu" or (spec.backend is None and device.type == "npu")
+    folder = spec.model if os.path.isdir(spec.model) else None
     with ops:
-        net, summary = build_model(spec.model, spec.cfg, spec.dtype, device, spec.numerics, seed=spec.seed,
-                                   dequantize=spec.dequantize, progress=False, npu=npu, parallel=parallel,
-                                   **spec.load)
-    return net, ModelRunner(net, spec.pool_sizes, device, backend=spec.backend, quant_summary=summary)
+        if folder is None:
+            from ..weights.random_init import init_random_
+            from ..weights.tp_shards import copy_rank_slices
+
+            full = init_random_(build_model(spec.cfg, spec.dtype, spec.numerics), spec.seed)
+            net = copy_rank_slices(full, build_model(spec.cfg, spec.dtype, spec.numerics, parallel))
+            del full
+        else:
+            from ..weights.loader import load_weights
+            from ..weights.msmodelslim_loader import is_msmodelslim_folder, load_msmodelslim
+
+            with torch.device("meta"):
+                net = build_model(spec.cfg, spec.dtype, spec.numerics, parallel)
+            npu = spec.backend == "npu" or (spec.backend is None and device.type == "npu")
+            if is_msmodelslim_folder(folder):  # split on the rank (weights/msmodelslim_tp.py)
+                load_msmodelslim(net, folder, spec.msmodelslim_path, spec.allow_float_mtp, spec.msmodelslim_act_sim,
+                                 check_weights=spec.check_weights, npu=npu)
+            else:
+                plan = load_weights(net, folder, device, dequantize=spec.dequantize or npu, progress=False,
+                                    check_weights=spec.check_weights)
+                net.bytes_read = plan.bytes_read
+        net = net.to(device).eval()
+    return net, ModelRunner(net, spec.pool_sizes, device, backend=spec.backend)
 
 
 def _send(conn, obj) -> None:

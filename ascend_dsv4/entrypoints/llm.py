@@ -144,8 +144,8 @@ class LLM:
         self.executor = None
         if tensor_parallel_size != 1 or enable_expert_parallel or distributed_executor_backend is not None:
             if gpu_memory_utilization is not None:
-                raise ConfigError("gpu_memory_utilization is not supported with tensor_parallel_size > 1 yet: size "
-                                  "the pools with max_num_seqs / max_model_len")
+                log.info("gpu_memory_utilization is not applied under tensor parallelism yet: the KV pools hold "
+                         "max_num_seqs (%d) sequences of max_model_len (%d)", max_num_seqs, self.max_model_len)
             self.runner = self._start_parallel(model, folder, numerics, seed, dequantize, block_size,
                                                tensor_parallel_size, enable_expert_parallel,
                                                distributed_executor_backend,
@@ -165,7 +165,7 @@ class LLM:
                                 enable_prefix_caching=enable_prefix_caching,
                                 num_speculative_tokens=num_speculative_tokens)
 
-    def _start_parallel(self, model, folder, numerics, seed, dequantize, block_size, tp, ep, executor, load: dict):
+    def _start_parallel(self, model, folder, numerics, seed, dequantize, block_size, tp, ep, executor, msm: dict):
         """Validate the layout (before any weight is read), then start the ``mp`` executor (rank 0 in this
         process, one worker process per other rank); returns rank 0's runner."""
         from parallel.groups import visible_devices
@@ -184,7 +184,7 @@ class LLM:
                                              self.max_num_batched_tokens)
         spec = RankSpec(model=folder or model, cfg=self.cfg, dtype=self.dtype, numerics=numerics,
                         device_type=self.device.type, seed=seed, pool_sizes=sizes, tensor_parallel_size=tp,
-                        enable_expert_parallel=ep, backend=self.backend, dequantize=dequantize, load=load,
+                        enable_expert_parallel=ep, backend=self.backend, dequantize=dequantize, **msm,
                         timeout_s=float(os.environ.get("ASCEND_DSV4_MP_TIMEOUT", "300")),
                         env={k: v for k, v in os.environ.items() if k.startswith(("ASCEND_DSV4_", "ATB_OPS_", "HCCL_"))})
         self.executor = MPExecutor(spec).start()

@@ -47,6 +47,7 @@ class ModelFamily:
     weights_bytes: Callable[[Any], int]
     kv_pool_bytes_per_token: Callable[[Any, int], float]
     memory_plan: Callable[[Any, int, int], dict]
+    needs_custom_ops: bool  # on NPU: needs custom-op packages beyond torch_npu's built-in ops (V4's sparse attention)
     # tensor parallel (ascend_dsv4.parallel_plan): checkpoint names split on dim 0 / dim 1 (others replicated,
     # routed experts by the expert rule), the family's own layout rules (cfg, tp, ep), the shared experts' width
     tp_split_dim0: re.Pattern

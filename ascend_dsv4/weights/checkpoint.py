@@ -1,13 +1,15 @@
 """Load a DeepSeek-V4 checkpoint folder into a model: validated first, then streamed tensor by tensor.
 
-Formats (spec §3): official names (FP8 e4m3 weights with E8M0 ``.scale`` per 128x128 block, routed experts
+Formats (ascend_dsv4/models/deepseek_v4/README.md §3): official names (FP8 e4m3 weights with E8M0 ``.scale`` per
+128x128 block, routed experts
 packed FP4 with an E8M0 scale per 32 inputs, ``tid2eid`` int64, ``mtp.0.*``), transformers' names (module
 names, or what ``save_pretrained`` writes), DeepSeek's HF names (``mlp.experts.e.gate_proj``,
 ``weight_scale_inv`` float32 scales), and BF16/FP16/FP32 checkpoints of all of them.
 
 Quantised linears stay in their checkpoint format (the ops dequantise per call; a kernel backend uses them
 directly) unless ``dequantize=True``; ``wo_a`` and the float32-compute layers are always dequantised at load
-(spec §3.3). Every problem found — missing / unexpected tensors, shapes, dtypes, scale grids, NaN scales,
+(ascend_dsv4/models/deepseek_v4/README.md §3.3). Every problem found — missing / unexpected tensors, shapes, dtypes,
+scale grids, NaN scales,
 tid2eid out of range, mixed expert formats — is collected and reported at once in a :class:`CheckpointError`
 naming shard, tensor, expected and found. Header problems are found before any tensor data is read.
 """

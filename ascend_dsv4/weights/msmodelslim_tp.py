@@ -66,7 +66,7 @@ def sliced_tensors(tensors: dict[str, torch.Tensor], kind: str, g: Group, name: 
 
 def _global_dynamic_quant(ql: nn.Module, g: Group):
     """quantize_input of a row-parallel dynamic QuantLinear: per-token scale from the max over all ranks."""
-    from quant.msmodelslim.schemes import _round_clamp
+    from quant.msmodelslim.schemes.numerics import round_clamp as _round_clamp
 
     def quantize_input(x2: torch.Tensor):
         if ql.mode == "static":

@@ -6,7 +6,7 @@ checkpoint without the ``model.`` prefix (``layers.i.self_attn.kv_b_proj``); rou
 (``layers.i.mlp.experts.w1`` [E, inter, dim]); the MTP module (checkpoint layer id ``num_hidden_layers``) lives
 under ``mtp.0``.
 
-Attention (seed ``optimizing_mla.md``): only the latent ``[c_kv | k_pe]`` is cached. Tokens of sequences that
+Attention (MLA, DeepSeek-V2 paper §2.1): only the latent ``[c_kv | k_pe]`` is cached. Tokens of sequences that
 decode one token run the absorbed form (W_UK folded into the query, W_UV applied after attention, rope and
 nope scores computed separately and added: ``atb_ops.mla_decode``); tokens of prefills and prefill chunks run
 the decompressed form over their context (``atb_ops.mla_prefill``), which costs fewer FLOPs for long queries.

@@ -1,4 +1,4 @@
-"""DeepSeek-V4 attention: sliding window + compressed entries (CSA with indexer, HCA) + sink (spec §2.3).
+"""DeepSeek-V4 attention: sliding window + compressed entries (CSA with indexer, HCA) + sink (README.md §2.3).
 
 Every tensor is token-major over a ragged batch: ``x`` is ``[T, dim]``; KV state lives in the paged pools
 of ``ctx.pools`` and is addressed with the slot tensors of the :class:`StepContext`.
@@ -20,7 +20,7 @@ from .config import DeepseekV4Config
 
 
 def layer_inv_freq(cfg: DeepseekV4Config, ratio: int) -> torch.Tensor:
-    """RoPE table of a layer: base 10000 without YaRN for ratio 0, else base 160000 with YaRN (spec §2.0)."""
+    """RoPE table of a layer: base 10000 without YaRN for ratio 0, else base 160000 with YaRN (README.md §2.0)."""
     if ratio == 0:
         return atb_ops.rope_inv_freq(cfg.rope_head_dim, cfg.rope_theta)
     return atb_ops.rope_inv_freq(cfg.rope_head_dim, cfg.compress_rope_theta, cfg.rope_factor,
@@ -121,7 +121,7 @@ class Attention(nn.Module):
         self.kv_norm = RMSNorm(D, cfg.norm_eps)
         # wo_a runs in BF16 in the official model (dequantised at load): no activation rounding
         self.wo_a = ColumnParallelLinear(H * D // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, dtype, tp)
-        self.wo_a.keep_checkpoint_format = False  # used as a dense einsum weight (spec §3.3)
+        self.wo_a.keep_checkpoint_format = False  # used as a dense einsum weight (README.md §3.3)
         self.wo_b = RowParallelLinear(cfg.o_groups * cfg.o_lora_rank, cfg.dim, dtype, tp, fp8_input=reference)
         self.attn_sink = fp32_param(H // tp.size)
         self.compressor = Compressor(cfg, self.ratio, D, False, dtype, reference) if self.ratio else None

@@ -1,4 +1,4 @@
-"""DeepSeek-V4 (Flash / Pro and the toy preset) on atb_ops, with paged KV state (spec §2).
+"""DeepSeek-V4 (Flash / Pro and the toy preset) on atb_ops, with paged KV state (README.md §2).
 
 Forward over a ragged batch: ``input_ids`` [T] and a :class:`StepContext` -> hyper-connection streams
 [T, hc_mult, dim] after the last block (what MTP consumes); :meth:`DeepseekV4Model.logits` applies
@@ -31,7 +31,7 @@ NUMERICS = ("exact", "reference")
 
 
 class Block(nn.Module):
-    """mHC-wrapped attention then mHC-wrapped MoE (spec §2.2)."""
+    """mHC-wrapped attention then mHC-wrapped MoE (README.md §2.2)."""
 
     def __init__(self, cfg: DeepseekV4Config, layer_id: int, dtype: torch.dtype, reference: bool, parallel=None):
         super().__init__()
@@ -73,7 +73,7 @@ class HCHeadMixin:
 
 
 class MTPBlock(Block, HCHeadMixin):
-    """MTP module k (spec §2.6): embeds token t+1, mixes it with the main streams at t, runs one SWA block."""
+    """MTP module k (README.md §2.6): embeds token t+1, mixes it with the main streams at t, runs one SWA block."""
 
     def __init__(self, cfg: DeepseekV4Config, layer_id: int, dtype: torch.dtype, reference: bool, parallel=None):
         super().__init__(cfg, layer_id, dtype, reference, parallel)
@@ -136,7 +136,7 @@ class DeepseekV4Model(nn.Module, HCHeadMixin):
 
     def mtp_logits(self, streams: torch.Tensor, next_ids: torch.Tensor, ctx: StepContext, k: int = 0,
                    index: torch.Tensor | None = None) -> torch.Tensor:
-        """Draft logits [len(index), vocab] predicting token t+2 (spec §2.6)."""
+        """Draft logits [len(index), vocab] predicting token t+2 (README.md §2.6)."""
         x = self.mtp_forward(streams, next_ids, ctx, k)
         if index is not None:
             x = x[index]

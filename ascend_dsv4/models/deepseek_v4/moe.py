@@ -1,4 +1,4 @@
-"""DeepSeek-V4 MoE: sqrt-softplus gate (biased top-k or hash routing), clamped SwiGLU experts (spec §2.4).
+"""DeepSeek-V4 MoE: sqrt-softplus gate (biased top-k or hash routing), clamped SwiGLU experts (README.md §2.4).
 
 Under tensor parallelism the router is replicated, the shared expert is column (w1, w3) / row (w2) parallel and
 the routed experts are TP-split or EP-partitioned (:mod:`ascend_dsv4.layers.experts`); the partial sums of the
