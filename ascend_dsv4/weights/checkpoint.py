@@ -129,7 +129,6 @@ def plan_load(model: nn.Module, folder: str) -> Plan:
     fused: dict[str, tuple[str, str, TensorInfo]] = {}
     problems: list[str] = []
     experts = expert_modules(model)
-    parallel = any(t.shard is not None for t in targets.values()) or any(m.ep.size > 1 for m in experts.values())
 
     def where(shard: str, name: str) -> str:
         return f"{os.path.basename(shard)}: {name}"
@@ -142,10 +141,6 @@ def plan_load(model: nn.Module, folder: str) -> Plan:
             problems.append(f"{where(shard, ck_name)}: unknown tensor name")
             continue
         if off.endswith((".experts.gate_up_proj", ".experts.w2")) and expert_key(off) is None:
-            if parallel:
-                problems.append(f"{where(shard, ck_name)}: transformers' fused experts cannot be loaded per rank "
-                                f"yet (tensor / expert parallelism); convert the folder to official names")
-                continue
             fused[off] = (shard, ck_name, info)  # transformers' fused experts [E, 2I, d] / [E, d, I]
             continue
         if foreign_expert(off, experts):
@@ -161,17 +156,19 @@ def plan_load(model: nn.Module, folder: str) -> Plan:
     for off, (shard, ck, info) in fused.items():
         layer = off.rsplit(".", 2)[0]  # layers.i.ffn
         w_names = ("w1", "w3") if off.endswith("gate_up_proj") else ("w2",)
-        t = targets.get(f"{layer}.experts.0.{w_names[0]}.weight")
+        mod = experts.get(f"{layer}.experts")
+        first = mod.first_expert if mod is not None else 0  # expert parallel: this rank's experts only
+        t = targets.get(f"{layer}.experts.{first}.{w_names[0]}.weight")
         if t is None:
             problems.append(f"{where(shard, ck)}: unexpected tensor")
             continue
-        E = sum(1 for k in targets if k.startswith(f"{layer}.experts.") and k.endswith(f".{w_names[0]}.weight"))
+        E = mod.n_total if mod is not None else 0  # the stored tensor holds every expert
         want = (E, t.shape[0] * len(w_names), t.shape[1])
         if info.dtype_str not in FLOAT or tuple(info.shape) != want:
             problems.append(f"{where(shard, ck)}: fused experts expected {want} float, found {info.dtype_str} {list(info.shape)}")
             continue
         for w in w_names:
-            for e in range(E):
+            for e in range(first, first + mod.w1.shape[0]):
                 found.setdefault(f"{layer}.experts.{e}.{w}.weight", Found(weight=(shard, ck, info), fmt="fused"))
 
     skip_mtp = not any(k.startswith("mtp.") for k in found)

@@ -38,19 +38,22 @@ def _as_storable(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == torch.float8_e8m0fnu else t
 
 
-def _read_part(h, info, dim: int, start: int, stop: int) -> torch.Tensor:
-    """Rows / columns ``start:stop`` of dimension ``dim`` of one stored tensor, read through a memory map (only
-    the pages holding the part are touched; a dim-0 part is one contiguous range)."""
+def _read_part(h, info, dim: int, ranges) -> torch.Tensor:
+    """Indices ``a:b`` for each ``(a, b)`` in ``ranges`` of dimension ``dim`` of one stored tensor, concatenated
+    along ``dim``, read through a memory map (only the pages holding the part are touched; a dim-0 part is one
+    contiguous range)."""
     import numpy as np
 
     shape = tuple(info.shape)
     es = info.nbytes // max(1, math.prod(shape))
     outer, inner = math.prod(shape[:dim]), math.prod(shape[dim + 1:]) * es
     mm = np.memmap(h.path, dtype=np.uint8, mode="r", offset=h.data_start + info.begin, shape=(info.nbytes,))
-    part = np.array(mm.reshape(outer, shape[dim], inner)[:, start:stop, :], copy=True, order="C")
-    del mm
+    view = mm.reshape(outer, shape[dim], inner)
+    part = np.concatenate([view[:, a:b, :] for a, b in ranges], axis=1) if len(ranges) > 1 else \
+        np.array(view[:, ranges[0][0]:ranges[0][1], :], copy=True, order="C")
+    del mm, view
     t = torch.from_numpy(part).view(info.torch_dtype if info.torch_dtype != torch.float8_e8m0fnu else torch.uint8)
-    return t.reshape(shape[:dim] + (stop - start,) + shape[dim + 1:])
+    return t.reshape(shape[:dim] + (sum(b - a for a, b in ranges),) + shape[dim + 1:])
 
 
 def _check_scale(t: torch.Tensor, where: str, problems: list[str]) -> None:
@@ -72,7 +75,7 @@ class _Loader:
         self.routes: dict[str, list[tuple]] = {}  # checkpoint name -> [(kind, target key)]
         self.pending: dict[str, dict[str, torch.Tensor]] = {}  # dequant-at-load pairs waiting for a partner
         self.storage: dict[str, torch.Tensor] = {}
-        self.slices: dict[str, tuple[int, int, int]] = {}  # checkpoint name -> (dim, start, stop) this rank reads
+        self.slices: dict[str, tuple[int, list]] = {}  # checkpoint name -> (dim, [(start, stop)]) this rank reads
         self.bytes_read = 0
 
     def empty(self, shape, dtype) -> torch.Tensor:
@@ -124,7 +127,7 @@ class _Loader:
             a, b = shard.bounds(shape[shard.dim], ck)
         except ValueError as e:
             raise CheckpointError(f"{os.path.basename(_shard_file)}: {e} (tensor-parallel size {shard.size})") from e
-        self.slices[ck] = (shard.dim, a, b)
+        self.slices[ck] = (shard.dim, [(a, b)])
         return shape[: shard.dim] + (b - a,) + shape[shard.dim + 1:]
 
     def _alloc_linear(self, mod: Linear, key: str, t, f) -> None:
@@ -189,9 +192,21 @@ class _Loader:
                 else:
                     self._route(f.weight[1], ("deq_w", key))
                     self._route(f.scale[1], ("deq_s", key))
-        for off, (_s, ck, _i) in self.plan.fused.items():
+        for off, (_s, ck, info) in self.plan.fused.items():
             if off.startswith(mod_name.rsplit(".", 1)[0] + "."):
-                self._route(ck, ("fused", mod_name, "w1w3" if off.endswith("gate_up_proj") else "w2"))
+                gate_up = off.endswith("gate_up_proj")
+                self._route(ck, ("fused", mod_name, "w1w3" if gate_up else "w2"))
+                if mod.ep.size > 1:  # [E, ., .]: this rank's experts
+                    self.slices[ck] = (0, [(first, first + E)])
+                elif mod.tp.size > 1:  # every expert split: gate and up halves of dim 1, or dim 2 of down
+                    r, n = mod.tp.rank, mod.tp.size
+                    if gate_up:
+                        I = info.shape[1] // 2
+                        per = I // n
+                        self.slices[ck] = (1, [(r * per, (r + 1) * per), (I + r * per, I + (r + 1) * per)])
+                    else:
+                        per = info.shape[2] // n
+                        self.slices[ck] = (2, [(r * per, (r + 1) * per)])
         mod.set_weights(fmt if keep else "dense", tensors)
 
     # ---- streaming -------------------------------------------------------------------------------------

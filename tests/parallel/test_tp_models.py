@@ -1,6 +1,7 @@
 """DeepSeek-V4 and V3 under tensor / expert parallelism equal world size 1 (float32, 1e-5 relative): logits of a
 prefill and two decode steps plus the MTP draft logits, every rank loading only its slices of an official FP8/FP4
-V4 checkpoint, a transformers-named V4 checkpoint, an FP8 and a BF16 V3 checkpoint. World 2: TP 2, TP 2 + EP
+V4 checkpoint, a V4 checkpoint in DeepSeek's HF names, one written by transformers' save_pretrained (fused
+experts), an FP8 and a BF16 V3 checkpoint. World 2: TP 2, TP 2 + EP
 (all-to-all and all-reduce); world 4: EP 4. One spawned world per size."""
 
 from __future__ import annotations
@@ -27,7 +28,16 @@ def folders(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("tp_ckpts")
     out = {}
+    def transformers_folder(d):  # transformers' save_pretrained: fused gate_up_proj / down_proj experts
+        import sys
+
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "v4"))
+        from hf_oracle import random_hf_model
+
+        random_hf_model(V4.replace(dtype="bf16", expert_dtype=None), seed=6).save_pretrained(d)
+
     for name, write in (("v4_official", lambda d: write_checkpoint(V4, d, "official", 1, progress=False)),
+                        ("v4_transformers", transformers_folder),
                         ("v4_hf", lambda d: write_checkpoint(V4, d, "hf", 2, progress=False)),
                         ("v3_fp8", lambda d: write_checkpoint(V3, d, "hf", 3, progress=False)),
                         ("v3_bf16", lambda d: write_checkpoint(V3.replace(dtype="bf16"), d, "hf", 4, progress=False))):
@@ -93,6 +103,7 @@ def _worker(rank, world, init, cases, result_dir):
 def test_tp2_and_tp2_ep(folders, tmp_path):
     cases = [(folders["v4_official"], False, "alltoall"), (folders["v4_official"], True, "alltoall"),
              (folders["v4_official"], True, "allreduce"), (folders["v4_hf"], False, "alltoall"),
+             (folders["v4_transformers"], False, "alltoall"), (folders["v4_transformers"], True, "alltoall"),
              (folders["v3_fp8"], False, "alltoall"), (folders["v3_bf16"], True, "alltoall")]
     mp.spawn(_worker, args=(2, f"file://{tmp_path}/rdv", cases, str(tmp_path)), nprocs=2, join=True)
     print((tmp_path / "world2.txt").read_text())
