@@ -54,7 +54,7 @@ def plan_pool_sizes(cfg, block_size: int, max_num_seqs: int, max_model_len: int,
 
 def build_model(model: str, cfg, dtype: torch.dtype, device: torch.device, numerics: str = "exact", seed: int = 0,
                 dequantize: bool = False, progress: bool = True, msmodelslim_path: str = "int",
-                allow_float_mtp: bool = False, msmodelslim_act_sim: str | None = None
+                allow_float_mtp: bool = False, msmodelslim_act_sim: str | None = None, check_weights: bool = True
                 ) -> tuple[torch.nn.Module, dict | None]:
     """The model of ``cfg`` on ``device`` in eval mode, with the weights of the folder ``model`` (safetensors or
     msModelSlim) or random ones from ``seed`` for a preset; and the msModelSlim summary (None otherwise)."""
@@ -72,9 +72,10 @@ def build_model(model: str, cfg, dtype: torch.dtype, device: torch.device, numer
         with torch.device("meta"):
             net = family.build_model(cfg, dtype, numerics)
         if is_msmodelslim_folder(folder):
-            summary = load_msmodelslim(net, folder, msmodelslim_path, allow_float_mtp, msmodelslim_act_sim)
+            summary = load_msmodelslim(net, folder, msmodelslim_path, allow_float_mtp, msmodelslim_act_sim,
+                                       check_weights=check_weights)
         else:
-            load_weights(net, folder, device, dequantize=dequantize, progress=progress)
+            load_weights(net, folder, device, dequantize=dequantize, progress=progress, check_weights=check_weights)
     return net.to(device).eval(), summary
 
 
@@ -93,12 +94,19 @@ class ModelRunner:
     @classmethod
     def create(cls, model: str, cfg, *, device: torch.device, dtype: torch.dtype, numerics: str = "exact",
                backend: str | None = None, block_size: int = 16, max_num_seqs: int = 8, max_model_len: int,
-               max_num_batched_tokens: int = 512, **load) -> "ModelRunner":
-        """Build and load the model (``load``: the keyword arguments of :func:`build_model`) and size its pools."""
+               max_num_batched_tokens: int = 512, gpu_memory_utilization: float | None = None,
+               **load) -> "ModelRunner":
+        """Build and load the model (``load``: the keyword arguments of :func:`build_model`) and size its pools
+        (``gpu_memory_utilization``: from the device's free memory, :mod:`.memory_sizing`)."""
         runner_ops = atb_ops.use_backend(backend) if backend else contextlib.nullcontext()
         with runner_ops:
             net, summary = build_model(model, cfg, dtype, device, numerics, **load)
         sizes = plan_pool_sizes(cfg, block_size, max_num_seqs, max_model_len, max_num_batched_tokens)
+        if gpu_memory_utilization is not None:
+            from .memory_sizing import sized_for_memory
+
+            sizes = sized_for_memory(net, sizes, dtype, gpu_memory_utilization, torch.device(device), max_num_seqs,
+                                     max_model_len)
         runner = cls(net, sizes, device, backend=backend, quant_summary=summary)
         runner.max_model_len, runner.max_num_batched_tokens = max_model_len, max_num_batched_tokens
         return runner

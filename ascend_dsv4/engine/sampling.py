@@ -36,6 +36,7 @@ GREEDY_EPS = 1e-5
 # float32. (A repetition_penalty of 1e-300 is 0 in float32: its division made every seen logit inf and NaN
 # probabilities.) Non-finite results that slip through anyway end only their own request (sampling_guard).
 TEMPERATURE_MAX = 1e4
+MAX_N = 128  # completions per prompt
 REPETITION_PENALTY_RANGE = (1e-2, 1e2)
 _SEED_MAX = 2**64  # torch.Generator.manual_seed takes seeds in [0, 2**64)
 
@@ -67,6 +68,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens
     repetition_penalty: float = 1.0  # prompt + generated tokens: positive logits / p, negative * p
     stop: list[str] | None = None  # stop strings: the output ends before the first occurrence
+    n: int = 1  # completions per prompt (LLM.generate and the server fan a request out; the engine runs one each)
 
     def __post_init__(self):
         if isinstance(self.stop_token_ids, tuple):
@@ -84,6 +86,8 @@ class SamplingParams:
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise RequestError naming the first bad field; ``vocab_size`` adds the range checks on ids."""
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise _bad("n", f"must be an integer in [1, {MAX_N}]", self.n)
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise _bad("max_tokens", "must be an integer >= 1", self.max_tokens)
         t = self.temperature

@@ -14,8 +14,37 @@ import sys
 from ..errors import AscendDSV4Error
 
 
+DEFAULT_MODEL = "toy-v4"
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="toy-v4", help="preset name (toy-v4, deepseek-v4-flash, ...) or model folder")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help=f"preset name or model folder, as vLLM's positional model (same as --model)")
+    p.add_argument("--model", default=None,
+                   help=f"preset name (toy-v4, deepseek-v4-flash, ...) or model folder (default: {DEFAULT_MODEL})")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted for vLLM compatibility and ignored: this package runs no code from model folders")
+
+
+def _add_verbose(p: argparse.ArgumentParser) -> None:
+    # default SUPPRESS: a subcommand's -v adds to the top-level one instead of overwriting it with False
+    p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log at INFO level")
+
+
+def _resolve_model(a: argparse.Namespace, sub: argparse.ArgumentParser) -> None:
+    tag = getattr(a, "model_tag", None)
+    if tag is not None and a.model is not None and tag != a.model:
+        sub.error(f"the model is given twice: positional {tag!r} and --model {a.model!r}")
+    a.model = tag or a.model or DEFAULT_MODEL
+    if getattr(a, "trust_remote_code", False):
+        print("note: --trust-remote-code is ignored: ascend-dsv4 implements the DeepSeek architectures itself and "
+              "runs no code from the model folder", file=sys.stderr)
+
+
+def _add_weight_check_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--skip-weight-check", action="store_true",
+                   help="do not count NaN/Inf values of each weight as it loads (the check runs on the device the "
+                        "weight lands on; skip it only where you measured that it costs you)")
 
 
 def _add_parallel_args(p: argparse.ArgumentParser) -> None:
@@ -28,7 +57,10 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ascend-dsv4", description="DeepSeek-V4 / V3 serving for Ascend NPUs")
+    from .. import __version__
+
     ap.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    ap.add_argument("--version", action="version", version=f"ascend-dsv4 {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text for one prompt, streaming tokens as they come")
@@ -43,8 +75,13 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--backend", default="auto", help="auto | reference | cuda | npu")
     g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     g.add_argument("--numerics", default="exact", help="exact | reference (official FP8/FP4 activation rounding)")
-    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="context length (default: the model's max_position_embeddings; larger is an error)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="fraction of the device memory for weights + KV cache; on cuda / npu the KV pools are sized "
+                        "from it (default: pools for --max-num-seqs sequences of --max-model-len); ignored on cpu")
     g.add_argument("--weights-seed", type=int, default=0, help="seed of the random weights of a preset")
+    _add_weight_check_arg(g)
 
     i = sub.add_parser("info", help="print the config, parameter count, KV bytes per token and memory needs")
     _add_model_args(i)
@@ -82,8 +119,12 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer <key>' on /v1/* (default: $ASCEND_DSV4_API_KEY, else none)")
     s.add_argument("--served-model-name", nargs="+", default=None,
-                   help="name(s) clients use in 'model' (default: the --model argument)")
-    s.add_argument("--max-model-len", type=int, default=None)
+                   help="name(s) clients use in 'model' (default: the model folder's base name, or the preset name)")
+    s.add_argument("--max-model-len", type=int, default=None,
+                   help="context length (default: the model's max_position_embeddings; larger is an error)")
+    s.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="fraction of the device memory for weights + KV cache; on cuda / npu the KV pools are sized "
+                        "from it (default: pools for --max-num-seqs sequences of --max-model-len); ignored on cpu")
     s.add_argument("--max-num-seqs", type=int, default=8, help="requests decoded together")
     s.add_argument("--max-num-batched-tokens", type=int, default=512, help="tokens per engine step")
     s.add_argument("--block-size", type=int, default=16, help="tokens per KV page")
@@ -97,7 +138,11 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     s.add_argument("--numerics", default="exact", help="exact | reference (official FP8/FP4 activation rounding)")
     s.add_argument("--weights-seed", type=int, default=0, help="seed of the random weights of a preset")
+    _add_weight_check_arg(s)
     s.add_argument("--uvicorn-log-level", default="info", help="critical | error | warning | info | debug")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM: seconds requests in flight get to finish (new ones get 503) before they are "
+                        "ended with an error and the server exits")
 
     from .check_env import add_arguments as _add_check_env_args
 
@@ -109,8 +154,23 @@ def _parser() -> argparse.ArgumentParser:
     from .bench_serve import add_arguments as _add_bench_serve_args
 
     _add_bench_serve_args(bsub.add_parser("serve", help="load-test a running OpenAI-compatible server "
-                                                         "(streaming completions; TTFT/TPOT percentiles)"))
+                                                         "(streaming completions; TTFT/TPOT percentiles)",
+                                          formatter_class=argparse.ArgumentDefaultsHelpFormatter))
+    for p in list(sub.choices.values()) + list(bsub.choices.values()):
+        _add_verbose(p)  # -v after the subcommand too
     return ap
+
+
+def _subparser(ap: argparse.ArgumentParser, a: argparse.Namespace) -> argparse.ArgumentParser:
+    """The parser of the (innermost) subcommand ``a`` ran."""
+    p = ap
+    for dest in ("command", "bench_command"):
+        name = getattr(a, dest, None)
+        acts = [x for x in p._actions if isinstance(x, argparse._SubParsersAction)]
+        if name is None or not acts or name not in acts[0].choices:
+            break
+        p = acts[0].choices[name]
+    return p
 
 
 def _make_random_checkpoint(a: argparse.Namespace) -> int:
@@ -131,19 +191,42 @@ def _make_random_checkpoint(a: argparse.Namespace) -> int:
     return 0
 
 
+def _isatty(f) -> bool:
+    try:
+        return f.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def escape_controls(text: str) -> str:
+    """``text`` with control characters (C0 but newline and tab, DEL, C1) shown as ``\\xNN`` escapes: a model's raw
+    bytes (the toy tokenizer's random output, ESC sequences) must not drive the terminal."""
+    out = []
+    for ch in text:
+        o = ord(ch)
+        if (o < 0x20 and ch not in "\n\t") or 0x7F <= o <= 0x9F:
+            out.append(f"\\x{o:02x}")
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
 def _generate(a: argparse.Namespace) -> int:
     from .. import LLM, SamplingParams
 
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                             seed=a.seed)
     llm = LLM(model=a.model, backend=a.backend, dtype=a.dtype, numerics=a.numerics, device=a.device,
-              seed=a.weights_seed, max_model_len=a.max_model_len)
+              seed=a.weights_seed, max_model_len=a.max_model_len, skip_weight_check=a.skip_weight_check,
+              gpu_memory_utilization=a.gpu_memory_utilization)
+
+    tty = _isatty(sys.stdout)
 
     def emit(_rid: int, text: str) -> None:
-        sys.stdout.write(text)
+        sys.stdout.write(escape_controls(text) if tty else text)
         sys.stdout.flush()
 
-    out = llm.generate(a.prompt, params, on_text=emit)[0]
+    out = llm.generate(a.prompt, params, on_text=emit, use_tqdm=False)[0]
     sys.stdout.write("\n")
     print(f"[{len(out.prompt_token_ids)} prompt tokens, {len(out.token_ids)} generated, "
           f"finish_reason={out.finish_reason}]", file=sys.stderr)
@@ -151,23 +234,45 @@ def _generate(a: argparse.Namespace) -> int:
 
 
 def _serve(a: argparse.Namespace) -> int:
-    import os
-
     from .. import LLM
+    from .serve_lifecycle import bind_socket
     from .server import run_server
 
     if not 0 <= a.port < 65536:
         raise AscendDSV4Error(f"--port must be in [0, 65535], got {a.port}")
     if a.max_queue < 1:
         raise AscendDSV4Error(f"--max-queue must be >= 1, got {a.max_queue}")
+    if not a.shutdown_timeout >= 0:
+        raise AscendDSV4Error(f"--shutdown-timeout must be >= 0 seconds, got {a.shutdown_timeout}")
+    sock = bind_socket(a.host, a.port)  # a port in use fails now, not after the weights have loaded
+    try:
+        return _serve_on(a, sock, LLM, run_server)
+    finally:
+        sock.close()
+
+
+def served_name(model: str) -> str:
+    """The name a served folder answers to: its base name (``/data/DeepSeek-V4-Flash/`` -> ``DeepSeek-V4-Flash``);
+    a preset keeps its name."""
+    import os
+
+    if os.path.isdir(model):
+        return os.path.basename(os.path.normpath(os.path.abspath(model)))
+    return model
+
+
+def _serve_on(a: argparse.Namespace, sock, LLM, run_server) -> int:
+    import os
+
     llm = LLM(model=a.model, backend=a.backend, dtype=a.dtype, numerics=a.numerics, device=a.device,
               seed=a.weights_seed, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
               max_num_batched_tokens=a.max_num_batched_tokens, block_size=a.block_size,
-              enable_prefix_caching=a.enable_prefix_caching, num_speculative_tokens=a.num_speculative_tokens)
+              enable_prefix_caching=a.enable_prefix_caching, num_speculative_tokens=a.num_speculative_tokens,
+              skip_weight_check=a.skip_weight_check, gpu_memory_utilization=a.gpu_memory_utilization)
     run_server(llm, host=a.host, port=a.port, api_key=a.api_key or os.environ.get("ASCEND_DSV4_API_KEY"),
-               served_model_name=a.served_model_name or a.model, max_queue=a.max_queue,
+               served_model_name=a.served_model_name or served_name(a.model), max_queue=a.max_queue,
                model_dir=a.model if os.path.isdir(a.model) else None, chat_template=a.chat_template,
-               log_level=a.uvicorn_log_level)
+               log_level=a.uvicorn_log_level, sock=sock, shutdown_timeout=a.shutdown_timeout)
     return 0
 
 
@@ -214,8 +319,16 @@ def _check_env(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    ap = _parser()
+    a, extra = ap.parse_known_args(argv)
+    sub = _subparser(ap, a)
+    if extra:  # reported by the subcommand's own usage, not the top level's
+        sub.error(f"unrecognized arguments: {' '.join(extra)}")
+    if hasattr(a, "model_tag"):
+        _resolve_model(a, sub)
+    # serve logs its start-up (and drain) at INFO, as vLLM does; other commands stay quiet unless -v
+    level = logging.INFO if a.verbose or a.command == "serve" else logging.WARNING
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
     try:
         return {"generate": _generate, "info": _info, "make-random-checkpoint": _make_random_checkpoint,
                 "serve": _serve, "bench": _bench, "quantize": _quantize,

@@ -17,6 +17,7 @@ import torch
 import atb_ops
 
 from ..engine.engine import LLMEngine
+from ..engine.memory_sizing import check_utilization
 from ..engine.model_runner import ModelRunner
 from ..engine.prompts import check_prompt_ids
 from ..engine.request import RequestOutput
@@ -48,6 +49,36 @@ def _resolve_device(device: str | None, backend: str | None) -> torch.device:
     return torch.device(device)
 
 
+def _nth(sp: SamplingParams, j: int) -> SamplingParams:
+    """The parameters of completion ``j`` of a request asking ``sp.n`` of them: one completion each, and a seeded
+    request's completions use seeds ``seed, seed + 1, ...`` (distinct, reproducible)."""
+    import dataclasses
+
+    seed = sp.seed if sp.seed is None or j == 0 else (sp.seed + j) % 2**64
+    return dataclasses.replace(sp, n=1, seed=seed)
+
+
+def _progress_bar(use_tqdm: bool, total: int):
+    if not use_tqdm or total == 0:
+        return None
+    import sys
+
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="prompt", desc="generating", file=sys.stderr, dynamic_ncols=True)
+
+
+def _check_max_model_len(value, limit: int) -> int:
+    """``max_model_len`` as given (None: the model's limit); 0, negative or above the limit is an error."""
+    if value is None:
+        return limit
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"max_model_len must be a positive integer, got {value!r}")
+    if value > limit:
+        raise ConfigError(f"max_model_len {value} is above the model's limit (max_position_embeddings = {limit})")
+    return value
+
+
 class LLM:
     def __init__(
         self,
@@ -69,6 +100,8 @@ class LLM:
         msmodelslim_path: str = "int",
         allow_float_mtp: bool = False,
         msmodelslim_act_sim: str | None = None,
+        skip_weight_check: bool = False,
+        gpu_memory_utilization: float | None = None,
     ):
         if numerics not in NUMERICS:
             raise ConfigError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
@@ -92,7 +125,9 @@ class LLM:
             self.dtype = _DTYPES[dtype]
         else:
             raise ConfigError(f"dtype must be 'auto' or one of {', '.join(_DTYPES)}, got {dtype!r}")
-        self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.max_model_len = _check_max_model_len(max_model_len, cfg.max_position_embeddings)
+        if gpu_memory_utilization is not None:
+            check_utilization(gpu_memory_utilization)
         if max_num_batched_tokens < 1 or max_num_seqs < 1 or block_size < 1:
             raise ConfigError("max_num_batched_tokens, max_num_seqs and block_size must be positive")
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
@@ -101,8 +136,10 @@ class LLM:
             model, cfg, device=self.device, dtype=self.dtype, numerics=numerics, backend=self.backend,
             block_size=block_size, max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
             max_num_batched_tokens=max_num_batched_tokens, seed=seed, dequantize=dequantize, progress=progress,
-            msmodelslim_path=msmodelslim_path, allow_float_mtp=allow_float_mtp, msmodelslim_act_sim=msmodelslim_act_sim)
+            msmodelslim_path=msmodelslim_path, allow_float_mtp=allow_float_mtp, msmodelslim_act_sim=msmodelslim_act_sim,
+            check_weights=not skip_weight_check, gpu_memory_utilization=gpu_memory_utilization)
         folder = model if os.path.isdir(model) else (os.path.dirname(model) if os.path.isfile(model) else None)
+        self.folder = folder
         self.tokenizer = load_tokenizer(folder, cfg.bos_token_id, cfg.eos_token_id, cfg.vocab_size)
         self.engine = LLMEngine(self.runner, self.tokenizer, self.max_model_len, max_num_seqs, max_num_batched_tokens,
                                 enable_prefix_caching=enable_prefix_caching,
@@ -140,9 +177,13 @@ class LLM:
 
     # ---- generation ----------------------------------------------------------------------------------
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 on_text: Callable[[str, str], None] | None = None) -> list[RequestOutput]:
+                 on_text: Callable[[str, str], None] | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for one prompt or a list (strings or token-id lists), batched continuously.
-        ``on_text(request_id, text)`` receives decoded text as it is produced (for streaming)."""
+
+        One :class:`RequestOutput` per prompt, in order; with ``SamplingParams(n=k)`` its ``outputs`` holds ``k``
+        completions (a seeded request's completion ``j`` uses seed ``seed + j``). ``on_text(request_id, text)``
+        receives decoded text as it is produced (for streaming); ``use_tqdm`` shows a progress bar (stderr) over
+        the prompts, as vLLM does."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -165,8 +206,13 @@ class LLM:
                 raise RequestError(f"prompt {i} must be a string or a list of token ids, got {type(p).__name__}")
             ids = check_prompt_ids(ids, self.cfg.vocab_size, self.max_model_len, f"prompt {i}")
             encoded.append((p if isinstance(p, str) else ids, ids))
-        rids = [self.engine.add_request(p, sp) for (p, _ids), sp in zip(encoded, params)]
+        groups = [[self.engine.add_request(p, _nth(sp, j)) for j in range(sp.n)]
+                  for (p, _ids), sp in zip(encoded, params)]
+        rids = [r for g in groups for r in g]
         final: dict[str, RequestOutput] = {}
+        bar = _progress_bar(use_tqdm, len(groups))
+        owner = {r: gi for gi, g in enumerate(groups) for r in g}
+        left = [len(g) for g in groups]
         try:
             while len(final) < len(rids) and self.engine.has_unfinished():
                 for out in self.engine.step():
@@ -176,8 +222,40 @@ class LLM:
                         final[out.request_id] = out
                         if out.error:
                             log.warning("request %s aborted by the engine: %s", out.request_id, out.error)
+                        gi = owner.get(out.request_id)
+                        if gi is not None:
+                            left[gi] -= 1
+                            if bar is not None and left[gi] == 0:
+                                bar.update(1)
         finally:
+            if bar is not None:
+                bar.close()
             for rid in rids:
                 if rid not in final:
                     self.engine.abort_request(rid)
-        return [final[r] for r in rids]
+        results = []
+        for g in groups:
+            first = final[g[0]]
+            first.more_outputs = [final[r].as_completion(j) for j, r in enumerate(g) if j]
+            results.append(first)
+        return results
+
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """vLLM's ``LLM.chat``: ``messages`` is one conversation (a list of ``{"role", "content"}`` dicts) or a list
+        of them; each is rendered with the model's chat template (the folder's ``tokenizer_config.json`` /
+        ``chat_template.jinja``, or ``chat_template``: a Jinja2 string or file; else DeepSeek's encoding) and
+        generated as :meth:`generate` does. Returns one :class:`RequestOutput` per conversation."""
+        from .chat import ChatFormatter
+
+        if isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], dict):
+            conversations = [messages]
+        elif isinstance(messages, (list, tuple)) and messages and all(isinstance(m, (list, tuple)) for m in messages):
+            conversations = list(messages)
+        else:
+            raise RequestError("messages must be a list of {'role', 'content'} dicts or a list of such lists")
+        fmt = ChatFormatter.from_folder(self.folder, chat_template)
+        kw = dict(chat_template_kwargs or {})
+        prompts = [fmt.format(c, add_generation_prompt, **kw) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

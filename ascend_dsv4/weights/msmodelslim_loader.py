@@ -26,6 +26,7 @@ from ..layers.experts import Experts
 from ..layers.norm import RMSNorm
 from ..layers.quantized import QuantExperts, QuantLinearAdapter, SmoothedRMSNorm
 from ..models import family_of
+from .weight_check import count_nonfinite, nonfinite_flag
 
 log = logging.getLogger("ascend_dsv4")
 
@@ -43,8 +44,9 @@ def _set(module: nn.Module, leaf: str, t: torch.Tensor, buffer: bool = False) ->
 
 @torch.no_grad()
 def load_msmodelslim(model: nn.Module, folder: str, path: str = "int", allow_float_mtp: bool = False,
-                     act_sim: str | None = None) -> dict:
-    """Fill ``model`` (built on any device, e.g. meta) from the msModelSlim folder; returns a summary."""
+                     act_sim: str | None = None, check_weights: bool = True) -> dict:
+    """Fill ``model`` (built on any device, e.g. meta) from the msModelSlim folder; returns a summary.
+    ``check_weights``: every floating-point tensor read is checked for NaN / Inf (:mod:`.weight_check`)."""
     import quant.msmodelslim as msm
 
     cfg, dtype = model.cfg, model.dtype
@@ -72,10 +74,19 @@ def load_msmodelslim(model: nn.Module, folder: str, path: str = "int", allow_flo
 
     def tensor(key: str) -> torch.Tensor | None:
         try:
-            return ck.tensor(key)
+            t = ck.tensor(key)
         except (KeyError, ValueError):
             problems.append(f"{key}: missing from the msModelSlim checkpoint in {folder}")
             return None
+        if check_weights:
+            if bool(nonfinite_flag(t)):
+                n = int(count_nonfinite(t))
+                try:
+                    shard = os.path.basename(ck.weights.file_of(key)) + ": "
+                except Exception:  # noqa: BLE001 - the name of the shard is a courtesy
+                    shard = ""
+                problems.append(f"{shard}{key}: {n} non-finite value(s) (NaN or Inf) in the weight")
+        return t
 
     def skip(name: str) -> bool:
         return name.startswith("mtp.") and not has_mtp

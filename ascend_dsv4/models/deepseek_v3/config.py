@@ -211,6 +211,11 @@ class DeepseekV3Config:
                 bad(f, "must be a finite number >= 0")
         if not is_num(self.rope_factor) or self.rope_factor < 1:
             bad("rope_factor", "must be a finite number >= 1 (1.0 = no YaRN)")
+        if self.rope_theta <= 1:
+            bad("rope_theta", "must be a RoPE base > 1")
+        if self.beta_fast < self.beta_slow:
+            bad("beta_fast", f"must be >= beta_slow = {self.beta_slow!r} (YaRN's ramp runs from beta_fast to "
+                             f"beta_slow rotations)")
         if not isinstance(self.norm_topk_prob, bool):
             bad("norm_topk_prob", "must be true or false")
         if self.n_routed_experts % self.n_expert_groups:

@@ -197,8 +197,26 @@ class DeepseekV4Config:
             bad("dtype", "must be 'fp8' or 'bf16'")
         if self.expert_dtype not in (None, "fp4", "fp8", "bf16"):
             bad("expert_dtype", "must be 'fp4', 'fp8', 'bf16' or null")
-        if not (0 <= self.bos_token_id < self.vocab_size and 0 <= self.eos_token_id < self.vocab_size):
-            bad("eos_token_id", "bos/eos token ids must be < vocab_size")
+        for f in ("bos_token_id", "eos_token_id"):
+            if not 0 <= getattr(self, f) < self.vocab_size:
+                bad(f, f"must be a token id in [0, vocab_size = {self.vocab_size})")
+        # values that would make the math non-finite (NaN logits, or math domain errors while building RoPE)
+        for f in ("norm_eps", "hc_eps"):
+            if not getattr(self, f) > 0:
+                bad(f, "must be > 0 (it keeps a division finite)")
+        for f in ("rope_theta", "compress_rope_theta"):
+            if not getattr(self, f) > 1:
+                bad(f, "must be a RoPE base > 1")
+        if not self.rope_factor > 0:
+            bad("rope_factor", "must be > 0 (YaRN divides the rotary frequencies by it)")
+        if self.original_seq_len < 0:
+            bad("original_seq_len", "must be >= 0 (0: no YaRN)")
+        for f in ("beta_fast", "beta_slow"):
+            if not getattr(self, f) > 0:
+                bad(f, "must be > 0 (YaRN takes its logarithm)")
+        if self.beta_fast < self.beta_slow:
+            bad("beta_fast", f"must be >= beta_slow = {self.beta_slow!r} (YaRN's ramp runs from beta_fast to "
+                             f"beta_slow rotations)")
         return self
 
 
@@ -261,11 +279,27 @@ def _coerce(kw: dict, where: str) -> dict:
     return out
 
 
+# Fields that size the model: a config without one of them is refused (naming it) instead of taking the
+# Flash value from ModelConfig's defaults.
+OFFICIAL_REQUIRED = ("vocab_size", "dim", "n_layers", "n_heads", "moe_inter_dim", "n_routed_experts",
+                     "n_activated_experts")
+HF_REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "moe_intermediate_size",
+               "n_routed_experts", "num_experts_per_tok")
+
+
+def _require(d: dict, fields: tuple[str, ...], where: str) -> None:
+    missing = [f for f in fields if d.get(f) is None]
+    if missing:
+        raise ConfigError(f"{where}: required field(s) {', '.join(repr(f) for f in missing)} missing "
+                          f"(they size the model: no default applies)")
+
+
 def from_official_dict(d: dict, where: str = "config.json") -> DeepseekV4Config:
     """Parse the official inference ``config.json`` (``ModelArgs`` keys)."""
     if d.get("model_type", "deepseek_v4") != "deepseek_v4":
         raise ConfigError(f"{where}: field 'model_type' is {d.get('model_type')!r}; this loader reads 'deepseek_v4'")
     kw = {k: v for k, v in d.items() if k in _OFFICIAL_KEYS}
+    _require(d, OFFICIAL_REQUIRED, where)
     if "compress_ratios" not in kw:
         raise ConfigError(f"{where}: field 'compress_ratios' is missing")
     kw = _coerce(kw, where)
@@ -295,6 +329,7 @@ def from_hf_dict(d: dict, where: str = "config.json") -> DeepseekV4Config:
     """Parse a Hugging Face ``config.json`` (DeepSeek's published file or one written by transformers)."""
     if d.get("model_type", "deepseek_v4") != "deepseek_v4":
         raise ConfigError(f"{where}: field 'model_type' is {d.get('model_type')!r}; this loader reads 'deepseek_v4'")
+    _require(d, HF_REQUIRED, where)
     kw = {ours: d[hf] for hf, ours in _HF_MAP.items() if hf in d and d[hf] is not None}
     if isinstance(kw.get("eos_token_id"), list) and kw["eos_token_id"]:
         kw["eos_token_id"] = kw["eos_token_id"][0]
