@@ -22,6 +22,8 @@ from .ops import (
     mla_decode,
     mla_prefill,
     moe_gate,
+    quant_grouped_matmul,
+    quant_linear,
     rms_norm,
     sparse_attention,
     swiglu,
@@ -31,7 +33,7 @@ from .reference.rope import rope_inv_freq
 OPS = (
     "rms_norm", "apply_rope", "hc_pre", "hc_post", "hc_head", "compressor_pool", "indexer_topk",
     "sparse_attention", "moe_gate", "swiglu", "linear", "grouped_matmul", "fp8_act_round", "fp4_act_round", "hadamard",
-    "mla_decode", "mla_prefill", "dequantize_weight",
+    "mla_decode", "mla_prefill", "dequantize_weight", "quant_linear", "quant_grouped_matmul",
 )
 
 __all__ = list(OPS) + [

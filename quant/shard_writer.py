@@ -16,7 +16,7 @@ import torch
 from quant.errors import CheckpointError
 
 
-def _make_readable(path: str) -> None:
+def make_readable(path: str) -> None:
     """Give ``path`` the mode a plain ``open(path, "w")`` would (0666 less the umask, i.e. 0644 usually):
     ``safetensors.save_file`` creates its files 0600, unreadable to the other users of a shared model folder."""
     umask = os.umask(0)
@@ -55,7 +55,7 @@ class ShardWriter:
             return
         path = os.path.join(self.out_dir, f".{self.stem}-part{len(self.parts):05d}.safetensors")
         save_file(self.buf, path, metadata={"format": "pt"})
-        _make_readable(path)
+        make_readable(path)
         for k in self.buf:
             self.weight_map[k] = len(self.parts)
         self.parts.append(path)

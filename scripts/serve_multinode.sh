@@ -29,7 +29,8 @@ One OpenAI endpoint serves the whole cluster. T x D must not exceed N x NPUs per
 
   --nodes N                      nodes the cluster must have before serving
   --model DIR                    model folder; every node must read it at the same path
-  --tensor-parallel-size T       default: NPUs per node (TP inside a node, over HCCS)
+  --tensor-parallel-size T       default: 8 (TP inside a node, over HCCS; DeepSeek-V4's 8 output groups
+                                 allow at most TP 8)
   --data-parallel-size D         default: N x NPUs per node / T (attention replicas)
   --enable-expert-parallel       MoE experts spread over all T x D ranks (DeepSeek layouts)
   --ray-address ADDR:PORT        the cluster (default: this node's IP:6379)
@@ -65,7 +66,7 @@ done
 check_platform
 NPUS=$(npus_per_node)
 TOTAL=$((NODES * NPUS))
-[[ -n $TP ]] || TP=$NPUS
+[[ -n $TP ]] || TP=$((NPUS < 8 ? NPUS : 8))
 ((TP >= 1)) || die "--tensor-parallel-size must be >= 1"
 [[ -n $DP ]] || DP=$((TOTAL / TP))
 ((DP >= 1)) || die "--tensor-parallel-size $TP is larger than the cluster's $TOTAL NPUs"

@@ -8,7 +8,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/lib/launch_common.sh"
 
 MODEL=""
 TP=""
-DP=1
+DP=""
 EP=0
 SERVE_HOST=127.0.0.1
 SERVE_PORT=8000
@@ -25,8 +25,9 @@ Applies the Ascend environment and runs
 with one process per NPU. T x D must not exceed the node's NPUs (8 on A2, 16 on A3, or --devices).
 
   --model DIR                    model folder
-  --tensor-parallel-size T       default: NPUs of the node / D
-  --data-parallel-size D         default 1 (attention replicas)
+  --tensor-parallel-size T       default: min(8, NPUs of the node / D) (DeepSeek-V4's 8 output groups
+                                 allow at most TP 8)
+  --data-parallel-size D         default: NPUs of the node / T (attention replicas); passed on when > 1
   --enable-expert-parallel       MoE experts spread over all T x D ranks
   --host ADDR / --port N         where the OpenAI server listens (default 127.0.0.1:8000)
 The network variables (HCCL_IF_IP, *_SOCKET_IFNAME) are set only when --nic is given.
@@ -55,14 +56,21 @@ done
 ((DRY_RUN)) || [[ -d $MODEL ]] || die "--model $MODEL is not a folder"
 check_platform
 NPUS=$(npus_per_node)
+if [[ -z $TP ]]; then
+    TP=$((NPUS / ${DP:-1}))
+    ((TP <= 8)) || TP=8
+fi
+((TP >= 1)) || die "--tensor-parallel-size must be >= 1"
+((TP <= NPUS)) || die "TP $TP needs $TP NPUs, the node has $NPUS"
+[[ -n $DP ]] || DP=$((NPUS / TP))
 ((DP >= 1)) || die "--data-parallel-size must be >= 1"
-[[ -n $TP ]] || TP=$((NPUS / DP))
 ((TP >= 1 && TP * DP <= NPUS)) || die "TP ${TP} x DP $DP needs $((TP * DP)) NPUs, the node has $NPUS"
 ((TP * DP == NPUS)) || log "warning: TP $TP x DP $DP = $((TP * DP)) ranks leave $((NPUS - TP * DP)) of $NPUS NPUs idle"
 
 apply_ascend_env
 CMD=("$ASCEND_DSV4" serve --model "$MODEL" --device npu --distributed-executor-backend mp
-    --tensor-parallel-size "$TP" --data-parallel-size "$DP")
+    --tensor-parallel-size "$TP")
+((DP > 1)) && CMD+=(--data-parallel-size "$DP")
 ((EP)) && CMD+=(--enable-expert-parallel)
 CMD+=(--host "$SERVE_HOST" --port "$SERVE_PORT")
 run_exec "${CMD[@]}" "${EXTRA[@]}"

@@ -54,10 +54,14 @@ def plan_pool_sizes(cfg, block_size: int, max_num_seqs: int, max_model_len: int,
 
 def build_model(model: str, cfg, dtype: torch.dtype, device: torch.device, numerics: str = "exact", seed: int = 0,
                 dequantize: bool = False, progress: bool = True, msmodelslim_path: str = "int",
-                allow_float_mtp: bool = False, msmodelslim_act_sim: str | None = None, check_weights: bool = True
-                ) -> tuple[torch.nn.Module, dict | None]:
+                allow_float_mtp: bool = False, msmodelslim_act_sim: str | None = None, check_weights: bool = True,
+                npu: bool = False) -> tuple[torch.nn.Module, dict | None]:
     """The model of ``cfg`` on ``device`` in eval mode, with the weights of the folder ``model`` (safetensors or
-    msModelSlim) or random ones from ``seed`` for a preset; and the msModelSlim summary (None otherwise)."""
+    msModelSlim) or random ones from ``seed`` for a preset; and the msModelSlim summary (None otherwise).
+
+    ``check_weights``: every tensor is checked for NaN / Inf as it lands (:mod:`ascend_dsv4.weights.weight_check`).
+    ``npu`` (the NPU backend runs the model): Atlas A2/A3 have no FP8/FP4 matmul, so official FP8/FP4 weights are
+    dequantised at load (tensor by tensor), and msModelSlim int-path linears get their NPU parameter form."""
     family = family_of(cfg)
     folder = model if os.path.isdir(model) else (os.path.dirname(model) if os.path.isfile(model) else None)
     summary = None
@@ -73,9 +77,10 @@ def build_model(model: str, cfg, dtype: torch.dtype, device: torch.device, numer
             net = family.build_model(cfg, dtype, numerics)
         if is_msmodelslim_folder(folder):
             summary = load_msmodelslim(net, folder, msmodelslim_path, allow_float_mtp, msmodelslim_act_sim,
-                                       check_weights=check_weights)
+                                       check_weights=check_weights, npu=npu)
         else:
-            load_weights(net, folder, device, dequantize=dequantize, progress=progress, check_weights=check_weights)
+            load_weights(net, folder, device, dequantize=dequantize or npu, progress=progress,
+                         check_weights=check_weights)
     return net.to(device).eval(), summary
 
 
@@ -99,8 +104,9 @@ class ModelRunner:
         """Build and load the model (``load``: the keyword arguments of :func:`build_model`) and size its pools
         (``gpu_memory_utilization``: from the device's free memory, :mod:`.memory_sizing`)."""
         runner_ops = atb_ops.use_backend(backend) if backend else contextlib.nullcontext()
+        npu = backend == "npu" or (backend is None and torch.device(device).type == "npu")
         with runner_ops:
-            net, summary = build_model(model, cfg, dtype, device, numerics, **load)
+            net, summary = build_model(model, cfg, dtype, device, numerics, npu=npu, **load)
         sizes = plan_pool_sizes(cfg, block_size, max_num_seqs, max_model_len, max_num_batched_tokens)
         if gpu_memory_utilization is not None:
             from .memory_sizing import sized_for_memory

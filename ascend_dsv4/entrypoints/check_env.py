@@ -6,8 +6,8 @@ HBM in use; driver / firmware versions), ``torch`` (torch and torch_npu versions
 (the fused-op packages the NPU backend looks for under ``ASCEND_CUSTOM_OPP_PATH`` / ``ASCEND_OPP_PATH``),
 ``hccl-nics`` (``hccn_tool``: link, net health and IP of every NPU NIC), ``host-env`` (the HCCL / gloo NIC
 variables and the recipe variables of ``scripts/ascend_env.sh``), ``ray`` (nodes, NPUs per node, the visibility
-variable on every node), ``memory`` (per-rank weights + KV of the requested layout vs free HBM) and
-``weights`` (the folder readable here and, with Ray, on every node). Verdicts: OK, WARN (works, but slower or
+variable on every node; with ``--check-collectives`` the layout's process groups formed across the nodes),
+``memory`` (per-rank weights + KV of the requested layout vs free HBM) and ``weights`` (the folder readable here and, with Ray, on every node). Verdicts: OK, WARN (works, but slower or
 fragile), FAIL (will not serve; exit 1), SKIP (not relevant to the requested layout).
 
 The NPU items parse the tools' text (:mod:`ascend_dsv4.entrypoints.env_probes`); tests put fake ``npu-smi`` /
@@ -294,6 +294,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=8, help="sequences per data-parallel replica")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="share of free HBM the plan may use")
     p.add_argument("--ascend-root", default="/usr/local/Ascend", help="install root (driver/firmware version files)")
+    p.add_argument("--check-collectives", action="store_true",
+                   help="with Ray: start one actor per rank of the layout, form the process groups across the nodes "
+                        "and all-reduce (no weights loaded)")
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
 
 
@@ -312,7 +315,8 @@ def plan_from_args(a: argparse.Namespace) -> Plan:
                 ray_address=a.ray_address or os.environ.get("RAY_ADDRESS"), model=a.model,
                 tp=a.tensor_parallel_size, dp=a.data_parallel_size, ep=a.enable_expert_parallel,
                 max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
-                memory_utilization=a.gpu_memory_utilization, ascend_root=a.ascend_root)
+                memory_utilization=a.gpu_memory_utilization, ascend_root=a.ascend_root,
+                check_collectives=a.check_collectives)
 
 
 def main(a: argparse.Namespace) -> int:

@@ -75,20 +75,32 @@ def check_weights(plan: Plan) -> Check:
 
 # ---- memory plan ------------------------------------------------------------------------------------------
 
-def weight_split(cfg, model: str) -> tuple[int, int, str]:
-    """``(routed-expert bytes, other bytes, source)``: from the folder's tensors when ``model`` is a folder
-    (quantised checkpoints included), else from the config's tensor inventory in its checkpoint formats."""
+def rank_weight_bytes(cfg, model: str, tp: int, ep_ranks: int, ep: bool) -> tuple[int, str]:
+    """``(checkpoint-format bytes one rank holds, source)`` under the split rules of
+    :mod:`ascend_dsv4.parallel_plan` (replicated / split over TP / whole experts over the ``ep_ranks`` expert
+    ranks, or every expert split over TP without EP). Tensors come from the folder when ``model`` is one
+    (quantised checkpoints included), else from the family's inventory in its checkpoint formats."""
+    from ..models import family_of
+    from ..parallel_plan import split_rule
+
     if os.path.isdir(model):
         from quant.safetensors_io import checkpoint_inventory
 
-        inv = checkpoint_inventory(model)
-        experts = sum(i.nbytes for n, (_, i) in inv.items() if ".experts." in n)
-        return experts, sum(i.nbytes for _, i in inv.values()) - experts, "checkpoint files"
-    from ..models import family_of
-
-    fam = family_of(cfg)
-    experts = sum(t.nbytes for t in fam.tensor_inventory(cfg) if t.group == "experts" and not getattr(t, "copy", False))
-    return experts, fam.weights_bytes(cfg) - experts, "preset inventory"
+        items = [(n, i.nbytes) for n, (_, i) in checkpoint_inventory(model).items()]
+        source = "checkpoint files"
+    else:  # stored duplicates (V3's MTP copies of embed / head) are not loaded twice
+        items = [(t.name, t.nbytes) for t in family_of(cfg).tensor_inventory(cfg) if not getattr(t, "copy", False)]
+        source = "preset inventory"
+    total = 0
+    for name, nbytes in items:
+        rule, _ = split_rule(name, cfg)
+        if rule == "replicate":
+            total += nbytes
+        elif rule == "expert" and ep:
+            total += nbytes // ep_ranks
+        else:
+            total += nbytes // tp
+    return total, source
 
 
 def kv_bytes_per_rank(cfg, context_len: int, seqs: int) -> int:
@@ -106,17 +118,20 @@ def check_memory(plan: Plan, probe: Probe) -> Check:
         return Check("memory", "SKIP", "no --model given: pass --model and the layout to plan HBM")
     try:
         cfg = load_config(plan.model)
-        experts, other, source = weight_split(cfg, plan.model)
     except (AscendDSV4Error, OSError) as e:
         return Check("memory", "FAIL", f"cannot size {plan.model}: {e}".splitlines()[0],
                      "fix the model folder first (see the weights row)")
+    from ..parallel_plan import validate_layout
+
     tp, dp = plan.tp, plan.dp
     ep_ranks = tp * dp if plan.ep else tp
     layout = f"TP {tp} x DP {dp}" + (f", EP {ep_ranks}" if plan.ep else "")
     problems = []
-    if cfg.n_heads % tp:
-        problems.append(f"{cfg.n_heads} attention heads do not split over TP {tp}")
-    if cfg.n_routed_experts % ep_ranks:
+    try:
+        validate_layout(cfg, tp, plan.ep)
+    except AscendDSV4Error as e:
+        problems.append(str(e))
+    if plan.ep and dp > 1 and cfg.n_routed_experts % ep_ranks:
         problems.append(f"{cfg.n_routed_experts} routed experts do not split over {ep_ranks} expert ranks")
     want = plan.expected_npus()
     if want and tp * dp > want * plan.nodes:
@@ -124,12 +139,17 @@ def check_memory(plan: Plan, probe: Probe) -> Check:
     if problems:
         return Check("memory", "FAIL", "; ".join(problems),
                      "choose TP dividing the heads and TP x DP (EP) dividing the experts, within the NPUs you have")
+    try:
+        w, source = rank_weight_bytes(cfg, plan.model, tp, ep_ranks, plan.ep)
+    except (AscendDSV4Error, OSError) as e:
+        return Check("memory", "FAIL", f"cannot size {plan.model}: {e}".splitlines()[0],
+                     "fix the model folder first (see the weights row)")
     ctx = min(plan.max_model_len, cfg.max_position_embeddings)
-    w = other / tp + experts / ep_ranks
     kv = kv_bytes_per_rank(cfg, ctx, plan.max_num_seqs)
     need = w + kv
     gib = 2**30
-    detail = (f"{layout}: per rank weights {w / gib:,.1f} GiB ({source}; experts / {ep_ranks}, rest / {tp}) + "
+    detail = (f"{layout}: per rank weights {w / gib:,.1f} GiB ({source}; experts / {ep_ranks if plan.ep else tp}, "
+              f"split tensors / {tp}, KV projection, indexer, norms replicated) + "
               f"KV {kv / gib:,.1f} GiB ({plan.max_num_seqs} x {ctx:,} tokens) = {need / gib:,.1f} GiB")
     if plan.device != "npu":
         return Check("memory", "SKIP", detail + f"; no HBM to compare with on --device {plan.device}")
@@ -242,6 +262,40 @@ def evaluate_ray(plan: Plan, data: dict) -> list[Check]:
     return rows
 
 
+def check_collectives(plan: Plan, timeout_s: float = 300.0) -> Check:
+    """Form the layout's process groups across the cluster (one Ray actor per rank, no weights) and all-reduce
+    over the world / TP / EP groups: what HCCL timeouts at start-up would otherwise reveal after the weights load."""
+    import time
+
+    from ..engine.ray_executor import ExecutorError, RayExecutor
+    from ..engine.ray_placement import PlacementError
+
+    world = plan.tp * plan.dp
+    t0 = time.monotonic()
+    ex = RayExecutor(world, "ascend_dsv4.engine.ray_executor.GroupCheckWorker", {"device": plan.device},
+                     device=plan.device, address=plan.ray_address, enable_expert_parallel=plan.ep,
+                     start_timeout_s=timeout_s, call_timeout_s=timeout_s)
+    try:
+        ex.start()
+        sums = ex.collective_rpc("all_reduce_ranks")
+    except (ExecutorError, PlacementError) as e:
+        return Check("collectives", "FAIL", str(e).split(". the server")[0],
+                     "check HCCL_IF_IP / HCCL_SOCKET_IFNAME on every node and the hccl-nics row; "
+                     "hccn_tool -i N -ping -g address <peer NPU IP> between nodes")
+    finally:
+        ex.shutdown()
+    want = world * (world - 1) / 2
+    bad = [r for r, s in enumerate(sums) if s["world"] != want]
+    if bad:
+        return Check("collectives", "FAIL", f"all-reduce over {world} ranks gave wrong sums on ranks {bad}: "
+                     f"{sums[bad[0]]}", "a rank joined the wrong group: restart Ray on every node with the same "
+                     "environment")
+    nodes = len({s.node_id for s in ex.slots})
+    backend = {"npu": "hccl", "cuda": "nccl"}.get(plan.device, "gloo")
+    return Check("collectives", "OK", f"{world} ranks on {nodes} node(s) formed the world / TP / EP groups and "
+                 f"all-reduced ({backend}) in {time.monotonic() - t0:.1f} s")
+
+
 def check_ray(plan: Plan, probe_fn=_probe_ray) -> list[Check]:
     if not plan.multi_node and not plan.ray_address:
         return [Check("ray", "SKIP", "one node with the mp executor: Ray not used")]
@@ -249,7 +303,13 @@ def check_ray(plan: Plan, probe_fn=_probe_ray) -> list[Check]:
         import ray  # noqa: F401
     except ImportError:
         return [Check("ray", "FAIL", "ray is not installed", "pip install 'ray==2.60.0' (a dependency of ascend-dsv4)")]
-    return evaluate_ray(plan, probe_fn(plan.ray_address or "auto", plan.model))
+    rows = evaluate_ray(plan, probe_fn(plan.ray_address or "auto", plan.model))
+    if plan.check_collectives:
+        if rows[0].verdict == "OK":
+            rows.append(check_collectives(plan))
+        else:
+            rows.append(Check("collectives", "SKIP", "the cluster is not ready (ray row)"))
+    return rows
 
 
 if __name__ == "__main__":

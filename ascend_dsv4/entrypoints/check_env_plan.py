@@ -39,6 +39,7 @@ class Plan:
     max_num_seqs: int = 8
     memory_utilization: float = 0.9
     ascend_root: str = "/usr/local/Ascend"
+    check_collectives: bool = False
     env: dict = field(default_factory=lambda: dict(os.environ))
 
     @property

@@ -72,7 +72,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=-1)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--device", default=None, help="cpu | cuda | npu (default: cuda when available, else cpu)")
-    g.add_argument("--backend", default="auto", help="auto | reference | cuda | npu")
+    g.add_argument("--backend", default="auto", help="auto | reference | cuda | npu | ascendc_emu")
     g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     g.add_argument("--numerics", default="exact", help="exact | reference (official FP8/FP4 activation rounding)")
     g.add_argument("--max-model-len", type=int, default=None,
@@ -90,6 +90,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_parallel_args(i)
     i.add_argument("--device-memory", default=None, help="memory of one device (e.g. 64GiB): prints the tokens of "
                    "KV that fit per rank and checks the per-rank weights against it")
+    i.add_argument("--backend", default=None, help="npu: also print the NPU backend's op table (op -> what runs it)")
     m = sub.add_parser("make-random-checkpoint",
                        help="write a random-weight checkpoint in the real format (FP8 blocks, FP4 experts, shards)")
     m.add_argument("--preset", default="toy-v4", help="toy-v4 | deepseek-v4-flash | deepseek-v4-pro | toy-v3 | deepseek-v3")
@@ -134,7 +135,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--chat-template", default=None, help="Jinja2 chat template (file or string) overriding the "
                    "model folder's; default: tokenizer_config.json's, else DeepSeek's chat format")
     s.add_argument("--device", default=None, help="cpu | cuda | npu (default: cuda when available, else cpu)")
-    s.add_argument("--backend", default="auto", help="auto | reference | cuda | npu")
+    s.add_argument("--backend", default="auto", help="auto | reference | cuda | npu | ascendc_emu")
     s.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     s.add_argument("--numerics", default="exact", help="exact | reference (official FP8/FP4 activation rounding)")
     s.add_argument("--weights-seed", type=int, default=0, help="seed of the random weights of a preset")
@@ -143,6 +144,13 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM: seconds requests in flight get to finish (new ones get 503) before they are "
                         "ended with an error and the server exits")
+
+    c = sub.add_parser("check-npu", help="NPU dry run without an NPU: prefill + decode through the NPU backend under "
+                                         "the torch_npu CPU emulation, every torch_npu call checked against the "
+                                         "torch_npu wheel's schemas and Meta kernels")
+    from .check_npu import add_arguments as _add_check_npu_args
+
+    _add_check_npu_args(c)
 
     from .check_env import add_arguments as _add_check_env_args
 
@@ -309,7 +317,31 @@ def _info(a: argparse.Namespace) -> int:
         from ..weights.folder_info import describe_folder
 
         print(describe_folder(a.model))
+    if a.backend == "npu":
+        print(_npu_table())
+    elif a.backend not in (None, "auto", "reference", "cuda"):
+        raise AscendDSV4Error(f"--backend must be reference, cuda or npu, got {a.backend!r}")
     return 0
+
+
+def _npu_table() -> str:
+    from atb_ops.npu import emulation, optable
+
+    if emulation.is_installed():
+        where = "torch_npu: CPU emulation"
+    elif emulation.real_torch_npu_available():
+        where = "torch_npu: installed"
+    else:
+        where = ("torch_npu: not installed here, so every op would fall back to the reference implementation; "
+                 "`ascend-dsv4 check-npu` shows the table under the torch_npu CPU emulation")
+    optable.reset()
+    return f"NPU backend op table ({where}):\n{optable.format_table(optable.table())}"
+
+
+def _check_npu(a: argparse.Namespace) -> int:
+    from .check_npu import run
+
+    return run(a)
 
 
 def _check_env(a: argparse.Namespace) -> int:
@@ -332,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return {"generate": _generate, "info": _info, "make-random-checkpoint": _make_random_checkpoint,
                 "serve": _serve, "bench": _bench, "quantize": _quantize,
-                "check-env": _check_env}[a.command](a)
+                "check-npu": _check_npu, "check-env": _check_env}[a.command](a)
     except AscendDSV4Error as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -45,7 +45,11 @@ def _resolve_device(device: str | None, backend: str | None) -> torch.device:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ConfigError(f"device {device!r} requested but CUDA is not available on this machine")
     if device.startswith("npu") and not atb_ops.device_available("npu"):
-        raise ConfigError("device 'npu' requested but torch_npu is not installed or sees no NPU")
+        from atb_ops.npu.emulation import is_installed
+
+        hint = " (the torch_npu CPU emulation is installed: pass device='cpu' to run the NPU backend on it)" \
+            if is_installed() else ""
+        raise ConfigError(f"device 'npu' requested but torch_npu is not installed or sees no NPU{hint}")
     return torch.device(device)
 
 

@@ -22,7 +22,9 @@ class QuantLinearAdapter(nn.Module):
         return self.ql.dequant_weight().to(self.out_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.ql(x.reshape(-1, x.shape[-1]).float())
+        x2 = x.reshape(-1, x.shape[-1])
+        # the NPU form (weights/msm_npu.py) takes the model dtype, as its NPU ops do; the CPU-layout one float32
+        y = self.ql(x2 if getattr(self.ql, "takes_model_dtype", False) else x2.float())
         return y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype if x.dtype != torch.float32 else self.out_dtype)
 
 

@@ -27,6 +27,7 @@ from ..layers.norm import RMSNorm
 from ..layers.quantized import QuantExperts, QuantLinearAdapter, SmoothedRMSNorm
 from ..models import family_of
 from .weight_check import count_nonfinite, nonfinite_flag
+from .msm_npu import to_npu_experts, to_npu_linear
 
 log = logging.getLogger("ascend_dsv4")
 
@@ -44,9 +45,11 @@ def _set(module: nn.Module, leaf: str, t: torch.Tensor, buffer: bool = False) ->
 
 @torch.no_grad()
 def load_msmodelslim(model: nn.Module, folder: str, path: str = "int", allow_float_mtp: bool = False,
-                     act_sim: str | None = None, check_weights: bool = True) -> dict:
+                     act_sim: str | None = None, check_weights: bool = True, npu: bool = False) -> dict:
     """Fill ``model`` (built on any device, e.g. meta) from the msModelSlim folder; returns a summary.
-    ``check_weights``: every floating-point tensor read is checked for NaN / Inf (:mod:`.weight_check`)."""
+
+    ``check_weights``: every floating-point tensor read is checked for NaN / Inf (:mod:`.weight_check`).
+    ``npu``: convert the int-path linears to their NPU parameter form at load (:mod:`.msm_npu`)."""
     import quant.msmodelslim as msm
 
     cfg, dtype = model.cfg, model.dtype
@@ -64,6 +67,10 @@ def load_msmodelslim(model: nn.Module, folder: str, path: str = "int", allow_flo
         raise CheckpointError(f"{folder}: {e}") from None
     types = ck.types
     kw = {} if act_sim is None else {"act_sim": act_sim}  # float path: which activation fake-quant to apply
+
+    def qlinear(key: str) -> nn.Module:
+        ql = ck.linear(key, path=path, **kw)
+        return (to_npu_linear(ql, dtype) or ql) if npu and path == "int" else ql
     mtp_prefix = fam.checkpoint_name("mtp.0", cfg.n_layers) + "."
     has_mtp = any(k.startswith(mtp_prefix) for k in types)
     problems: list[str] = []
@@ -106,7 +113,7 @@ def load_msmodelslim(model: nn.Module, folder: str, path: str = "int", allow_flo
                 if t is not None:
                     mod.set_weight(t.to(torch.float32 if mod.compute_fp32 else dtype))
             else:
-                setattr(parent, leaf, QuantLinearAdapter(ck.linear(key, path=path, **kw), dtype))
+                setattr(parent, leaf, QuantLinearAdapter(qlinear(key), dtype))
                 replaced.add(name)
                 n_quant += 1
             done.update({f"{name}.weight", f"{name}.scale"})
@@ -122,9 +129,10 @@ def load_msmodelslim(model: nn.Module, folder: str, path: str = "int", allow_flo
                     if all(t is not None for t in ts):
                         _set(mod, w, torch.stack(ts).to(dtype))
             else:
-                triples = [tuple(QuantLinearAdapter(ck.linear(keys[(e, w)], path=path, **kw), dtype) for w in ("w1", "w3", "w2"))
+                triples = [tuple(QuantLinearAdapter(qlinear(keys[(e, w)]), dtype) for w in ("w1", "w3", "w2"))
                            for e in range(E)]
-                setattr(parent, leaf, QuantExperts(triples, mod.limit, weight_after_w2=fam.experts_weight_after_w2))
+                qe = QuantExperts(triples, mod.limit, weight_after_w2=fam.experts_weight_after_w2)
+                setattr(parent, leaf, to_npu_experts(qe) if npu and path == "int" else qe)
                 replaced.add(name)
                 n_quant += 3 * E
             done.update({f"{name}.{w}" for w in ("w1", "w2", "w3")})

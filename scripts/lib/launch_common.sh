@@ -20,7 +20,13 @@ die() { log "error: $*"; exit 2; }
 quote_cmd() {
     local words=() a q="'"
     for a in "$@"; do
-        if [[ $a =~ ^[A-Za-z0-9_./:=,@%+-]+$ ]]; then words+=("$a"); else words+=("'${a//$q/$q\\$q$q}'"); fi
+        if [[ $a =~ ^[A-Za-z0-9_./:=,@%+-]+$ ]]; then
+            words+=("$a")
+        elif [[ $a =~ ^[A-Za-z0-9_./:=,@%+-]*\$\{[A-Z_]+\}[A-Za-z0-9_./:=,@%+-]*$ ]]; then
+            words+=("\"$a\"")  # a ${VAR} a dry run's printed script sets earlier: expanded when it runs
+        else
+            words+=("'${a//$q/$q\\$q$q}'")
+        fi
     done
     printf '%s' "${words[*]}"
 }
@@ -149,7 +155,7 @@ check_platform() {
         [[ $DEVICES =~ ^[0-9]+(,[0-9]+)*$ ]] || die "--devices must be a comma-separated list of NPU ids, got '$DEVICES'"
         local max=$(($(npus_per_node_platform) - 1)) d IFS=,
         for d in $DEVICES; do
-            ((d <= max)) || die "--devices: NPU $d does not exist on $PLATFORM (ids 0-$max)"
+            ((10#$d <= max)) || die "--devices: NPU $d does not exist on $PLATFORM (ids 0-$max)"
         done
     fi
 }
@@ -165,7 +171,11 @@ default_devices() {
 
 # Shell text that prints the first IPv4 address of a NIC / the NIC of the default route (run in real mode,
 # printed inside $(...) in a dry run so the printed script still works).
-nic_ip_cmd() { printf "ip -o -4 addr show dev %s | awk '{split(\$4, a, \"/\"); print a[1]; exit}'" "$1"; }
+nic_ip_cmd() {
+    local nic=$1
+    [[ $nic == \$\{* ]] || nic=$(printf '%q' "$nic")
+    printf "ip -o -4 addr show dev %s | awk '{split(\$4, a, \"/\"); print a[1]; exit}'" "$nic"
+}
 default_nic_cmd() { printf "ip -o -4 route show to default | awk '{print \$5; exit}'"; }
 
 resolve_network() {
@@ -228,6 +238,8 @@ apply_ascend_env() {
         fi
         set_var_detected HCCL_IF_IP "$HOST_IP" \
             "host IP HCCL uses for its bootstrap socket (rank discovery); wrong or unset picks a random NIC and hangs"
+        # shellcheck disable=SC2016  # printed literally, expanded by the printed script
+        [[ $HOST_IP == \$\(* ]] && HOST_IP='${HCCL_IF_IP}'  # later commands reuse the detected address
         set_var_detected GLOO_SOCKET_IFNAME "$NIC" \
             "NIC of torch.distributed gloo (CPU groups for metadata); default may pick docker0/lo and hang"
         set_var_detected TP_SOCKET_IFNAME "$NIC" "NIC of torch's TensorPipe RPC (the vllm-ascend Ray recipe sets it)"

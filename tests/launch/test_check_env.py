@@ -100,7 +100,7 @@ def test_parse_hccn_and_versions():
 
 
 def test_healthy_a3_node_is_ready(node):
-    rows = _rows(_plan(node, platform="a3", model="deepseek-v4-flash", tp=16))
+    rows = _rows(_plan(node, platform="a3", model="deepseek-v4-flash", tp=8, dp=2, ep=True))
     verdicts = {k: r.verdict for k, r in rows.items()}
     assert verdicts == {"cann": "OK", "driver": "OK", "torch": "OK", "custom-ops": "OK", "hccl-nics": "OK",
                         "host-env": "OK", "ray": "SKIP", "memory": "OK", "weights": "SKIP"}, rows
@@ -169,11 +169,23 @@ def test_memory_plan(node):
     assert pro.verdict == "FAIL" and "W8A8 / W4A8" in pro.fix
     ok = check_memory(_plan(node, platform="a2", nodes=4, backend="ray", model="deepseek-v4-pro", tp=8, dp=4,
                             ep=True), probe)
-    assert ok.verdict in ("OK", "WARN") and "EP 32" in ok.detail and "experts / 32, rest / 8" in ok.detail
+    assert ok.verdict in ("OK", "WARN") and "EP 32" in ok.detail and "experts / 32, split tensors / 8" in ok.detail
     bad = check_memory(_plan(node, platform="a2", model="deepseek-v4-flash", tp=3), probe)
-    assert bad.verdict == "FAIL" and "64 attention heads do not split over TP 3" in bad.detail
+    assert bad.verdict == "FAIL" and "n_heads = 64 is not divisible by tensor_parallel_size 3" in bad.detail
     big = check_memory(_plan(node, platform="a2", model="deepseek-v4-flash", tp=8, dp=2), probe)
     assert big.verdict == "FAIL" and "needs 16 NPUs, 1 node(s) x 8 have 8" in big.detail
+
+
+@pytest.mark.parametrize("model, tp, ep", [("deepseek-v4-flash", 8, True), ("deepseek-v4-pro", 16, False),
+                                           ("deepseek-v3", 8, True)])
+def test_rank_weights_agree_with_parallel_plan(model, tp, ep):
+    """With DP 1, check-env's per-rank weights are parallel_plan's (the layout the executors load)."""
+    from ascend_dsv4.models import load_config
+    from ascend_dsv4.entrypoints.check_env_cluster import rank_weight_bytes
+    from ascend_dsv4.parallel_plan import rank_weight_bytes as plan_bytes
+
+    cfg = load_config(model)
+    assert rank_weight_bytes(cfg, model, tp, tp, ep) == (plan_bytes(cfg, tp, ep), "preset inventory")
 
 
 def test_weights_folder(node, tmp_path):

@@ -110,11 +110,11 @@ def test_one_a3_node_over_ray_and_single_node():
     serve = dry("serve_multinode.sh", "--platform", "a3", "--nodes", "1", "--model", "/m", "--nic", "eth0",
                 "--ip", "10.1.0.1")
     assert "--nodes 1 --npus-per-node 16" in serve[index_of(serve, "python3 -m ascend_dsv4")]
-    assert serve[-1].endswith("--distributed-executor-backend ray --tensor-parallel-size 16 "
-                              "--data-parallel-size 1 --host 127.0.0.1 --port 8000")
+    # default TP 8 (DeepSeek-V4's o_groups = 8 caps TP), the node's 16 NPUs as DP 2
+    assert serve[-1].endswith("--distributed-executor-backend ray --tensor-parallel-size 8 "
+                              "--data-parallel-size 2 --host 127.0.0.1 --port 8000")
 
-    single = dry("serve_single_node.sh", "--platform", "a3", "--model", "/m", "--data-parallel-size", "2",
-                 "--enable-expert-parallel")
+    single = dry("serve_single_node.sh", "--platform", "a3", "--model", "/m", "--enable-expert-parallel")
     senv = exports(single)
     assert RECIPE_VARS <= set(senv) and not (NETWORK_VARS & set(senv))  # no --nic: no network variables
     assert "RAY_EXPERIMENTAL_NOSET_ASCEND_RT_VISIBLE_DEVICES" not in senv  # no Ray on one node
@@ -122,6 +122,9 @@ def test_one_a3_node_over_ray_and_single_node():
     assert single[-1] == ("exec ascend-dsv4 serve --model /m --device npu --distributed-executor-backend mp "
                           "--tensor-parallel-size 8 --data-parallel-size 2 --enable-expert-parallel "
                           "--host 127.0.0.1 --port 8000")
+    a2 = dry("serve_single_node.sh", "--platform", "a2", "--model", "/m")  # TP 8, no DP flag
+    assert a2[-1] == ("exec ascend-dsv4 serve --model /m --device npu --distributed-executor-backend mp "
+                      "--tensor-parallel-size 8 --host 127.0.0.1 --port 8000")
 
 
 def test_env_template_detects_nic_in_the_printed_script():
@@ -148,8 +151,10 @@ def test_env_template_detects_nic_in_the_printed_script():
     ("serve_multinode.sh", ["--platform", "a2", "--nodes", "2", "--model", "/m", "--tensor-parallel-size", "8",
                             "--data-parallel-size", "4"], "TP 8 x DP 4 = 32 ranks, but 2 node(s) x 8 NPUs = 16"),
     ("serve_multinode.sh", ["--platform", "a2", "--model", "/m"], "--nodes N (>= 1) is required"),
+    ("serve_single_node.sh", ["--platform", "a3", "--model", "/m", "--tensor-parallel-size", "8",
+                              "--data-parallel-size", "4"], "TP 8 x DP 4 needs 32 NPUs, the node has 16"),
     ("serve_single_node.sh", ["--platform", "a2", "--model", "/m", "--tensor-parallel-size", "16"],
-     "TP 16 x DP 1 needs 16 NPUs, the node has 8"),
+     "TP 16 needs 16 NPUs, the node has 8"),
 ])
 def test_argument_errors(script, args, needle):
     r = run(script, *args, "--dry-run")
@@ -203,6 +208,30 @@ def test_real_run_sets_the_environment_before_ray_start(tmp_path):
     r = run("ray_head.sh", "--platform", "a2", "--nic", "lo", "--ip", "127.0.0.1", "--cann-env",
             str(tmp_path / "missing.sh"), env=env)
     assert r.returncode == 2 and "missing.sh not found" in r.stderr
+
+
+def test_dry_run_output_is_the_script_that_runs(tmp_path):
+    """A dry run without --nic / --ip prints detection commands; running the printed script (with stand-in `ip`,
+    `ray`, `python3`) resolves the NIC and address once and hands them to `ray start` and the join check."""
+    log = tmp_path / "calls.log"
+    _stub(str(tmp_path / "ip"), 'case "$*" in\n'
+          '  "-o -4 route show to default") echo "default via 10.9.0.254 dev eth7 proto static" ;;\n'
+          '  "-o -4 addr show dev eth7") echo "2: eth7    inet 10.9.0.7/24 brd 10.9.0.255 scope global eth7" ;;\n'
+          '  *) echo "unexpected ip $*" >&2; exit 1 ;;\nesac\n')
+    _stub(str(tmp_path / "ray"), f'echo "ray $* | NIC=$GLOO_SOCKET_IFNAME" >> {log}\n')
+    _stub(str(tmp_path / "python3"), f'echo "python3 $*" >> {log}\n')
+    cann = tmp_path / "set_env.sh"
+    cann.write_text("export ASCEND_HOME_PATH=/fake\n")
+    r = run("ray_head.sh", "--platform", "a3", "--dry-run", "--jemalloc", "none", "--cann-env", str(cann))
+    assert r.returncode == 0, r.stderr
+    ran = subprocess.run(["bash", "-euo", "pipefail"], input=r.stdout, text=True, capture_output=True,
+                         env={**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}"})
+    assert ran.returncode == 0, ran.stderr
+    calls = log.read_text().splitlines()
+    assert calls[0] == ("ray start --head --port=6379 --node-ip-address=10.9.0.7 --dashboard-port=8265 "
+                        '--resources {"NPU": 16} | NIC=eth7')
+    assert calls[1] == ("python3 -m ascend_dsv4.entrypoints.ray_cluster wait --address 10.9.0.7:6379 "
+                        "--node-ip 10.9.0.7 --npus-per-node 16 --timeout 120")
 
 
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed (apt install shellcheck)")

@@ -59,9 +59,9 @@ def test_schemas_and_fake_implementations_on_meta():
 
 def test_kernel_sources_switch_by_one_macro():
     common = open(os.path.join(KERNELS, "kernel_common.h")).read()
-    assert re.search(r'#ifdef ASCENDC_EMU\s+#include "\.\./emu/kernel_operator_emu\.h"\s+#else\s+#include "kernel_operator\.h"',
-                     common)
-    for name in ("compressor.cpp", "mla_decode.cpp"):
+    assert re.search(r'#ifdef ASCENDC_EMU\s+#include "\.\./emu/kernel_operator_emu\.h"\s+#include "\.\./emu/matmul_emu\.h"'
+                     r'\s+#else\s+#include "kernel_operator\.h"', common)
+    for name in ("compressor.cpp", "mla_decode.cpp", "mla_decode_cube.cpp"):
         src = open(os.path.join(KERNELS, name)).read()
         assert '#include "kernel_common.h"' in src and "emu" not in re.findall(r'#include "([^"]+)"', src)[0]
         assert "ASCENDC_EMU" not in src and '__global__ __aicore__' in src
@@ -72,3 +72,20 @@ def test_host_build_is_cached_by_source_hash():
     mtime = os.path.getmtime(path)
     assert build.library_path() == path and os.path.getmtime(path) == mtime  # no rebuild
     assert build.source_hash() in os.path.basename(path)
+
+
+def test_register_npu_kernels_makes_ours_the_npu_implementation(monkeypatch):
+    from atb_ops import _dispatch
+
+    monkeypatch.setitem(_dispatch._registry, "npu", dict(_dispatch._registry["npu"]))
+    monkeypatch.setattr(loader, "load_ascendc_ops", lambda: True)
+    loader.register_schemas()
+    assert loader.register_npu_kernels() is True
+    for op in loader.SCHEMAS:
+        assert _dispatch._registry["npu"][op].__name__ == op
+    # the wrappers call torch.ops.ascend_dsv4 with the atb_ops argument order (fake kernels on meta tensors)
+    m = torch.device("meta")
+    out = _dispatch._registry["npu"]["sparse_attention"](torch.empty(1, 2, 8, device=m), torch.empty(4, 8, device=m),
+                                                        torch.empty(1, 3, dtype=torch.long, device=m),
+                                                        torch.empty(2, device=m), 0.5)
+    assert out.shape == (1, 2, 8)

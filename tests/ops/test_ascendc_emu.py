@@ -262,3 +262,98 @@ def test_mla_tiling_fits_the_ub_at_every_production_shape():
                     assert t.blockDim == min(t.numItems, 40 if soc == "ascend910b4" else 48)
     big = runner.mla_tiling(256, 128, 512, 64, 2048, 0, 10 ** 6, 0, False, 0.04, torch.float32, torch.float32, soc="ascend910c")
     assert big.headGroup == 16 and big.blockRows >= 8
+
+
+@pytest.mark.parametrize("which,message", [
+    (0, "not a multiple of 32"), (1, "not 32-byte aligned"), (2, "buffers of the queue are in use"),
+    (3, "beyond size"), (4, "GM address that is not 32-byte aligned"), (5, None), (6, "empty queue"),
+    (7, "unified buffer overflow"),
+])
+def test_emulation_checks_fire(which, message):
+    got = runner.selftest(which)
+    if message is None:
+        assert got is None  # DataCopyPad moves unaligned lengths from unaligned GM addresses legally
+    else:
+        assert got is not None and message in got
+
+
+@pytest.mark.parametrize("c,rope,overlap,dtype", [(512, 64, True, torch.float32), (128, 64, True, torch.bfloat16),
+                                                   (48, 16, False, torch.float32), (24, 0, False, torch.float32)])
+def test_compressor_fused_rmsnorm_rope_epilogue(c, rope, overlap, dtype):
+    from atb_ops.ascendc.emu.backend import compressor_pool_norm_rope
+
+    r = 4 if overlap else 8
+    seq = [13, 9] if overlap else [17, 8]
+    S = sum(seq)
+    kv = torch.randn(S, (2 if overlap else 1) * c, generator=_g(c)).to(dtype)
+    sc = (2 * torch.randn(S, kv.shape[1], generator=_g(c + 1))).to(dtype)
+    cand = _overlap_cand(seq, r) if overlap else _plain_cand(seq, r)
+    w = 1 + 0.1 * torch.randn(c, generator=_g(2))
+    pos = torch.arange(len(cand)) * r + 7
+    inv_freq = atb_ops.rope_inv_freq(rope, 160000.0, 4.0, 1024, 32.0, 1.0) if rope else torch.empty(0)
+    got = compressor_pool_norm_rope(kv, sc, cand, overlap, w, 1e-6, pos, inv_freq)
+    e = ref["compressor_pool"](kv, sc, cand, overlap)
+    e = atb_ops.implementations("rms_norm")["reference"](e, w, 1e-6)
+    if rope:
+        e = atb_ops.implementations("apply_rope")["reference"](e, pos, inv_freq)
+    torch.testing.assert_close(got, e, rtol=1e-5, atol=1e-5)
+
+
+def test_compressor_epilogue_rejects_a_misaligned_rope_slice():
+    with pytest.raises(EmuKernelError, match="multiple of 8"):
+        runner.compressor_tiling(4, 8, 64, 2 * 20, True, torch.float32, rope_dim=6, eps=1e-6)
+
+
+# ---- the cube (Matmul API) variant of the attention kernel -------------------------------------------------------
+
+@pytest.mark.parametrize("hg,nb", [(0, 0), (1, 16), (3, 16), (16, 32), (20, 128)])
+def test_cube_attention_every_head_and_row_tiling(hg, nb):
+    q, kv, idx, sink, ex, exi = _sa_inputs(21, 3, 20, 48, 97, 150, 33, 70)
+    launch = run_mla(q, None, kv, idx, ex, exi, sink, 0.2, cube=True, force_hg=hg, force_nb=nb)
+    torch.testing.assert_close(_ub_ok(launch), ref["sparse_attention"](q, kv, idx, sink, 0.2, ex, exi), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("qd,kvd", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                                    (torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16)])
+def test_cube_mla_decode_dtypes_and_edges(qd, kvd):
+    g = _g(22)
+    T, H, C, R, P, L = 4, 6, 64, 16, 90, 75
+    qn, qp = torch.randn(T, H, C, generator=g).to(qd), torch.randn(T, H, R, generator=g).to(qd)
+    lat = torch.randn(P, C + R, generator=g).to(kvd)
+    idx = torch.randint(0, P, (T, L), generator=g)
+    idx[torch.rand(T, L, generator=g) < 0.2] = -1
+    idx[2] = -1   # no valid index: 0
+    idx[3, 1:] = -1  # exactly one row
+    launch = run_mla(qn, qp, lat, idx, None, None, None, 0.11, cube=True)
+    out, exp = _ub_ok(launch), ref["mla_decode"](qn, qp, lat, idx, 0.11)
+    assert out.dtype == qd and torch.equal(out[2].float(), torch.zeros(H, C))
+    # bf16 cube inputs: P is rounded to bf16 before PV (the reference keeps it in float32)
+    tol = dict(rtol=1e-5, atol=1e-6) if torch.float32 in (qd, kvd) and qd != kvd or qd == kvd == torch.float32 \
+        else dict(rtol=1.6e-2, atol=1.6e-2)
+    torch.testing.assert_close(out.float(), exp.float(), **tol)
+
+
+def test_cube_production_shapes_and_backend_selection(monkeypatch):
+    from atb_ops.ascendc.emu import backend
+
+    g = _g(23)
+    qn, qp = torch.randn(1, 128, 512, generator=g), torch.randn(1, 128, 64, generator=g)
+    lat = torch.randn(100, 576, generator=g).bfloat16()
+    idx = torch.arange(100).view(1, 100)
+    launch = run_mla(qn, qp, lat, idx, None, None, None, 576 ** -0.5, cube=True)
+    assert launch.tiling.headGroup == 16
+    torch.testing.assert_close(_ub_ok(launch), ref["mla_decode"](qn, qp, lat, idx, 576 ** -0.5), rtol=1e-5, atol=1e-5)
+    for soc in runner.SOCS:
+        for T in (1, 16, 256):
+            for H, C, R in ((128, 512, 64), (64, 512, 0), (128, 512, 0)):
+                for dt in (torch.float32, torch.bfloat16):
+                    t = runner.mla_tiling(T, H, C, R, 2048, 512, 10 ** 6, 10 ** 5, R == 0, 0.04, dt, dt, soc=soc, cube=True)
+                    assert t.ubBytes <= t.socUb and t.blockRows % 16 == 0 and t.blockRows >= 16
+    with pytest.raises(EmuKernelError, match="multiples of 16"):
+        runner.mla_tiling(1, 4, 40, 0, 8, 0, 10, 0, True, 1.0, torch.float32, torch.float32, cube=True)
+    assert backend.use_cube(128, 0) and not backend.use_cube(40, 0)
+    monkeypatch.setenv("ASCEND_DSV4_ASCENDC_MLA", "vector")
+    assert not backend.use_cube(128, 0)
+    monkeypatch.setenv("ASCEND_DSV4_ASCENDC_MLA", "cube")
+    with pytest.raises(ValueError, match="multiples of 16"):
+        backend.use_cube(40, 0)

@@ -280,7 +280,7 @@ def _coerce(kw: dict, where: str) -> dict:
 
 
 # Fields that size the model: a config without one of them is refused (naming it) instead of taking the
-# Flash value from ModelConfig's defaults.
+# Flash value from the config's defaults.
 OFFICIAL_REQUIRED = ("vocab_size", "dim", "n_layers", "n_heads", "moe_inter_dim", "n_routed_experts",
                      "n_activated_experts")
 HF_REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "moe_intermediate_size",

@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -20,7 +21,10 @@
 
 #include "aclrtlaunch_dsv4_compressor.h"
 #include "aclrtlaunch_dsv4_mla_decode.h"
+#include "aclrtlaunch_dsv4_mla_decode_cube.h"
 #include "tiling.h"
+#include "tiling/platform/platform_ascendc.h"
+#include "tiling/tiling_api.h"
 
 namespace {
 
@@ -66,10 +70,50 @@ at::Tensor CompressorPool(const at::Tensor& kv_state, const at::Tensor& score_st
     at_npu::native::OpCommand cmd;
     cmd.Name("dsv4_compressor");
     cmd.SetCustomHandler([=]() -> int {
-        return ACLRT_LAUNCH_KERNEL(dsv4_compressor)(t.blockDim, stream, pkv, psc, pcd, pout, nullptr, pt);
+        return ACLRT_LAUNCH_KERNEL(dsv4_compressor)(t.blockDim, stream, pkv, psc, pcd, nullptr, nullptr, nullptr, pout,
+                                                    nullptr, pt);  // no fused epilogue: atb_ops has no such op yet
     });
     cmd.Run();
     return out;
+}
+
+// ASCEND_DSV4_ASCENDC_MLA: auto (cube where C, R are multiples of 16) | vector | cube, as in the host emulation.
+bool UseCube(int64_t C, int64_t R) {
+    const char* env = std::getenv("ASCEND_DSV4_ASCENDC_MLA");
+    const std::string mode = env ? env : "auto";
+    const bool ok = dsv4::MlaCubeSupported(static_cast<uint32_t>(C), static_cast<uint32_t>(R));
+    TORCH_CHECK(mode == "auto" || mode == "vector" || mode == "cube", "ASCEND_DSV4_ASCENDC_MLA must be auto|vector|cube");
+    TORCH_CHECK(mode != "cube" || ok, "ASCEND_DSV4_ASCENDC_MLA=cube needs C and R multiples of 16");
+    return mode == "cube" || (mode == "auto" && ok);
+}
+
+// MlaTiling followed by CANN's TCubeTiling of the three GEMMs (QK^T nope, QK^T rope, PV), computed by the Matmul
+// tiling API for operands in UB (VECCALC), ND, float32 results.
+at::Tensor CubeTilingOnDevice(const dsv4::MlaTiling& t, uint32_t cubeDt, const at::Device& dev) {
+    auto* platform = platform_ascendc::PlatformAscendCManager::GetInstance();
+    dsv4::CubeShapes g[3];
+    dsv4::MlaCubeGemms(t, g);
+    const auto dt = cubeDt == dsv4::DT_BFLOAT16 ? matmul_tiling::DataType::DT_BF16 : matmul_tiling::DataType::DT_FLOAT;
+    std::vector<uint8_t> buf(sizeof(dsv4::MlaTiling));
+    std::memcpy(buf.data(), &t, sizeof(t));
+    for (int i = 0; i < 3; ++i) {
+        matmul_tiling::MatmulApiTiling mt(*platform);
+        mt.SetAType(matmul_tiling::TPosition::VECCALC, matmul_tiling::CubeFormat::ND, dt, false);
+        mt.SetBType(matmul_tiling::TPosition::VECCALC, matmul_tiling::CubeFormat::ND, dt, i < 2);
+        mt.SetCType(matmul_tiling::TPosition::VECCALC, matmul_tiling::CubeFormat::ND, matmul_tiling::DataType::DT_FLOAT);
+        mt.SetShape(g[i].m, g[i].n, g[i].k);
+        mt.SetOrgShape(g[i].m, g[i].n, g[i].k);
+        mt.SetBias(false);
+        mt.SetBufferSpace(-1, -1, -1);
+        optiling::TCubeTiling cube;
+        TORCH_CHECK(mt.GetTiling(cube) != -1, "mla cube kernel: Matmul tiling failed for GEMM ", i);
+        const size_t at = buf.size();
+        buf.resize(at + cube.GetDataSize());
+        cube.SaveToBuffer(buf.data() + at, cube.GetDataSize());
+    }
+    at::Tensor host = at::empty({static_cast<int64_t>(buf.size())}, at::TensorOptions().dtype(at::kByte));
+    std::memcpy(host.data_ptr(), buf.data(), buf.size());
+    return host.to(dev);
 }
 
 // q [T, H, C], qpe [T, H, R] or undefined, pools [P, C + R], idx [T, L] int64, sink [H] float32 or undefined.
@@ -89,16 +133,27 @@ at::Tensor Attention(const at::Tensor& q, const c10::optional<at::Tensor>& qpe, 
     TORCH_CHECK(p0.size(-1) == C + R, "attention: pool row width ", p0.size(-1), " != C + R = ", C, " + ", R);
     at::Tensor out = at::empty({T, H, C}, qc.options());
     if (T == 0) return out;
-    const dsv4::MlaTiling t = dsv4::MlaTilingFor(T, H, C, R, i0.size(-1), two ? i1.size(-1) : 0, p0.size(0), two ? p1.size(0) : 0,
-                                                 sk.defined(), static_cast<float>(scale), qdt, kvdt, SocId(), 0, 0, 0);
-    at::Tensor tiling = TilingOnDevice(t, qc.device());
+    const bool cube = UseCube(C, R);
+    const uint32_t nI1 = two ? i1.size(-1) : 0, nP1 = two ? p1.size(0) : 0;
+    const dsv4::MlaTiling t =
+        cube ? dsv4::MlaCubeTilingFor(T, H, C, R, i0.size(-1), nI1, p0.size(0), nP1, sk.defined(), static_cast<float>(scale),
+                                      qdt, kvdt, SocId(), 0, 0, 0)
+             : dsv4::MlaTilingFor(T, H, C, R, i0.size(-1), nI1, p0.size(0), nP1, sk.defined(), static_cast<float>(scale), qdt,
+                                  kvdt, SocId(), 0, 0, 0);
+    at::Tensor tiling = cube ? CubeTilingOnDevice(t, dsv4::CubeDType(qdt, kvdt), qc.device()) : TilingOnDevice(t, qc.device());
+    // the Matmul API's system workspace (cube variant only)
+    const size_t wsBytes = cube ? platform_ascendc::PlatformAscendCManager::GetInstance()->GetLibApiWorkSpaceSize() : 0;
+    at::Tensor ws = at::empty({static_cast<int64_t>(wsBytes ? wsBytes : 1)}, qc.options().dtype(at::kByte));
     auto ptr = [](const at::Tensor& x) -> void* { return x.defined() && x.numel() ? x.data_ptr() : nullptr; };
     void *pq = ptr(qc), *ppe = ptr(pe), *pp0 = ptr(p0), *pi0 = ptr(i0), *pp1 = ptr(p1), *pi1 = ptr(i1), *psk = ptr(sk);
-    void *pout = out.data_ptr(), *pt = tiling.data_ptr();
+    void *pout = out.data_ptr(), *pt = tiling.data_ptr(), *pws = ws.data_ptr();
+    const uint32_t cubeCores = (t.blockDim + 1) / 2;  // MIX 1:2 launch: one cube core drives two vector cores
     aclrtStream stream = c10_npu::getCurrentNPUStream().stream(false);
     at_npu::native::OpCommand cmd;
-    cmd.Name("dsv4_mla_decode");
+    cmd.Name(cube ? "dsv4_mla_decode_cube" : "dsv4_mla_decode");
     cmd.SetCustomHandler([=]() -> int {
+        if (cube)
+            return ACLRT_LAUNCH_KERNEL(dsv4_mla_decode_cube)(cubeCores, stream, pq, ppe, pp0, pi0, pp1, pi1, psk, pout, pws, pt);
         return ACLRT_LAUNCH_KERNEL(dsv4_mla_decode)(t.blockDim, stream, pq, ppe, pp0, pi0, pp1, pi1, psk, pout, nullptr, pt);
     });
     cmd.Run();

@@ -2,7 +2,7 @@
 //
 // Written for this project from the public AscendC API documentation (hiascend.com "Ascend C API reference":
 // GlobalTensor, LocalTensor, TPipe/TQue/TBuf, DataCopy, DataCopyPad, Duplicate, Add/Sub/Mul/Div/Max,
-// Adds/Muls, Exp, Axpy, Cast, ReduceMax/ReduceSum, SetFlag/WaitFlag, PipeBarrier). It is NOT derived from
+// Adds/Muls, Exp, Sqrt, Axpy, Gather, Cast, ReduceMax/ReduceSum, SetFlag/WaitFlag, PipeBarrier). It is NOT derived from
 // CANN's headers and does not try to be complete: only what the kernels call exists, so a kernel that starts
 // using another API fails to compile here until the emulation is extended deliberately.
 //
@@ -104,6 +104,7 @@ inline EmuCore& Core() {
 }
 inline int64_t GetBlockIdx() { return Core().blockIdx; }
 inline int64_t GetBlockNum() { return Core().blockNum; }
+inline int64_t GetTaskRation() { return 1; }  // the emulation launches every vector block itself
 
 inline uint32_t AlignUp32(uint32_t bytes) { return (bytes + ONE_BLK_SIZE - 1) / ONE_BLK_SIZE * ONE_BLK_SIZE; }
 
@@ -375,110 +376,6 @@ inline void DataCopyPad(const GlobalTensor<T>& dst, const LocalTensor<T>& src, c
     }
 }
 
-// ---- vector ops (the "first count elements" forms) ---------------------------------------------------------------
-template <typename T>
-inline void Duplicate(const LocalTensor<T>& dst, const T& scalar, int32_t count) {
-    CheckOperand(dst, count, "Duplicate");
-    for (int32_t i = 0; i < count; ++i) dst.Ptr()[i] = scalar;
-}
-
-#define ASC_EMU_BINARY(NAME, EXPR)                                                                        \
-    template <typename T>                                                                                 \
-    inline void NAME(const LocalTensor<T>& dst, const LocalTensor<T>& a, const LocalTensor<T>& b,         \
-                     const int32_t& count) {                                                              \
-        CheckOperand(dst, count, #NAME);                                                                  \
-        CheckOperand(a, count, #NAME);                                                                    \
-        CheckOperand(b, count, #NAME);                                                                    \
-        for (int32_t i = 0; i < count; ++i) {                                                             \
-            const T x = a.Ptr()[i], y = b.Ptr()[i];                                                       \
-            dst.Ptr()[i] = (EXPR);                                                                        \
-        }                                                                                                 \
-    }
-ASC_EMU_BINARY(Add, x + y)
-ASC_EMU_BINARY(Sub, x - y)
-ASC_EMU_BINARY(Mul, x * y)
-ASC_EMU_BINARY(Div, x / y)
-ASC_EMU_BINARY(Max, (x > y ? x : y))
-#undef ASC_EMU_BINARY
-
-template <typename T>
-inline void Adds(const LocalTensor<T>& dst, const LocalTensor<T>& src, const T& scalar, const int32_t& count) {
-    CheckOperand(dst, count, "Adds");
-    CheckOperand(src, count, "Adds");
-    for (int32_t i = 0; i < count; ++i) dst.Ptr()[i] = src.Ptr()[i] + scalar;
-}
-
-template <typename T>
-inline void Muls(const LocalTensor<T>& dst, const LocalTensor<T>& src, const T& scalar, const int32_t& count) {
-    CheckOperand(dst, count, "Muls");
-    CheckOperand(src, count, "Muls");
-    for (int32_t i = 0; i < count; ++i) dst.Ptr()[i] = src.Ptr()[i] * scalar;
-}
-
-template <typename T>
-inline void Exp(const LocalTensor<T>& dst, const LocalTensor<T>& src, const int32_t& count) {
-    CheckOperand(dst, count, "Exp");
-    CheckOperand(src, count, "Exp");
-    for (int32_t i = 0; i < count; ++i) dst.Ptr()[i] = std::exp(src.Ptr()[i]);
-}
-
-// dst = scalar * src + dst
-template <typename T, typename U>
-inline void Axpy(const LocalTensor<T>& dst, const LocalTensor<U>& src, const U& scalar, const int32_t& count) {
-    CheckOperand(dst, count, "Axpy");
-    CheckOperand(src, count, "Axpy");
-    for (int32_t i = 0; i < count; ++i) dst.Ptr()[i] = scalar * src.Ptr()[i] + dst.Ptr()[i];
-}
-
-template <typename D, typename S>
-inline void Cast(const LocalTensor<D>& dst, const LocalTensor<S>& src, const RoundMode& mode, const uint32_t& count) {
-    CheckOperand(dst, count, "Cast");
-    CheckOperand(src, count, "Cast");
-    if constexpr (std::is_same<D, float>::value) {
-        ASC_EMU_CHECK(mode == RoundMode::CAST_NONE, "Cast to float takes RoundMode::CAST_NONE");
-    } else {
-        ASC_EMU_CHECK(mode == RoundMode::CAST_RINT, "Cast from float to a narrower type: this kernel set uses CAST_RINT");
-    }
-    for (uint32_t i = 0; i < count; ++i) dst.Ptr()[i] = FromFloat<D>(ToFloat(src.Ptr()[i]));
-}
-
-// Work-buffer elements the count form of ReduceMax/ReduceSum needs for float: one partial per 256-byte repeat,
-// rounded up to a 32-byte block (the API reference's sizing rule for the first pass).
-inline uint32_t ReduceWorkElems(uint32_t count) {
-    const uint32_t perRepeat = 256 / sizeof(float);
-    const uint32_t partials = (count + perRepeat - 1) / perRepeat;
-    return (partials + 7) / 8 * 8;
-}
-
-// Tree order: partials over 64-element repeats, then the partials (as the hardware's repeat-wise reduction).
-template <typename T>
-inline void ReduceSum(const LocalTensor<T>& dst, const LocalTensor<T>& src, const LocalTensor<T>& work, const int32_t count) {
-    static_assert(std::is_same<T, float>::value, "emulated ReduceSum: float only");
-    CheckOperand(dst, 1, "ReduceSum");
-    CheckOperand(src, count, "ReduceSum");
-    CheckOperand(work, ReduceWorkElems(count), "ReduceSum work");
-    float total = 0.0f;
-    for (int32_t r = 0; r < count; r += 64) {
-        float part = 0.0f;
-        for (int32_t i = r; i < std::min<int32_t>(count, r + 64); ++i) part += src.Ptr()[i];
-        work.Ptr()[r / 64] = part;
-        total += part;
-    }
-    dst.Ptr()[0] = total;
-}
-
-template <typename T>
-inline void ReduceMax(const LocalTensor<T>& dst, const LocalTensor<T>& src, const LocalTensor<T>& work, const int32_t count,
-                      bool calIndex = false) {
-    static_assert(std::is_same<T, float>::value, "emulated ReduceMax: float only");
-    ASC_EMU_CHECK(!calIndex, "ReduceMax: calIndex is not emulated");
-    ASC_EMU_CHECK(count >= 1, "ReduceMax of zero elements");
-    CheckOperand(dst, 1, "ReduceMax");
-    CheckOperand(src, count, "ReduceMax");
-    CheckOperand(work, ReduceWorkElems(count), "ReduceMax work");
-    float m = src.Ptr()[0];
-    for (int32_t i = 1; i < count; ++i) m = src.Ptr()[i] > m ? src.Ptr()[i] : m;
-    dst.Ptr()[0] = m;
-}
-
 }  // namespace AscendC
+
+#include "vector_ops_emu.h"

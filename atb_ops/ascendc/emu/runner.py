@@ -27,7 +27,8 @@ class EmuKernelError(RuntimeError):
 
 class CompressorTiling(ctypes.Structure):
     _fields_ = [(n, _U32) for n in ("numEntries", "numCand", "numRows", "width", "c", "half", "overlap", "cTile", "nCTiles",
-                                    "numItems", "blockDim", "dtype", "ubBytes", "socUb")]
+                                    "numItems", "blockDim", "dtype", "ubBytes", "socUb", "epilogue", "ropeDim")] + [
+        ("eps", ctypes.c_float)]
 
 
 class MlaTiling(ctypes.Structure):
@@ -58,11 +59,15 @@ def _lib() -> ctypes.CDLL:
         lib.dsv4_emu_last_ub_peak.restype = u
         lib.dsv4_emu_tiling_sizes.restype = u
         lib.dsv4_emu_tiling_sizes.argtypes = [u]
-        lib.dsv4_emu_compressor_tiling.argtypes = [u] * 9 + [ctypes.POINTER(CompressorTiling)]
+        lib.dsv4_emu_compressor_tiling.argtypes = [u] * 11 + [ctypes.c_float, ctypes.POINTER(CompressorTiling)]
         lib.dsv4_emu_mla_tiling.argtypes = [u] * 9 + [ctypes.c_float] + [u] * 6 + [ctypes.POINTER(MlaTiling)]
-        lib.dsv4_emu_compressor.argtypes = [p] * 4 + [ctypes.POINTER(CompressorTiling)]
+        lib.dsv4_emu_compressor.argtypes = [p] * 7 + [ctypes.POINTER(CompressorTiling)]
         lib.dsv4_emu_mla_decode.argtypes = [p] * 8 + [ctypes.POINTER(MlaTiling)]
-        for f in ("dsv4_emu_compressor_tiling", "dsv4_emu_mla_tiling", "dsv4_emu_compressor", "dsv4_emu_mla_decode"):
+        lib.dsv4_emu_mla_cube_tiling.argtypes = lib.dsv4_emu_mla_tiling.argtypes
+        lib.dsv4_emu_mla_decode_cube.argtypes = lib.dsv4_emu_mla_decode.argtypes
+        lib.dsv4_emu_selftest.argtypes = [ctypes.c_int]
+        for f in ("dsv4_emu_selftest", "dsv4_emu_compressor_tiling", "dsv4_emu_mla_tiling", "dsv4_emu_compressor",
+                  "dsv4_emu_mla_decode", "dsv4_emu_mla_cube_tiling", "dsv4_emu_mla_decode_cube"):
             getattr(lib, f).restype = ctypes.c_int
         if lib.dsv4_emu_tiling_sizes(0) != ctypes.sizeof(CompressorTiling) or lib.dsv4_emu_tiling_sizes(1) != ctypes.sizeof(MlaTiling):
             raise build.EmuBuildError("tiling struct layout differs between kernels/tiling_data.h and emu/runner.py")
@@ -79,48 +84,68 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None or t.numel() == 0 else t.data_ptr()
 
 
+def selftest(which: int) -> str | None:
+    """Run deliberately wrong API use number ``which`` (emu/selftest_emu.cpp): the emulation's message, or None."""
+    lib = _lib()
+    return lib.dsv4_emu_last_error().decode() if lib.dsv4_emu_selftest(which) else None
+
+
 def compressor_tiling(M: int, K: int, S: int, W: int, overlap: bool, dtype: torch.dtype, soc: str | None = None,
-                      force_ctile: int = 0, force_ub: int = 0) -> CompressorTiling:
+                      force_ctile: int = 0, force_ub: int = 0, rope_dim: int | None = None, eps: float = 0.0) -> CompressorTiling:
+    """``rope_dim`` not None selects the fused RMSNorm + RoPE epilogue."""
     lib, t = _lib(), CompressorTiling()
     rc = lib.dsv4_emu_compressor_tiling(M, K, S, W, int(overlap), DTYPES[dtype], SOCS[soc or default_soc()], force_ctile,
-                                        force_ub, ctypes.byref(t))
+                                        force_ub, int(rope_dim is not None), rope_dim or 0, float(eps), ctypes.byref(t))
     _check(lib, rc, "compressor tiling")
     return t
 
 
+def cube_supported(C: int, R: int) -> bool:
+    """Whether the cube variant of the attention kernel takes these channel dims (multiples of 16)."""
+    return C > 0 and C % 16 == 0 and R % 16 == 0
+
+
 def mla_tiling(T: int, H: int, C: int, R: int, L0: int, L1: int, P0: int, P1: int, has_sink: bool, scale: float,
                q_dtype: torch.dtype, kv_dtype: torch.dtype, soc: str | None = None, force_hg: int = 0, force_nb: int = 0,
-               force_ub: int = 0) -> MlaTiling:
+               force_ub: int = 0, cube: bool = False) -> MlaTiling:
     lib, t = _lib(), MlaTiling()
-    rc = lib.dsv4_emu_mla_tiling(T, H, C, R, L0, L1, P0, P1, int(has_sink), float(scale), DTYPES[q_dtype], DTYPES[kv_dtype],
+    fn = lib.dsv4_emu_mla_cube_tiling if cube else lib.dsv4_emu_mla_tiling
+    rc = fn(T, H, C, R, L0, L1, P0, P1, int(has_sink), float(scale), DTYPES[q_dtype], DTYPES[kv_dtype],
                                  SOCS[soc or default_soc()], force_hg, force_nb, force_ub, ctypes.byref(t))
     _check(lib, rc, "mla tiling")
     return t
 
 
-def run_compressor(kv: torch.Tensor, score: torch.Tensor, cand: torch.Tensor, overlap: bool, **tiling_kw) -> Launch:
-    """kv, score: [S, W] contiguous float32 / bfloat16 (same dtype); cand: [M, K] int64 contiguous, rows < S."""
+def run_compressor(kv: torch.Tensor, score: torch.Tensor, cand: torch.Tensor, overlap: bool,
+                   norm_weight: torch.Tensor | None = None, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
+                   eps: float = 0.0, **tiling_kw) -> Launch:
+    """kv, score: [S, W] contiguous float32 / bfloat16 (same dtype); cand: [M, K] int64 contiguous, rows < S.
+    With ``norm_weight`` ([c] float32) the fused epilogue runs: RMSNorm(eps) then RoPE with cos / sin [M, R/2] float32."""
     (S, W), (M, K) = kv.shape, cand.shape
-    t = compressor_tiling(M, K, S, W, overlap, kv.dtype, **tiling_kw)
+    rope_dim = None if norm_weight is None else (0 if cos is None else 2 * cos.shape[-1])
+    t = compressor_tiling(M, K, S, W, overlap, kv.dtype, rope_dim=rope_dim, eps=eps, **tiling_kw)
     out = torch.empty(M, t.c, dtype=torch.float32)
     lib = _lib()
-    _check(lib, lib.dsv4_emu_compressor(_ptr(kv), _ptr(score), _ptr(cand), _ptr(out), ctypes.byref(t)), "compressor kernel")
+    rc = lib.dsv4_emu_compressor(_ptr(kv), _ptr(score), _ptr(cand), _ptr(norm_weight), _ptr(cos), _ptr(sin), _ptr(out),
+                                 ctypes.byref(t))
+    _check(lib, rc, "compressor kernel")
     return Launch(out, t, lib.dsv4_emu_last_ub_peak())
 
 
 def run_mla(q: torch.Tensor, qpe: torch.Tensor | None, pool0: torch.Tensor, idx0: torch.Tensor, pool1: torch.Tensor | None,
-            idx1: torch.Tensor | None, sink: torch.Tensor | None, scale: float, **tiling_kw) -> Launch:
+            idx1: torch.Tensor | None, sink: torch.Tensor | None, scale: float, cube: bool = False, **tiling_kw) -> Launch:
     """q: [T, H, C], qpe: [T, H, R] or None (same dtype as q); pools [P, C + R] (one dtype); idx int64 [T, L];
-    sink [H] float32 or None. All contiguous CPU tensors, indices < their pool's rows."""
+    sink [H] float32 or None. All contiguous CPU tensors, indices < their pool's rows. ``cube`` runs the Matmul-API
+    variant (dsv4_mla_decode_cube; C and R multiples of 16)."""
     T, H, C = q.shape
     R = 0 if qpe is None else qpe.shape[-1]
     L1 = 0 if idx1 is None else idx1.shape[-1]
     P1 = 0 if pool1 is None else pool1.shape[0]
     t = mla_tiling(T, H, C, R, idx0.shape[-1], L1, pool0.shape[0], P1, sink is not None, scale, q.dtype, pool0.dtype,
-                   **tiling_kw)
+                   cube=cube, **tiling_kw)
     out = torch.empty(T, H, C, dtype=q.dtype)
     lib = _lib()
-    rc = lib.dsv4_emu_mla_decode(_ptr(q), _ptr(qpe), _ptr(pool0), _ptr(idx0), _ptr(pool1) if L1 else None,
+    rc = (lib.dsv4_emu_mla_decode_cube if cube else lib.dsv4_emu_mla_decode)(_ptr(q), _ptr(qpe), _ptr(pool0), _ptr(idx0), _ptr(pool1) if L1 else None,
                                  _ptr(idx1) if L1 else None, _ptr(sink), _ptr(out), ctypes.byref(t))
     _check(lib, rc, "mla_decode kernel")
     return Launch(out, t, lib.dsv4_emu_last_ub_peak())

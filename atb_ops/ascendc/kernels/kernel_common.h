@@ -1,12 +1,17 @@
 // The one switch between the NPU build and the host emulation (atb_ops/ascendc/emu).
-//   ASCENDC_EMU defined   -> our own header that emulates the AscendC API subset these kernels use (g++ on the host)
-//   ASCENDC_EMU undefined -> CANN's kernel_operator.h (ascendc_library / bisheng on a machine with CANN)
+//   ASCENDC_EMU defined   -> our own headers that emulate the AscendC API subset these kernels use (g++ on the host)
+//   ASCENDC_EMU undefined -> CANN's kernel_operator.h (+ lib/matmul_intf.h for the cube kernel), built by
+//                            ascendc_library on a machine with CANN
 #pragma once
 
 #ifdef ASCENDC_EMU
 #include "../emu/kernel_operator_emu.h"
+#include "../emu/matmul_emu.h"
 #else
 #include "kernel_operator.h"
+#ifdef DSV4_NEEDS_MATMUL  // the cube kernel (mla_decode_cube.cpp) defines it before including this header
+#include "lib/matmul_intf.h"
+#endif
 #endif
 
 #include <type_traits>

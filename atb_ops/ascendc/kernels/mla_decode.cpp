@@ -58,7 +58,10 @@ public:
         const uint32_t prodElems = cf_ > rf_ ? cf_ : rf_;
         pipe->InitBuffer(prodBuf_, (prodElems > 8 ? prodElems : 8) * 4);
         const uint32_t widest = (C_ > R_ ? C_ : R_) > nb ? (C_ > R_ ? C_ : R_) : nb;
-        pipe->InitBuffer(redBuf_, 8 * 4 + AlignUp(CeilDiv(widest, 64), 8) * 4);
+        // reduction results, one 32-byte slot each: per (head, row) the nope (and rope) dot products, per head the
+        // block max and the block sum; then the ReduceSum/ReduceMax work area
+        slotsPerHead_ = nb * (R_ ? 2 : 1);
+        pipe->InitBuffer(redBuf_, (hg * slotsPerHead_ + 2 * hg) * 8 * 4 + AlignUp(CeilDiv(widest, 64), 8) * 4);
         LocalTensor<float> stat = statBuf_.Get<float>();
         M_ = stat;
         Mn_ = stat[hgp];
@@ -66,8 +69,10 @@ public:
         Bm_ = stat[3 * hgp];
         L_ = stat[4 * hgp];
         LocalTensor<float> red = redBuf_.Get<float>();
-        red_ = red;
-        work_ = red[8];
+        dots_ = red;
+        bmax_ = red[hg * slotsPerHead_ * 8];
+        bsum_ = red[(hg * slotsPerHead_ + hg) * 8];
+        work_ = red[(hg * slotsPerHead_ + 2 * hg) * 8];
     }
 
     __aicore__ inline void Process() {
@@ -174,49 +179,59 @@ private:
         const uint32_t roff = std::is_same<TKV, float>::value ? ck_ : cf_;  // rope part offset inside a row
         LocalTensor<float> qf = qBuf_.Get<float>(), sc = scBuf_.Get<float>(), prod = prodBuf_.Get<float>();
         LocalTensor<float> acc = accBuf_.Get<float>();
-        // scores
+        // 1. every dot product of the block into its own slot: vector work only, no scalar round trip
         for (uint32_t h = 0; h < hw; ++h) {
             for (uint32_t j = 0; j < n; ++j) {
+                const uint32_t slot = (h * slotsPerHead_ + j * (R_ ? 2 : 1)) * 8;
                 Mul(prod, qf[h * (cf_ + rf_)], rf[j * rstride], C_);
-                ReduceSum(red_, prod, work_, C_);
-                SetFlag<HardEvent::V_S>(EVENT_ID2);
-                WaitFlag<HardEvent::V_S>(EVENT_ID2);
-                float s = red_.GetValue(0);
+                ReduceSum(dots_[slot], prod, work_, C_);
                 if (R_) {
                     Mul(prod, qf[h * (cf_ + rf_) + cf_], rf[j * rstride + roff], R_);
-                    ReduceSum(red_, prod, work_, R_);
-                    SetFlag<HardEvent::V_S>(EVENT_ID2);
-                    WaitFlag<HardEvent::V_S>(EVENT_ID2);
-                    s += red_.GetValue(0);
+                    ReduceSum(dots_[slot + 8], prod, work_, R_);
                 }
+            }
+        }
+        // 2. one vector->scalar hand-over for the whole block: scores = scale * (nope + rope)
+        SetFlag<HardEvent::V_S>(EVENT_ID2);
+        WaitFlag<HardEvent::V_S>(EVENT_ID2);
+        for (uint32_t h = 0; h < hw; ++h) {
+            for (uint32_t j = 0; j < n; ++j) {
+                const uint32_t slot = (h * slotsPerHead_ + j * (R_ ? 2 : 1)) * 8;
+                const float s = dots_.GetValue(slot) + (R_ ? dots_.GetValue(slot + 8) : 0.0f);
                 sc.SetValue(h * nbp_ + j, s * t_.scale);
             }
-            ReduceMax(red_, sc[h * nbp_], work_, n);
-            SetFlag<HardEvent::V_S>(EVENT_ID2);
-            WaitFlag<HardEvent::V_S>(EVENT_ID2);
-            Bm_.SetValue(h, red_.GetValue(0));
         }
         SetFlag<HardEvent::S_V>(EVENT_ID3);
         WaitFlag<HardEvent::S_V>(EVENT_ID3);
-        // online softmax update: Mn = max(M, block max); Al = exp(M - Mn)
+        for (uint32_t h = 0; h < hw; ++h) ReduceMax(bmax_[h * 8], sc[h * nbp_], work_, n);
+        SetFlag<HardEvent::V_S>(EVENT_ID2);
+        WaitFlag<HardEvent::V_S>(EVENT_ID2);
+        for (uint32_t h = 0; h < hw; ++h) Bm_.SetValue(h, bmax_.GetValue(h * 8));
+        SetFlag<HardEvent::S_V>(EVENT_ID3);
+        WaitFlag<HardEvent::S_V>(EVENT_ID3);
+        // 3. online softmax update: Mn = max(M, block max); Al = exp(M - Mn); p = exp(s - Mn)
         Max(Mn_, M_, Bm_, hw);
         Sub(Al_, M_, Mn_, hw);
         Exp(Al_, Al_, hw);
+        SetFlag<HardEvent::V_S>(EVENT_ID2);
+        WaitFlag<HardEvent::V_S>(EVENT_ID2);
         for (uint32_t h = 0; h < hw; ++h) {
-            SetFlag<HardEvent::V_S>(EVENT_ID2);
-            WaitFlag<HardEvent::V_S>(EVENT_ID2);
-            const float mn = Mn_.GetValue(h), al = Al_.GetValue(h);
             LocalTensor<float> p = sc[h * nbp_];
-            Adds(p, p, -mn, n);
+            Adds(p, p, -Mn_.GetValue(h), n);
             Exp(p, p, n);
-            ReduceSum(red_, p, work_, n);
-            SetFlag<HardEvent::V_S>(EVENT_ID2);
-            WaitFlag<HardEvent::V_S>(EVENT_ID2);
-            L_.SetValue(h, L_.GetValue(h) * al + red_.GetValue(0));
-            LocalTensor<float> a = acc[h * cf_];
-            Muls(a, a, al, C_);
-            for (uint32_t j = 0; j < n; ++j) Axpy(a, rf[j * rstride], p.GetValue(j), C_);
+            ReduceSum(bsum_[h * 8], p, work_, n);
+            Muls(acc[h * cf_], acc[h * cf_], Al_.GetValue(h), C_);
         }
+        // 4. one more hand-over: L = L * Al + block sum; acc += p_j * row_j
+        SetFlag<HardEvent::V_S>(EVENT_ID2);
+        WaitFlag<HardEvent::V_S>(EVENT_ID2);
+        for (uint32_t h = 0; h < hw; ++h) {
+            L_.SetValue(h, L_.GetValue(h) * Al_.GetValue(h) + bsum_.GetValue(h * 8));
+            LocalTensor<float> a = acc[h * cf_];
+            for (uint32_t j = 0; j < n; ++j) Axpy(a, rf[j * rstride], sc.GetValue(h * nbp_ + j), C_);
+        }
+        SetFlag<HardEvent::S_V>(EVENT_ID3);
+        WaitFlag<HardEvent::S_V>(EVENT_ID3);
         LocalTensor<float> tmp = M_;  // the new max becomes the running max
         M_ = Mn_;
         Mn_ = tmp;
@@ -251,14 +266,14 @@ private:
     }
 
     MlaTiling t_;
-    uint32_t C_, R_, rowLen_, cf_, rf_, ck_, rk_, cq_, rq_, nbp_;
+    uint32_t C_, R_, rowLen_, cf_, rf_, ck_, rk_, cq_, rq_, nbp_, slotsPerHead_;
     GlobalTensor<TQ> qGm_, qpeGm_, outGm_;
     GlobalTensor<TKV> pool0Gm_, pool1Gm_;
     GlobalTensor<int64_t> idx0Gm_, idx1Gm_;
     GlobalTensor<float> sinkGm_;
     TQue<QuePosition::VECIN, 2> rowQue_;
     TBuf<TPosition::VECCALC> qBuf_, stageBuf_, accBuf_, rowFBuf_, scBuf_, statBuf_, idxBuf_, prodBuf_, redBuf_;
-    LocalTensor<float> M_, Mn_, Al_, Bm_, L_, red_, work_;
+    LocalTensor<float> M_, Mn_, Al_, Bm_, L_, dots_, bmax_, bsum_, work_;
 };
 
 template <typename TQ, typename TKV>

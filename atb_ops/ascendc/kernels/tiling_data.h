@@ -24,6 +24,9 @@ struct CompressorTiling {
     uint32_t dtype;       // DType of kv_state / score_state (output is float32)
     uint32_t ubBytes;     // UB bytes the kernel's InitBuffer calls reserve (computed by the tiling)
     uint32_t socUb;       // UB capacity of the target SoC
+    uint32_t epilogue;    // 1: fused RMSNorm (weight, eps) + interleaved RoPE on the last ropeDim channels
+    uint32_t ropeDim;     // R of the epilogue's RoPE
+    float eps;            // RMSNorm epsilon of the epilogue
 };
 
 // mla_decode / sparse_attention: token t attends, with one softmax (plus an optional per-head sink), to the rows
