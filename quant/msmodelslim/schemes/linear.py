@@ -273,7 +273,7 @@ class DynamicLinear(_IntWeightLinear):
         return acc
 
     def _int_forward(self, x2):
-        q, s_t = dynamic_quant_per_token(x2)
+        q, s_t = self.quantize_input(x2)  # per token (a row-parallel rank may override it: global max)
         acc = self._accumulate(q)
         if acc.shape[-1] == 1:
             y = acc[..., 0].to(torch.float32) * self.weight_scale[:, 0] * s_t.unsqueeze(-1)
@@ -313,7 +313,7 @@ class W4A8PerGroupLinear(DynamicLinear):
         return (stage1.reshape(lay.n, lay.k) - self.weight_offset) * self.weight_scale
 
     def _int_forward(self, x2):
-        q, s_t = dynamic_quant_per_token(x2)
+        q, s_t = self.quantize_input(x2)
         t = (self._accumulate(q).to(torch.float32) * self.scale2.unsqueeze(0)).sum(-1)  # [M, n]
         if bool((self.weight_offset != 0).any()):
             t = t - self.weight_offset[:, 0] * q.sum(-1, keepdim=True).to(torch.float32)
