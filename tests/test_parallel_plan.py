@@ -74,7 +74,7 @@ def test_rank_bytes_sum_to_the_model():
     assert split_rule("layers.3.attn.wkv.weight", V4) == ("replicate", -1)
     assert split_rule("layers.3.ffn.experts.17.w2.weight", V4) == ("expert", -1)
     assert split_rule("model.layers.5.self_attn.o_proj.weight_scale_inv", V3) == ("split", 1)
-    assert kv_bytes_per_token_rank(V4) == 6880.0  # spec §4.2's BF16 buffers: replicated, same as one device
+    assert kv_bytes_per_token_rank(V4) == 6880.0  # deepseek_v4/README.md §4.2's BF16 pools: replicated, same as one device
 
 
 def test_info_cli_prints_the_layout(capsys):

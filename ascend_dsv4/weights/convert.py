@@ -20,8 +20,7 @@ from quant.safetensors_io import checkpoint_inventory, stream_tensors
 from quant.shard_writer import ShardWriter
 
 from ..errors import CheckpointError
-from ..models import load_config
-from ..models.deepseek_v4.config import DeepseekV4Config
+from ..models import family_of, load_config
 from ..models.deepseek_v4.names import canonical_name, hf_writer_name
 
 
@@ -50,8 +49,9 @@ def convert_checkpoint(src: str, dst: str, layout: str = "official", dequantize:
         raise CheckpointError("the output folder must differ from the input folder")
 
     cfg = load_config(src)
-    if not isinstance(cfg, DeepseekV4Config):
-        raise CheckpointError(f"{src}: convert_checkpoint converts DeepSeek-V4 checkpoints; this is {cfg.model_type}")
+    family = family_of(cfg)
+    if "official" not in family.checkpoint_formats:  # the official <-> hf layouts (and these names) are V4's
+        raise CheckpointError(f"{src}: {family.title} checkpoints have no official / hf layout pair to convert between")
     inv = checkpoint_inventory(src)
     canon = {ck: canonical_name(ck) for ck in inv}
     bad = [ck for ck, off in canon.items() if off is None]

@@ -36,7 +36,7 @@ class NpuQuantLinear(nn.Module):
 
     """``forward(x [M, K]) -> [M, N]`` through :func:`atb_ops.quant_linear` (mode, NPU-layout tensors).
 
-    ``npu_quant_matmul`` / ``npu_weight_quant_batchmatmul`` take N <= 65535 (torch_npu_ops.md §5.11; e.g. the
+    ``npu_quant_matmul`` / ``npu_weight_quant_batchmatmul`` take N <= 65535 (the torch_npu API documentation; e.g. the
     DeepSeek-V4-Pro ``wq_b`` has N = 128 x 512 = 65536): a wider linear is stored as column blocks (weight and
     per-channel tensors sliced along N at load, in multiples of 8 for int4-in-int32 weights) whose outputs are
     concatenated.
@@ -122,7 +122,7 @@ def to_npu_linear(ql: nn.Module, dtype: Optional[torch.dtype] = None,
     """The NPU form of a QuantLinear, or None (logged) when it has none.
 
     ``dtype``: the activation dtype it will run in. ``npu_quant_matmul`` takes a float32/bfloat16 ``scale`` for
-    bfloat16 output (int64 scales are for int8/float16 output, torch_npu_ops.md §5.11), so a static linear whose
+    bfloat16 output (int64 scales are for int8/float16 output, the torch_npu API documentation), so a static linear whose
     deq_scale is stored as int64 words gets it decoded to float32 for a bfloat16 model."""
     name = ql.name or "<linear>"
     variant = ql.layout.variant

@@ -5,7 +5,7 @@
 ``cand``, -1 = padding), so each token runs as one batch of the fused op: its rows are gathered (valid rows first,
 order kept) and ``actual_seq_lengths_kv`` / ``actual_seq_lengths_key`` say how many are valid. DeepSeek-V4's
 sparse attention with a per-head sink, the mHC mixing and the compressor pooling have no A2/A3 op in torch_npu
-(torch_npu_ops.md §5.24: they live in the vllm-ascend / cann-recipes custom packages), so they are composed from
+(the torch_npu API documentation: they live in the vllm-ascend / cann-recipes custom packages), so they are composed from
 torch ops on the device.
 """
 

@@ -41,7 +41,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 @candidate("apply_rope", "torch_npu", "torch_npu.npu_rotary_mul(interleave)", has_torch_npu("npu_rotary_mul"))
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """DeepSeek's pairwise (complex) RoPE on the last ``R`` channels = ``npu_rotary_mul`` in ``interleave`` mode
-    with repeat-interleaved cos/sin ``[c0, c0, c1, c1, ...]`` (torch_npu_ops §3.1: the output stays interleaved,
+    with repeat-interleaved cos/sin ``[c0, c0, c1, c1, ...]`` (torch_npu API documentation: the output stays interleaved,
     unlike the MLA "interleave-half" ops). The rope slice runs as TND ``[T, N, R]`` with cos/sin ``[T, 1, R]``
     (the T1D broadcast the interleave mode accepts), in float32."""
     half = inv_freq.numel()

@@ -1,6 +1,6 @@
 """Each emulated torch_npu op against a direct (loop-level) transcription of its documented formula.
 
-Formulas: torch_npu_ops.md §3 / §5 (torch_npu API docs and op-plugin CPU goldens). The transcriptions below are
+Formulas: the torch_npu API documentation and the op-plugin CPU goldens. The transcriptions below are
 written element by element or row by row on purpose, independently of the vectorised emulation.
 """
 

@@ -1,6 +1,6 @@
 """Sizes of a DeepSeek-V4 model: parameters, checkpoint bytes, KV bytes per token, memory plans.
 
-Everything here is a pure function of a :class:`~ascend_dsv4.config.DeepseekV4Config` (no torch).
+Everything here is a pure function of a :class:`~ascend_dsv4.models.deepseek_v4.config.DeepseekV4Config` (no torch).
 
 **Tensor inventory** (README.md §3.1). :func:`tensor_inventory` lists every tensor of the published checkpoint with
 its official name, shape, safetensors dtype and a group. With ``dtype="fp8"`` and ``expert_dtype="fp4"`` it

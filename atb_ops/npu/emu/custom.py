@@ -4,7 +4,7 @@
   ``csrc/torch_binding.cpp``);
 * cann-recipes-infer ``torch.ops.custom``: ``npu_moe_gating_top_k`` with ``norm_type=2`` = sqrt(softplus) and hash
   routing (``input_ids``/``tid2eid``) (schema and formula: cann-recipes ``ops/ascendc/docs/custom-*.md``; the
-  sqrt after softplus per the vllm-ascend kernel, torch_npu_ops.md §5.24(b)).
+  sqrt after softplus per the vllm-ascend kernel, the torch_npu API documentation).
 
 Semantics from those documents: hc_pre = DeepSeek-V4 ``hc_pre`` with the Sinkhorn normalisation
 (= torch_npu's documented ``npu_mhc_pre`` + ``npu_mhc_sinkhorn``); hc_post ``y[k] = post[k] * x + sum_j comb[j, k]

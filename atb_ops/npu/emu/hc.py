@@ -1,6 +1,6 @@
 """Emulated torch_npu mHC ops (DeepSeek-V4 hyper-connections; the docs list them for Ascend 950PR/DT only):
 npu_mhc_pre, npu_mhc_sinkhorn, npu_mhc_post. Formulas: the op-plugin goldens (``test_npu_mhc_pre.py`` ...),
-torch_npu_ops.md §5.24(a)."""
+the torch_npu API documentation."""
 
 from __future__ import annotations
 
