@@ -30,7 +30,7 @@ import socket
 import time
 from typing import Any, Callable
 
-from ..errors import AscendDSV4Error
+from .executor import ExecutorError
 from .ray_placement import (RESOURCE_BY_DEVICE, PlacementError, RankSlot, capacity_problem, describe_bundles,
                             local_device_index, order_ranks, rank_bundles)
 
@@ -44,10 +44,6 @@ PROPAGATED_ENV = ("HCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME"
 PROPAGATED_PREFIXES = ("ASCEND_DSV4_", "ATB_OPS_")
 RECOVER = ("the server process stays up but cannot serve: restart it (the Ray cluster can stay up); "
            "`ascend-dsv4 check-env --nodes N` shows which node or NIC is at fault")
-
-
-class ExecutorError(AscendDSV4Error, RuntimeError):
-    """A rank failed, died or did not answer in time; the message names the rank, its node and what to do."""
 
 
 def propagated_env(env: dict[str, str] | None = None) -> dict[str, str]:
