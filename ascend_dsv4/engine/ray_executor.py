@@ -173,10 +173,13 @@ class RayExecutor:
         bundles = [dict(b) for b in self.bundles]
         if self.local_rank0:
             bundles[0][f"node:{my_ip}"] = 0.001  # rank 0's device must be on this node
-        problem = capacity_problem(bundles, ray.nodes(), ray.available_resources())
-        if problem:
+        problem = capacity_problem(bundles, ray.nodes())
+        if problem:  # the cluster can never hold it: say so at once
             raise PlacementError(f"cannot place {self.world_size} rank(s) on the Ray cluster: {problem}; start more "
                                  "nodes (scripts/ray_worker.sh) or lower --tensor-parallel-size / --data-parallel-size")
+        busy = capacity_problem(bundles, ray.nodes(), ray.available_resources())
+        if busy:  # held by other jobs (or a placement group still being freed): wait, bounded, below
+            log.warning("ray executor: %s; waiting up to %g s for them", busy, self.start_timeout_s)
         self._pg = placement_group(bundles, strategy="PACK")
         ready, _ = ray.wait([self._pg.ready()], timeout=self.start_timeout_s)
         if not ready:

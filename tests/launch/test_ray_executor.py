@@ -63,6 +63,12 @@ def test_two_node_executor(ray_cluster, monkeypatch):
                    for w in where)
         assert where[0]["env"]["MASTER_ADDR"] == ex.slots[0].ip and where[1]["env"]["RANK"] == "1"
         assert ex.collective_rpc("all_reduce_ranks") == [{"world": 1.0, "tp": 1.0, "ep": 0.0}] * 2
+        # the cluster could hold one more rank but this executor holds its CPUs: wait (bounded), then say why
+        with pytest.raises(PlacementError, match=r"not satisfied within 3 s: asked 1 CPU, the cluster has 2 but only "
+                                                 r"0 available"):
+            RayExecutor(1, "ascend_dsv4.engine.ray_executor.GroupCheckWorker", device="cpu",
+                        start_timeout_s=3).start()
+        assert ray.is_initialized()  # it did not own the connection: ex's stays
         with pytest.raises(ExecutorError, match=r"stall: rank 0 \(node .*\), rank 1 .* did not answer within 1 s"):
             ex.collective_rpc("stall", 20, timeout=1)
         assert not ex.is_healthy()
