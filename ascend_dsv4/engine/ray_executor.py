@@ -30,7 +30,7 @@ import socket
 import time
 from typing import Any, Callable
 
-from ..errors import AscendDSV4Error
+from .executor import ExecutorError
 from .ray_placement import (RESOURCE_BY_DEVICE, PlacementError, RankSlot, capacity_problem, describe_bundles,
                             local_device_index, order_ranks, rank_bundles)
 
@@ -44,10 +44,6 @@ PROPAGATED_ENV = ("HCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME"
 PROPAGATED_PREFIXES = ("ASCEND_DSV4_", "ATB_OPS_")
 RECOVER = ("the server process stays up but cannot serve: restart it (the Ray cluster can stay up); "
            "`ascend-dsv4 check-env --nodes N` shows which node or NIC is at fault")
-
-
-class ExecutorError(AscendDSV4Error, RuntimeError):
-    """A rank failed, died or did not answer in time; the message names the rank, its node and what to do."""
 
 
 def propagated_env(env: dict[str, str] | None = None) -> dict[str, str]:
@@ -177,10 +173,13 @@ class RayExecutor:
         bundles = [dict(b) for b in self.bundles]
         if self.local_rank0:
             bundles[0][f"node:{my_ip}"] = 0.001  # rank 0's device must be on this node
-        problem = capacity_problem(bundles, ray.nodes(), ray.available_resources())
-        if problem:
+        problem = capacity_problem(bundles, ray.nodes())
+        if problem:  # the cluster can never hold it: say so at once
             raise PlacementError(f"cannot place {self.world_size} rank(s) on the Ray cluster: {problem}; start more "
                                  "nodes (scripts/ray_worker.sh) or lower --tensor-parallel-size / --data-parallel-size")
+        busy = capacity_problem(bundles, ray.nodes(), ray.available_resources())
+        if busy:  # held by other jobs (or a placement group still being freed): wait, bounded, below
+            log.warning("ray executor: %s; waiting up to %g s for them", busy, self.start_timeout_s)
         self._pg = placement_group(bundles, strategy="PACK")
         ready, _ = ray.wait([self._pg.ready()], timeout=self.start_timeout_s)
         if not ready:

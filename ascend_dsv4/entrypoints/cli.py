@@ -51,8 +51,9 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="ranks (devices) the model is split over")
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="partition the routed experts over the ranks instead of splitting every expert")
-    p.add_argument("--distributed-executor-backend", default=None, choices=("mp",),
-                   help="how ranks run: mp = one worker process per rank on this node (default with -tp > 1)")
+    p.add_argument("--distributed-executor-backend", default=None, choices=("mp", "ray"),
+                   help="how ranks run: mp = one worker process per rank on this node (default with -tp > 1); "
+                        "ray = one actor per rank on the Ray cluster at $RAY_ADDRESS (scripts/ray_head.sh)")
 
 
 def _parallel_kwargs(a: argparse.Namespace) -> dict:

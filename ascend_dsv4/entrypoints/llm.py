@@ -168,8 +168,9 @@ class LLM:
                                 num_speculative_tokens=num_speculative_tokens)
 
     def _start_parallel(self, model, folder, numerics, seed, dequantize, block_size, tp, ep, executor, msm: dict):
-        """Validate the layout (before any weight is read), then start the ``mp`` executor (rank 0 in this
-        process, one worker process per other rank); returns rank 0's runner."""
+        """Validate the layout (before any weight is read), then start the executor: rank 0 in this process, one
+        worker process (``mp``) or Ray actor (``ray``: the cluster at ``$RAY_ADDRESS``, else a local one) per other
+        rank; returns rank 0's runner."""
         from parallel.groups import visible_devices
 
         from ..engine import model_runner
@@ -177,10 +178,11 @@ class LLM:
         from ..engine.executor_mp import MPExecutor
         from ..parallel_plan import validate_layout
 
-        if executor not in (None, "mp"):
-            raise ConfigError(f"distributed_executor_backend must be 'mp' (one process per rank on this node), got "
-                              f"{executor!r}")
-        validate_layout(self.cfg, tp, ep, visible_devices=visible_devices(self.device.type), device=self.device.type,
+        if executor not in (None, "mp", "ray"):
+            raise ConfigError(f"distributed_executor_backend must be 'mp' (one process per rank on this node) or "
+                              f"'ray' (ranks on a Ray cluster), got {executor!r}")
+        local = None if executor == "ray" else visible_devices(self.device.type)  # Ray: devices of many nodes
+        validate_layout(self.cfg, tp, ep, visible_devices=local, device=self.device.type,
                         quantized_checkpoint=folder is not None, numerics=numerics)
         sizes = model_runner.plan_pool_sizes(self.cfg, block_size, self.max_num_seqs, self.max_model_len,
                                              self.max_num_batched_tokens)
@@ -189,7 +191,12 @@ class LLM:
                         enable_expert_parallel=ep, backend=self.backend, dequantize=dequantize, **msm,
                         timeout_s=float(os.environ.get("ASCEND_DSV4_MP_TIMEOUT", "300")),
                         env={k: v for k, v in os.environ.items() if k.startswith(("ASCEND_DSV4_", "ATB_OPS_", "HCCL_"))})
-        self.executor = MPExecutor(spec).start()
+        if executor == "ray":
+            from ..engine.executor_ray import RayEngineExecutor
+
+            self.executor = RayEngineExecutor(spec).start()
+        else:
+            self.executor = MPExecutor(spec).start()
         runner = self.executor.runner
         runner.max_model_len, runner.max_num_batched_tokens = self.max_model_len, self.max_num_batched_tokens
         return runner

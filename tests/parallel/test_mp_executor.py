@@ -86,7 +86,7 @@ def test_bad_layout_fails_before_workers_start():
     with pytest.raises(ConfigError, match=r"o_groups = 2 is not divisible by tensor_parallel_size 4"):
         LLM("toy-v4", tensor_parallel_size=4)
     with pytest.raises(ConfigError, match="distributed_executor_backend must be 'mp'"):
-        LLM("toy-v4", tensor_parallel_size=2, distributed_executor_backend="ray")
+        LLM("toy-v4", tensor_parallel_size=2, distributed_executor_backend="spark")
 
 
 def test_cli_generate_tp2_matches_one_device(capsys):
