@@ -2,10 +2,23 @@
 
 One public function per fused op (see :mod:`atb_ops.ops` for shapes and math). Backends: ``reference``
 (pure PyTorch, the specification), ``cuda`` (Triton), ``npu`` (torch_npu and custom ops). Dispatch is by
-the device of the inputs; force one with :func:`use_backend` or ``ATB_OPS_BACKEND``.
+the device of the inputs; force one with :func:`use_backend` or ``ATB_OPS_BACKEND``. :func:`batch_invariant`
+(or :func:`set_batch_invariant`, ``ATB_OPS_BATCH_INVARIANT=1``) switches every op to a variant whose per-token
+result is bitwise independent of the rest of the batch (see :mod:`atb_ops.invariant`).
 """
 
-from ._dispatch import BACKENDS, BackendError, device_available, implementations, register, selected_backend, use_backend
+from ._dispatch import (
+    BACKENDS,
+    BackendError,
+    batch_invariant,
+    device_available,
+    implementations,
+    is_batch_invariant,
+    register,
+    selected_backend,
+    set_batch_invariant,
+    use_backend,
+)
 from .ops import (
     apply_rope,
     compressor_pool,
@@ -34,5 +47,6 @@ OPS = (
 )
 
 __all__ = list(OPS) + [
-    "BACKENDS", "BackendError", "device_available", "implementations", "register", "rope_inv_freq", "selected_backend", "use_backend",
+    "BACKENDS", "BackendError", "batch_invariant", "device_available", "implementations", "is_batch_invariant",
+    "register", "rope_inv_freq", "selected_backend", "set_batch_invariant", "use_backend",
 ]

@@ -36,6 +36,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--numerics", default="exact", help="exact | reference (official FP8/FP4 activation rounding)")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--weights-seed", type=int, default=0, help="seed of the random weights of a preset")
+    g.add_argument("--batch-invariant", action="store_true",
+                   help="batch-invariant ops: output bitwise independent of the batch (slower)")
 
     i = sub.add_parser("info", help="print the config, parameter count, KV bytes per token and memory needs")
     _add_model_args(i)
@@ -85,6 +87,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     s.add_argument("--numerics", default="exact", help="exact | reference (official FP8/FP4 activation rounding)")
     s.add_argument("--weights-seed", type=int, default=0, help="seed of the random weights of a preset")
+    s.add_argument("--batch-invariant", action="store_true",
+                   help="batch-invariant ops: each request's output bitwise independent of the other requests "
+                        "batched with it (slower)")
     s.add_argument("--uvicorn-log-level", default="info", help="critical | error | warning | info | debug")
 
     b = sub.add_parser("bench", help="benchmarks")
@@ -128,7 +133,7 @@ def _generate(a: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                             seed=a.seed)
     llm = LLM(model=a.model, backend=a.backend, dtype=a.dtype, numerics=a.numerics, device=a.device,
-              seed=a.weights_seed, max_model_len=a.max_model_len)
+              seed=a.weights_seed, max_model_len=a.max_model_len, batch_invariant=a.batch_invariant)
 
     def emit(_rid: int, text: str) -> None:
         sys.stdout.write(text)
@@ -154,7 +159,8 @@ def _serve(a: argparse.Namespace) -> int:
     llm = LLM(model=a.model, backend=a.backend, dtype=a.dtype, numerics=a.numerics, device=a.device,
               seed=a.weights_seed, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
               max_num_batched_tokens=a.max_num_batched_tokens, block_size=a.block_size,
-              enable_prefix_caching=a.enable_prefix_caching, num_speculative_tokens=a.num_speculative_tokens)
+              enable_prefix_caching=a.enable_prefix_caching, num_speculative_tokens=a.num_speculative_tokens,
+              batch_invariant=a.batch_invariant)
     run_server(llm, host=a.host, port=a.port, api_key=a.api_key or os.environ.get("ASCEND_DSV4_API_KEY"),
                served_model_name=a.served_model_name or a.model, max_queue=a.max_queue,
                model_dir=a.model if os.path.isdir(a.model) else None, chat_template=a.chat_template,

@@ -70,13 +70,19 @@ class LLM:
         msmodelslim_path: str = "int",
         allow_float_mtp: bool = False,
         msmodelslim_act_sim: str | None = None,
+        batch_invariant: bool = False,
     ):
         if numerics not in NUMERICS:
             raise ConfigError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
         if backend not in (None, "auto") and backend not in atb_ops.BACKENDS:
             raise ConfigError(f"backend must be 'auto' or one of {', '.join(atb_ops.BACKENDS)}, got {backend!r}")
         self.backend = None if backend in (None, "auto") else backend
+        # every op in its batch-invariant variant: a sequence's logits bitwise independent of the batch
+        self.batch_invariant = bool(batch_invariant)
         self.device = _resolve_device(device, self.backend)
+        if self.batch_invariant and self.device.type != "cpu":
+            # scatter-adds outside atb_ops (the MoE combine's index_add_) take their deterministic path
+            torch.use_deterministic_algorithms(True, warn_only=True)
         cfg = load_config(model)
         if config_overrides:
             cfg = cfg.replace(**config_overrides)
@@ -138,7 +144,12 @@ class LLM:
         )
 
     def _ops(self):
-        return atb_ops.use_backend(self.backend) if self.backend else contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        if self.backend:
+            stack.enter_context(atb_ops.use_backend(self.backend))
+        if self.batch_invariant:
+            stack.enter_context(atb_ops.batch_invariant())
+        return stack
 
     # ---- logits of one sequence ------------------------------------------------------------------------
     def logits(self, token_ids: Sequence[int], prefill_len: int | None = None) -> torch.Tensor:
