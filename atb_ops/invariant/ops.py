@@ -15,16 +15,31 @@ import torch
 import torch.nn.functional as F
 
 from .._dispatch import register
-from ..reference import moe as ref_moe
 from ..reference import quant_sim as ref_quant
 from ..reference import rope as ref_rope
 from ..reference.linear import dequant_weight
 from ..reference.quant_sim import _hadamard_matrix
 from .primitives import BLOCK_N, bmm, matmul, row_sum
 
-for _name, _fn in (("apply_rope", ref_rope.apply_rope), ("swiglu", ref_moe.swiglu),
-                   ("fp8_act_round", ref_quant.fp8_act_round), ("fp4_act_round", ref_quant.fp4_act_round)):
+for _name, _fn in (("apply_rope", ref_rope.apply_rope), ("fp8_act_round", ref_quant.fp8_act_round),
+                   ("fp4_act_round", ref_quant.fp4_act_round)):
     register(_name, "reference", batch_invariant=True)(_fn)  # elementwise (and exact maxima): invariant as is
+
+VEC = 64
+
+
+def rowwise(fn, x: torch.Tensor) -> torch.Tensor:
+    """fn(x) for an elementwise ``fn``, computed on rows padded to a multiple of ``VEC`` elements.
+
+    PyTorch's CPU kernels compute the last (numel mod vector-width) elements of a contiguous run with a
+    scalar function that rounds differently from the vectorised one for sigmoid, softplus, SiLU and log1p
+    (measured); which elements fall in that tail depends on the batch size. Padded rows put every element
+    at a fixed place in whole vectors.
+    """
+    n = x.shape[-1]
+    extra = -n % VEC
+    xp = F.pad(x, (0, extra)) if extra else x.contiguous()
+    return fn(xp)[..., :n]
 
 
 def seq_sum(x: torch.Tensor, dim: int, keepdim: bool = False) -> torch.Tensor:
@@ -59,6 +74,15 @@ def softmax_last(s: torch.Tensor) -> torch.Tensor:
 def softmax_short(s: torch.Tensor, dim: int) -> torch.Tensor:
     e = torch.exp(s - s.amax(dim, keepdim=True))
     return e / seq_sum(e, dim, keepdim=True)
+
+
+@register("swiglu", "reference", batch_invariant=True)
+def swiglu(gate, up, limit):
+    g, u = gate.float(), up.float()
+    if limit > 0:
+        u = u.clamp(-limit, limit)
+        g = g.clamp(max=limit)
+    return rowwise(F.silu, g) * u
 
 
 @register("rms_norm", "reference", batch_invariant=True)
@@ -110,8 +134,8 @@ def _mixes(x, fn, norm_eps):
 
 def _sinkhorn_split(mixes, scale, base, n, iters, eps):
     scale, base = scale.float(), base.float()
-    pre = torch.sigmoid(mixes[:, :n] * scale[0] + base[:n]) + eps
-    post = 2 * torch.sigmoid(mixes[:, n:2 * n] * scale[1] + base[n:2 * n])
+    pre = rowwise(torch.sigmoid, mixes[:, :n] * scale[0] + base[:n]) + eps
+    post = 2 * rowwise(torch.sigmoid, mixes[:, n:2 * n] * scale[1] + base[n:2 * n])
     comb = (mixes[:, 2 * n:] * scale[2] + base[2 * n:]).view(-1, n, n)
     comb = softmax_short(comb, -1) + eps
     comb = comb / (seq_sum(comb, -2, keepdim=True) + eps)
@@ -136,7 +160,7 @@ def hc_post(y, x, post, comb):
 
 @register("hc_head", "reference", batch_invariant=True)
 def hc_head(x, fn, base, scale, hc_eps, norm_eps):
-    pre = torch.sigmoid(_mixes(x, fn, norm_eps) * scale.float() + base.float()) + hc_eps
+    pre = rowwise(torch.sigmoid, _mixes(x, fn, norm_eps) * scale.float() + base.float()) + hc_eps
     return seq_sum(pre.unsqueeze(-1) * x.float(), -2).to(x.dtype)
 
 
@@ -146,9 +170,9 @@ def moe_gate(x, weight, bias, topk, route_scale, tid2eid=None, token_ids=None, s
              n_groups=1, topk_groups=1, normalize=True):
     logits = matmul(x.float(), weight.float())
     if score_func == "sqrtsoftplus":
-        scores = F.softplus(logits).sqrt()
+        scores = rowwise(F.softplus, logits).sqrt()
     elif score_func == "sigmoid":
-        scores = logits.sigmoid()
+        scores = rowwise(torch.sigmoid, logits)
     elif score_func == "softmax":
         scores = softmax_last(logits)
     else:

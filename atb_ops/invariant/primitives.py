@@ -116,12 +116,18 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     n = b.shape[1]
     if bsz == 0 or m == 0 or n == 0 or k == 0:
         return a.new_zeros((bsz, m, n))
-    return torch.bmm(a, _pad_to(b, 1, BLOCK_N).transpose(1, 2))[:, :, :n]
+    a = a.contiguous()
+    b = _pad_to(b, 1, BLOCK_N)
+    bt = b.transpose(1, 2)
+    if not bt.is_contiguous():  # one layout per call site: [B, N, K] rows or a [B, K, N] values view
+        b = b.contiguous()
+        bt = b.transpose(1, 2)
+    return torch.bmm(a, bt)[:, :, :n]
 
 
 def row_sum(x: torch.Tensor) -> torch.Tensor:
     """sum over the last dim of x [R, N] in float32 -> [R] (see the module docstring)."""
-    x = x.float()
+    x = x.float().contiguous()  # a strided view would take another reduction kernel
     fn = _kernel("row_sum", x)
     if fn is not None:
         return fn(x)
