@@ -39,6 +39,7 @@ from .ops import (
     swiglu,
 )
 from .reference.rope import rope_inv_freq
+from .invariant import enable_torch_ops as enable_batch_invariant_torch
 
 OPS = (
     "rms_norm", "apply_rope", "hc_pre", "hc_post", "hc_head", "compressor_pool", "indexer_topk",
@@ -47,6 +48,6 @@ OPS = (
 )
 
 __all__ = list(OPS) + [
-    "BACKENDS", "BackendError", "batch_invariant", "device_available", "implementations", "is_batch_invariant",
+    "BACKENDS", "BackendError", "batch_invariant", "device_available", "enable_batch_invariant_torch", "implementations", "is_batch_invariant",
     "register", "rope_inv_freq", "selected_backend", "set_batch_invariant", "use_backend",
 ]

@@ -81,8 +81,9 @@ class LLM:
         self.batch_invariant = bool(batch_invariant)
         self.device = _resolve_device(device, self.backend)
         if self.batch_invariant and self.device.type != "cpu":
-            # scatter-adds outside atb_ops (the MoE combine's index_add_) take their deterministic path
-            torch.use_deterministic_algorithms(True, warn_only=True)
+            # products and scatter-adds that model code computes outside atb_ops (einsums, the MoE combine's
+            # index_add_): fixed-tile kernels and the deterministic scatter, process-wide
+            atb_ops.enable_batch_invariant_torch(self.device.type)
         cfg = load_config(model)
         if config_overrides:
             cfg = cfg.replace(**config_overrides)

@@ -93,10 +93,10 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 @register_primitive("bmm", "cuda")
-def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def bmm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     bsz, m, k = a.shape
     n = b.shape[1]
-    c = torch.empty((bsz, m, n), dtype=torch.float32, device=a.device)
+    c = torch.empty((bsz, m, n), dtype=out_dtype, device=a.device)
     if k == 0:
         return c.zero_()
     _launch_bmm(a, b, c, (a.stride(0), b.stride(0), c.stride(0)))
