@@ -12,6 +12,7 @@ does); :func:`disable` restores cuBLAS.
 from __future__ import annotations
 
 import logging
+import warnings
 
 import torch
 
@@ -41,15 +42,18 @@ def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1, alph
     return out + (bias * beta if beta != 1 else bias) if beta != 0 else out
 
 
-def enable() -> None:
-    """Route CUDA ``mm``, ``bmm`` and ``addmm`` of this process through the batch-invariant kernels."""
+def enable(dispatch_key: str = "CUDA") -> None:
+    """Route ``mm``, ``bmm`` and ``addmm`` of this process's CUDA tensors through the batch-invariant kernels
+    (``dispatch_key="CPU"``: CPU tensors, for tests under Triton's interpreter)."""
     global _lib
     if _lib is not None:
         return
     lib = torch.library.Library("aten", "IMPL")
-    lib.impl("mm", _mm, "CUDA")
-    lib.impl("bmm", _bmm, "CUDA")
-    lib.impl("addmm", _addmm, "CUDA")
+    with warnings.catch_warnings():  # "overriding a previously registered kernel": that is the point
+        warnings.simplefilter("ignore", UserWarning)
+        lib.impl("mm", _mm, dispatch_key)
+        lib.impl("bmm", _bmm, dispatch_key)
+        lib.impl("addmm", _addmm, dispatch_key)
     _lib = lib
     log.info("batch-invariant mode: CUDA mm/bmm/addmm run the fixed-tile Triton kernels")
 

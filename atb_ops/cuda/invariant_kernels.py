@@ -27,13 +27,13 @@ from ..invariant.primitives import register_primitive
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32
 SUM_BLOCK = 256
 # Triton's interpreter multiplies 16-bit tiles wrongly: there the dots take float32 copies (exact widening)
-_DOT_F32 = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 _INTS = ["M", "N", "K", "n_m", "n_n", "sab", "sam", "sak", "sbb", "sbn", "sbk", "scb", "scm", "scn"]
 
 
 @triton.jit(do_not_specialize=_INTS)
 def _bmm_kernel(a, b, c, M, N, K, n_m, n_n, sab, sam, sak, sbb, sbn, sbk, scb, scm, scn,
-                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr):
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, F32DOT: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     bid = pid // (n_m * n_n)
     rest = pid % (n_m * n_n)
@@ -47,7 +47,7 @@ def _bmm_kernel(a, b, c, M, N, K, n_m, n_n, sab, sam, sak, sbb, sbn, sbk, scb, s
         kin = (k0 + rk) < K
         at = tl.load(a_ptr, mask=(rm[:, None] < M) & kin[None, :], other=0.0)
         bt = tl.load(b_ptr, mask=kin[:, None] & (rn[None, :] < N), other=0.0)
-        if IEEE or _DOT_F32:
+        if F32DOT:
             acc += tl.dot(at.to(tl.float32), bt.to(tl.float32), input_precision="ieee")
         else:
             acc += tl.dot(at, bt)
@@ -74,11 +74,11 @@ def _launch_bmm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, batch_strides
     if bsz == 0 or m == 0 or n == 0:
         return
     n_m, n_n = triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N)
-    ieee = torch.float32 in (a.dtype, b.dtype)
+    f32dot = torch.float32 in (a.dtype, b.dtype) or _INTERPRET
     sab, sbb, scb = batch_strides
     _bmm_kernel[(bsz * n_m * n_n,)](
         a, b, c, m, n, k, n_m, n_n, sab, a.stride(1), a.stride(2), sbb, b.stride(1), b.stride(2),
-        scb, c.stride(1), c.stride(2), BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, IEEE=ieee, num_warps=4)
+        scb, c.stride(1), c.stride(2), BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, F32DOT=f32dot, num_warps=4)
 
 
 @register_primitive("matmul", "cuda")
