@@ -90,6 +90,34 @@ def test_issue_experiment_64_prompts(device):
     assert sum(a != b for a, b in zip(small, batched)) == 0
 
 
+def test_cli_flags(monkeypatch, capsys):
+    from ascend_dsv4.entrypoints import cli
+
+    seen = {}
+    real = cli._parser
+
+    def spy():
+        p = real()
+        orig = p.parse_args
+
+        def parse(argv=None):
+            a = orig(argv)
+            seen["bi"] = a.batch_invariant
+            return a
+
+        p.parse_args = parse
+        return p
+
+    monkeypatch.setattr(cli, "_parser", spy)
+    assert cli.main(["generate", "--model", "toy-v4", "--prompt", "Hi", "--max-tokens", "2", "--device", "cpu",
+                     "--dtype", "bfloat16", "--batch-invariant"]) == 0
+    assert seen["bi"] is True
+    assert "2 generated" in capsys.readouterr().err
+    args = real().parse_args(["serve", "--model", "toy-v4", "--batch-invariant"])
+    assert args.batch_invariant is True
+    assert real().parse_args(["serve"]).batch_invariant is False
+
+
 def test_flag_reaches_the_ops():
     llm = LLM("toy-v4", dtype="bfloat16", progress=False, batch_invariant=True)
     with llm._ops():
