@@ -24,6 +24,7 @@ from .ops import (
     compressor_pool,
     fp4_act_round,
     fp8_act_round,
+    group_linear,
     grouped_matmul,
     hadamard,
     hc_head,
@@ -44,10 +45,11 @@ from .invariant import enable_torch_ops as enable_batch_invariant_torch
 OPS = (
     "rms_norm", "apply_rope", "hc_pre", "hc_post", "hc_head", "compressor_pool", "indexer_topk",
     "sparse_attention", "moe_gate", "swiglu", "linear", "grouped_matmul", "fp8_act_round", "fp4_act_round", "hadamard",
-    "mla_decode", "mla_prefill",
+    "mla_decode", "mla_prefill", "group_linear",
 )
 
 __all__ = list(OPS) + [
-    "BACKENDS", "BackendError", "batch_invariant", "device_available", "enable_batch_invariant_torch", "implementations", "is_batch_invariant",
-    "register", "rope_inv_freq", "selected_backend", "set_batch_invariant", "use_backend",
+    "BACKENDS", "BackendError", "batch_invariant", "device_available", "enable_batch_invariant_torch",
+    "implementations", "is_batch_invariant", "register", "rope_inv_freq", "selected_backend", "set_batch_invariant",
+    "use_backend",
 ]

@@ -81,8 +81,7 @@ class LLM:
         self.batch_invariant = bool(batch_invariant)
         self.device = _resolve_device(device, self.backend)
         if self.batch_invariant and self.device.type != "cpu":
-            # products and scatter-adds that model code computes outside atb_ops (einsums, the MoE combine's
-            # index_add_): fixed-tile kernels and the deterministic scatter, process-wide
+            # the MoE combine's scatter-add (outside atb_ops) takes its ordered path, process-wide
             atb_ops.enable_batch_invariant_torch(self.device.type)
         cfg = load_config(model)
         if config_overrides:

@@ -22,30 +22,15 @@ __all__ = ["bmm", "enable_torch_ops", "matmul", "row_sum"]
 
 
 def enable_torch_ops(device_type: str) -> None:
-    """Make the plain PyTorch products and scatter-adds that model code runs outside atb_ops batch-invariant on
-    ``device_type``, process-wide (``LLM(batch_invariant=True)`` calls this for its device).
+    """Make the PyTorch reductions that model code runs outside atb_ops batch-invariant on ``device_type``,
+    process-wide (``LLM(batch_invariant=True)`` calls this for its device).
 
-    ``cuda``: ``mm`` / ``bmm`` / ``addmm`` run the fixed-tile Triton kernels (:mod:`atb_ops.cuda.invariant_aten`)
-    and ``torch.use_deterministic_algorithms(True, warn_only=True)`` gives ``index_add_`` its ordered path.
-    ``cpu``: nothing to do (the float32 GEMMs that change with M all go through atb_ops; the bfloat16 einsum of
-    the V4 output projection is checked by the end-to-end test). Other devices: logged, not guaranteed.
+    Every product of the models goes through atb_ops (``linear``, ``group_linear``, ``grouped_matmul``, ...);
+    what remains is the MoE combine's scatter-add (``index_add_``): sequential in index order on the CPU, atomic
+    on CUDA unless ``torch.use_deterministic_algorithms(True)`` gives it its ordered path, which this sets
+    (``warn_only=True``: ops without a deterministic path warn instead of failing).
     """
-    import logging
-
     import torch
 
-    log = logging.getLogger("atb_ops")
-    if device_type == "cpu":
-        return
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    if device_type == "cuda":
-        try:
-            from ..cuda import invariant_aten
-        except ImportError:
-            log.warning("batch-invariant mode on cuda without triton: torch matmuls outside atb_ops use cuBLAS, "
-                        "whose results change with the batch")
-            return
-        invariant_aten.enable()
-    else:
-        log.warning("batch-invariant mode on %s: no batch-invariant kernels for torch matmuls outside atb_ops",
-                    device_type)
+    if device_type != "cpu":
+        torch.use_deterministic_algorithms(True, warn_only=True)

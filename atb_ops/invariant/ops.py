@@ -106,6 +106,15 @@ def linear(x, w, w_scale=None, fmt="dense"):
     return y.view(*lead, y.shape[-1])
 
 
+@register("group_linear", "reference", batch_invariant=True)
+def group_linear(x, w):
+    if x.dtype != w.dtype:
+        x, w = x.float(), w.float()
+    if x.shape[0] == 0:
+        return x.new_zeros((0, w.shape[0], w.shape[1]))
+    return torch.stack([matmul(x[:, g], w[g]) for g in range(w.shape[0])], dim=1).to(x.dtype)
+
+
 @register("grouped_matmul", "reference", batch_invariant=True)
 def grouped_matmul(x, w, expert_ids, w_scale=None, fmt="dense"):
     out = x.new_zeros((x.shape[0], w.shape[1]))

@@ -50,6 +50,10 @@ def cases(device: str = "cpu", seed: int = 0, T: int = 37):
     we = r(6, 64, 256, dtype=bf)
     eid = ri(0, 6, T)
     out.append(("grouped_matmul", lambda s: atb_ops.grouped_matmul(_pick(x256, s), we, _pick(eid, s))))
+    og, woa = r(T, 2, 64, dtype=bf), r(2, 48, 64, dtype=bf)
+    out.append(("group_linear", lambda s: atb_ops.group_linear(_pick(og, s), woa)))
+    wuk = r(4, 128, 40, dtype=bf)  # V3 W_UK [H, Dn, C] used transposed
+    out.append(("group_linear_transposed", lambda s: atb_ops.group_linear(_pick(q3, s), wuk.transpose(1, 2))))
     out.append(("hadamard", lambda s: atb_ops.hadamard(_pick(q3, s))))
     xs = r(T, 4, 64, dtype=bf)
     fn, base, scale = r(24, 256) * 0.1, r(24), r(3)

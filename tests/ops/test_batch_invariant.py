@@ -90,6 +90,29 @@ def test_key_padding_bitwise_invariant(case):
     _close(base, call(0), name)  # and the same math as the reference op (outside the mode)
 
 
+def test_every_op_has_a_batch_invariant_variant():
+    from atb_ops import _dispatch
+
+    with atb_ops.batch_invariant():
+        for op in atb_ops.OPS:
+            assert _dispatch.resolve(op, torch.zeros(1)) is _dispatch._bi_registry["reference"][op], op
+    untested = [op for op in atb_ops.OPS if not any(n == op or n.startswith(op + "_") for n in NAMES)]
+    assert not untested, f"ops without a batch-invariance case in bi_cases.py: {untested}"
+
+
+def test_group_linear_reference():
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(6, 3, 16, generator=g), torch.randn(3, 5, 16, generator=g)
+    want = torch.stack([x[:, i] @ w[i].t() for i in range(3)], 1)
+    torch.testing.assert_close(atb_ops.group_linear(x, w), want)
+    xb = x.bfloat16()
+    want_b = torch.stack([xb[:, i].float() @ w[i].t() for i in range(3)], 1)
+    torch.testing.assert_close(atb_ops.group_linear(xb, w).float(), want_b, rtol=1e-2, atol=1e-2)
+    wt = w.transpose(1, 2).contiguous().transpose(1, 2)  # a transposed view of a [G, K, N] weight
+    torch.testing.assert_close(atb_ops.group_linear(x, wt), want)
+    assert atb_ops.group_linear(x[:0], w).shape == (0, 3, 5)
+
+
 def test_mode_switch():
     x, w = torch.randn(3, 8), torch.randn(5, 8)
     assert not atb_ops.is_batch_invariant()

@@ -128,31 +128,3 @@ def test_key_padding_on_cuda_backend(case):
         for n in (1, 16, 45):
             assert torch.equal(call(n), base), f"{name}: {n} padding columns changed the result"
 
-
-def test_aten_overrides():
-    """mm / bmm / addmm / einsum / F.linear through the overrides: close to cuBLAS (the CPU BLAS under the
-    interpreter), rows bitwise invariant."""
-    from atb_ops.cuda import invariant_aten
-
-    g = torch.Generator().manual_seed(5)
-    o = torch.randn(40, 2, 64, generator=g).to(DEV, torch.bfloat16)
-    w = torch.randn(2, 48, 64, generator=g).to(DEV, torch.bfloat16)
-    x, lw, lb = (torch.randn(40, 64, generator=g).to(DEV), torch.randn(24, 64, generator=g).to(DEV),
-                 torch.randn(24, generator=g).to(DEV))
-    ref_e, ref_l = torch.einsum("tgk,grk->tgr", o, w), torch.nn.functional.linear(x, lw, lb)
-    ref_m = torch.addmm(lb, x, lw.t(), beta=0.5, alpha=2.0)
-    invariant_aten.enable("CUDA" if STRICT else "CPU")
-    try:
-        assert invariant_aten.enabled()
-        got_e, got_l = torch.einsum("tgk,grk->tgr", o, w), torch.nn.functional.linear(x, lw, lb)
-        got_m = torch.addmm(lb, x, lw.t(), beta=0.5, alpha=2.0)
-        for sel in selections(40):
-            sel = sel.to(DEV)
-            assert torch.equal(torch.einsum("tgk,grk->tgr", o[sel], w), got_e[sel])
-            assert torch.equal(torch.nn.functional.linear(x[sel], lw, lb), got_l[sel])
-    finally:
-        invariant_aten.disable()
-    assert not invariant_aten.enabled()
-    torch.testing.assert_close(got_e.float(), ref_e.float(), rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(got_l, ref_l, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(got_m, ref_m, rtol=1e-4, atol=1e-4)
