@@ -113,7 +113,12 @@ def test_group_linear_reference():
     assert atb_ops.group_linear(x[:0], w).shape == (0, 3, 5)
 
 
-def test_mode_switch():
+def test_mode_switch(monkeypatch):
+    monkeypatch.setenv("ATB_OPS_BATCH_INVARIANT", "1")
+    assert atb_ops.is_batch_invariant()
+    with atb_ops.batch_invariant(False):
+        assert not atb_ops.is_batch_invariant()
+    monkeypatch.delenv("ATB_OPS_BATCH_INVARIANT")
     x, w = torch.randn(3, 8), torch.randn(5, 8)
     assert not atb_ops.is_batch_invariant()
     with atb_ops.batch_invariant():
