@@ -10,8 +10,11 @@ Each primitive promises that one output row is a fixed function of that row's in
 
 CPU (``reference`` backend): PyTorch calls whose shapes never depend on the batch, so the BLAS kernel,
 its blocking and its thread split are always the same: :func:`matmul` pads M to whole blocks of
-``BLOCK_M`` rows and runs one ``torch.bmm`` over the blocks (an [M, K] GEMM instead takes a different kernel
-for M = 1, M < 4 and for the thread partition's tail rows); :func:`bmm` pads N to a multiple of ``BLOCK_N`` (narrower
+``BLOCK_M`` rows and runs one identical ``torch.mm`` per block (an [M, K] GEMM instead takes a different
+kernel for M = 1, M < 4 and for the thread partition's tail rows; a batched call over the blocks changed rows
+with the number of blocks on another machine's BLAS at 2 threads); products with fewer than ``SMALL_M`` rows
+per matrix (GEMV kernels, whose order over K changed with K-padding there) multiply and reduce with
+:func:`row_sum`; :func:`bmm` pads N to a multiple of ``BLOCK_N`` (narrower
 products take other kernels: measured, N < 12 differs) and relies on the BLAS adding the trailing zeros of a
 K-padded product exactly (no K split: a per-matrix GEMM of these sizes runs K in one pass); :func:`row_sum` sums
 ``SUM_CHUNK`` elements with one fixed-length reduction and adds the chunks in order. Invariance of these
@@ -34,6 +37,7 @@ from .._dispatch import selected_backend
 
 BLOCK_M = 16
 BLOCK_N = 16
+SMALL_M = 4
 SUM_CHUNK = 64
 
 log = logging.getLogger("atb_ops")
@@ -97,9 +101,12 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     # the same fixed-block behaviour on every x86 build, while 16-bit CPU GEMMs differ by build (oneDNN/AMX)
     a, b = a.float(), b.float()
     ap = _pad_to(a.contiguous(), 0, BLOCK_M)
-    nb = ap.shape[0] // BLOCK_M
-    out = torch.bmm(ap.view(nb, BLOCK_M, k), b.t().unsqueeze(0).expand(nb, k, n))
-    return out.reshape(nb * BLOCK_M, n)[:m].to(out_dtype)
+    bt = b.t()
+    # one identical [BLOCK_M, K] x [K, N] call per block: the same kernel, blocking and thread split every time
+    # (a single batched call over the blocks is parallelised over the blocks or inside each GEMM depending on
+    # their number, which changes the rows' results on some BLAS builds)
+    out = torch.cat([torch.mm(ap[i:i + BLOCK_M], bt) for i in range(0, ap.shape[0], BLOCK_M)])
+    return out[:m].to(out_dtype)
 
 
 def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -116,6 +123,11 @@ def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     n = b.shape[1]
     if bsz == 0 or m == 0 or n == 0 or k == 0:
         return a.new_zeros((bsz, m, n))
+    if m < SMALL_M:
+        # matrix-vector shapes take GEMV kernels whose order over K changes with K: multiply and reduce with
+        # the chunked row sum instead (fixed order by construction)
+        prod = a.unsqueeze(2) * b.unsqueeze(1)  # [B, M, N, K]
+        return row_sum(prod.reshape(-1, k)).view(bsz, m, n)
     a = a.contiguous()
     b = _pad_to(b, 1, BLOCK_N)
     bt = b.transpose(1, 2)
