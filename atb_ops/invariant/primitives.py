@@ -18,7 +18,8 @@ per matrix (GEMV kernels, whose order over K changed with K-padding there) multi
 products take other kernels: measured, N < 12 differs) and relies on the BLAS adding the trailing zeros of a
 K-padded product exactly (no K split: a per-matrix GEMM of these sizes runs K in one pass); :func:`row_sum` sums
 ``SUM_CHUNK`` elements with one fixed-length reduction and adds the chunks in order. Invariance of these
-shapes' kernels is checked on random inputs by ``tests/ops/test_batch_invariant.py`` (1 and 2 threads).
+shapes' kernels is checked on random inputs by ``tests/ops/test_batch_invariant.py`` (1, 2 and 4 threads):
+these rest on the BLAS treating identical calls alike, which a test can confirm only for the machine it runs on.
 
 CUDA: Triton kernels with fixed tiles, one program per output tile, a sequential K loop, no split-K
 (:mod:`atb_ops.cuda.invariant_kernels`). Another device (or CUDA without triton) runs the CPU strategy on
@@ -97,8 +98,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if m == 0 or n == 0 or k == 0:
         return a.new_zeros((m, n))
     out_dtype = a.dtype
-    # 16-bit operands are widened (exactly) and multiplied in float32, then rounded once: the float32 GEMM has
-    # the same fixed-block behaviour on every x86 build, while 16-bit CPU GEMMs differ by build (oneDNN/AMX)
+    # 16-bit operands are widened (exactly) and multiplied in float32, then rounded once: one code path to check
+    # (16-bit CPU GEMMs go through oneDNN kernels that differ by CPU), and on CPUs without bf16 units much faster
     a, b = a.float(), b.float()
     ap = _pad_to(a.contiguous(), 0, BLOCK_M)
     bt = b.t()
