@@ -4,7 +4,8 @@ Each variant computes the math of the reference op (``atb_ops.reference``; numer
 equal: sums are ordered differently) using only the primitives of :mod:`.primitives` for every reduction
 that is longer than a handful of elements, explicit in-order additions for the short ones (hyper-connection
 streams, top-k weights), and elementwise or exact operations otherwise (max, comparisons, gathers, stable
-sorts). Ops that are elementwise already (RoPE, SwiGLU, activation rounding) reuse the reference function.
+sorts). Ops that are elementwise already and use only correctly rounded or vector-consistent functions (RoPE,
+activation rounding) reuse the reference function; sigmoid, softplus and SiLU go through :func:`rowwise`.
 Padded slots (-1 indices) contribute exact zeros at the END of a reduction, which the primitives ignore
 bitwise: that is what makes a ragged batch's padding invisible to each row.
 """
