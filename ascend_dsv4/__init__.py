@@ -10,7 +10,7 @@ Quick start (CPU, the embedded toy model)::
 from .engine.sampling import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "ModelConfig", "__version__"]
+__all__ = ["LLM", "SamplingParams", "load_config", "__version__"]
 
 
 def __getattr__(name):  # import the model stack lazily: `import ascend_dsv4` stays cheap
@@ -18,8 +18,8 @@ def __getattr__(name):  # import the model stack lazily: `import ascend_dsv4` st
         from .entrypoints.llm import LLM
 
         return LLM
-    if name == "ModelConfig":
-        from .config import ModelConfig
+    if name == "load_config":
+        from .models import load_config
 
-        return ModelConfig
+        return load_config
     raise AttributeError(name)

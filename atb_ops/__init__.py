@@ -22,6 +22,7 @@ from ._dispatch import (
 from .ops import (
     apply_rope,
     compressor_pool,
+    dequantize_weight,
     fp4_act_round,
     fp8_act_round,
     group_linear,
@@ -35,6 +36,8 @@ from .ops import (
     mla_decode,
     mla_prefill,
     moe_gate,
+    quant_grouped_matmul,
+    quant_linear,
     rms_norm,
     sparse_attention,
     swiglu,
@@ -45,7 +48,7 @@ from .invariant import enable_torch_ops as enable_batch_invariant_torch
 OPS = (
     "rms_norm", "apply_rope", "hc_pre", "hc_post", "hc_head", "compressor_pool", "indexer_topk",
     "sparse_attention", "moe_gate", "swiglu", "linear", "grouped_matmul", "fp8_act_round", "fp4_act_round", "hadamard",
-    "mla_decode", "mla_prefill", "group_linear",
+    "mla_decode", "mla_prefill", "dequantize_weight", "quant_linear", "quant_grouped_matmul", "group_linear",
 )
 
 __all__ = list(OPS) + [

@@ -3,7 +3,8 @@
 Every public op is a plain function in :mod:`atb_ops.ops`. It resolves an implementation by name:
 
 1. an explicit override, from the ``use_backend(...)`` context manager or else the ``ATB_OPS_BACKEND``
-   environment variable (``reference`` | ``cuda`` | ``npu``);
+   environment variable (``reference`` | ``cuda`` | ``npu`` | ``ascendc_emu``: our AscendC kernels run on the host
+   through atb_ops/ascendc/emu);
 2. otherwise the device type of the op's first tensor argument: ``cpu`` -> ``reference``,
    ``cuda`` -> ``cuda``, ``npu`` -> ``npu``.
 
@@ -28,7 +29,7 @@ from typing import Callable, Iterator
 
 import torch
 
-BACKENDS = ("reference", "cuda", "npu")
+BACKENDS = ("reference", "cuda", "npu", "ascendc_emu")
 _DEVICE_TO_BACKEND = {"cpu": "reference", "cuda": "cuda", "npu": "npu", "meta": "reference"}
 
 _registry: dict[str, dict[str, Callable]] = {b: {} for b in BACKENDS}
@@ -108,6 +109,8 @@ def _load_backend(backend: str) -> None:
         from . import cuda  # noqa: F401
     elif backend == "npu":
         from . import npu  # noqa: F401
+    elif backend == "ascendc_emu":
+        from .ascendc import emu  # noqa: F401
 
 
 def selected_backend(*args) -> str:

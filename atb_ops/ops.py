@@ -148,6 +148,16 @@ def group_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return resolve("group_linear", x)(x, w)
 
 
+def dequantize_weight(w: torch.Tensor, w_scale: torch.Tensor | None = None, fmt: str = "dense") -> torch.Tensor:
+    """The float32 matrix W of a weight stored as ``fmt`` (the formats and the math of :func:`linear`).
+
+    w: [N, K] (``dense``, ``fp8_block``) or int8 [N, K/2] (``fp4``), w_scale as in :func:`linear`; returns
+    float32 [N, K] on w's device. What a loader calls to convert a weight at load time (``dequantize=True``,
+    layers that compute in float32) and what a backend without a kernel for a format falls back to.
+    """
+    return resolve("dequantize_weight", w)(w, w_scale, fmt)
+
+
 def grouped_matmul(x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor, w_scale: torch.Tensor | None = None,
                    fmt: str = "dense") -> torch.Tensor:
     """Per-row expert matmul: out[m] = x[m] @ W[expert_ids[m]]^T.
@@ -220,3 +230,38 @@ def mla_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, k_nope: torch.Tensor, 
     :func:`mla_decode` (q_nope absorbed through W_UK) followed by W_UV, up to rounding.
     """
     return resolve("mla_prefill", q_nope)(q_nope, q_pe, k_nope, k_pe, v, idx, scale)
+
+
+def quant_linear(x: torch.Tensor, weight: torch.Tensor, mode: str, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                 offset: torch.Tensor | None = None, input_scale: torch.Tensor | None = None,
+                 input_offset: torch.Tensor | None = None, group_size: int = 0) -> torch.Tensor:
+    """Integer-path quantised linear with NPU-layout parameters (msModelSlim checkpoints after
+    ``quant.msmodelslim.npu_params`` conversion). x: [M, K] float; weight: int8 [K, N] (``x2`` layout), or for
+    ``weight_only`` also int4 packed 8 per int32 [K, N/8] (element 0 in bits 0-3). Returns [M, N] in x.dtype.
+
+    - ``dynamic`` (W8A8_DYNAMIC, W4A8 per channel): per-token symmetric quant ``s_t = max|x_t| / 127``,
+      ``q = round(x / s_t)`` (half to even; a zero row gives 0); ``y = (q @ W) * scale[n] * s_t + bias``;
+      scale float32 [N], bias float [N] or None.
+    - ``static`` (W8A8, W8A8S, W8A8_MIX decode): ``q = clamp(round(x * (1 / input_scale) + input_offset), -128,
+      127)`` (the offset added before rounding; multiplied by the float32 reciprocal, as the NPU quantiser does);
+      ``y = float32(q @ W + bias) * deq`` with bias = ``quant_bias`` int32 [N] and scale = ``deq_scale``:
+      int64 words holding float32 bits in the low 32 bits, or float32 [N].
+    - ``weight_only`` (W8A16, W4A16): ``y = x @ ((W + offset) * scale) + bias``, the NPU antiquant form (offset =
+      the negated checkpoint zero point), scale / offset [N] per channel or [G, N] with ``group_size`` = K / G.
+
+    Integer products are exact (accumulated in int64 here; the NPU accumulates in int32: a sum outside the
+    int32 range raises).
+    """
+    return resolve("quant_linear", x)(x, weight, mode, scale, bias, offset, input_scale, input_offset, group_size)
+
+
+def quant_grouped_matmul(x: torch.Tensor, weight: torch.Tensor, expert_ids: torch.Tensor,
+                         scale: torch.Tensor) -> torch.Tensor:
+    """Per-row expert matmul of the dynamic int path (msModelSlim W8A8_DYNAMIC / W4A8 per-channel experts):
+    ``out[m] = quant_linear(x[m], weight[expert_ids[m]], "dynamic", scale[expert_ids[m]])``, i.e. per-token
+    ``s_m = max|x_m| / 127``, ``q = round(x_m / s_m)``, ``out[m] = (q @ W_e) * scale[e] * s_m``.
+
+    x: [M, K] float; weight: int8 [E, K, N] (``x2`` layout); expert_ids: [M] int64 in [0, E); scale: float32
+    [E, N]. Returns [M, N] in x.dtype.
+    """
+    return resolve("quant_grouped_matmul", x)(x, weight, expert_ids, scale)

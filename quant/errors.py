@@ -6,18 +6,21 @@ checkpoint can be traced to one entry of one file.
 
 from __future__ import annotations
 
-try:  # the serving package's common base class, when it is importable
-    from ascend_dsv4.errors import AscendDSV4Error as _Base
-except ImportError:  # pragma: no cover - quant/ used on its own
-    class _Base(Exception):  # type: ignore[no-redef]
-        """Stand-in base class when :mod:`ascend_dsv4` is absent."""
+
+class ReportedError(Exception):
+    """Root of every error a user's input can cause, here and in :mod:`ascend_dsv4` (whose ``AscendDSV4Error``
+    is this class: :mod:`quant` imports nothing of the serving package, so the root lives in the package below
+    it). A command line prints it as one line, without a stack trace."""
 
 
-class QuantFormatError(_Base, ValueError):
+class CheckpointError(ReportedError):
+    """A checkpoint folder or file is broken, incomplete, or holds tensors of the wrong name, shape or dtype."""
+
+
+class QuantFormatError(ReportedError, ValueError):
     """A quantised tensor or its scale has the wrong dtype, shape or a forbidden value.
 
-    Subclasses both ``ascend_dsv4.errors.AscendDSV4Error`` (so the CLI prints it as
-    one line) and ``ValueError``. The message always names the tensor.
+    Also a ``ValueError``. The message always names the tensor.
     """
 
 
@@ -26,4 +29,4 @@ def tensor_label(name: str) -> str:
     return repr(name) if name else "<unnamed tensor>"
 
 
-__all__ = ["QuantFormatError", "tensor_label"]
+__all__ = ["CheckpointError", "QuantFormatError", "ReportedError", "tensor_label"]

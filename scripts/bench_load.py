@@ -28,8 +28,8 @@ sys.path.insert(0, ROOT)
 CHILD = r"""
 import json, sys, time, torch
 sys.path.insert(0, ROOT)
-from ascend_dsv4.config import load_config
-from ascend_dsv4.models.deepseek_v4 import DeepseekV4Model
+from ascend_dsv4.models import load_config
+from ascend_dsv4.models.deepseek_v4.model import DeepseekV4Model
 from ascend_dsv4.weights.loader import load_weights
 
 def status(key):
@@ -61,12 +61,12 @@ def main() -> int:
     ap.add_argument("--shard-gb", type=float, default=1.0)
     a = ap.parse_args()
 
-    from ascend_dsv4.config import preset
-    from ascend_dsv4.weights.random_checkpoint import reduced_config, write_checkpoint
-    from ascend_dsv4.weights.safetensors_io import find_shards, read_header, sequential_read_throughput
+    from ascend_dsv4.models import preset
+    from ascend_dsv4.weights.random_checkpoint import write_checkpoint
+    from quant.safetensors_io import find_shards, read_header, sequential_read_throughput
 
     if not os.path.isfile(os.path.join(a.dir, "model.safetensors.index.json")):
-        cfg = reduced_config(preset(a.preset), a.layers).replace(n_routed_experts=a.experts)
+        cfg = preset(a.preset).with_layers(a.layers).replace(n_routed_experts=a.experts)
         t = time.perf_counter()
         write_checkpoint(cfg, a.dir, "official", shard_bytes=int(a.shard_gb * (1 << 30)))
         print(f"wrote {a.dir} in {time.perf_counter() - t:.1f} s")

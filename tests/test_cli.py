@@ -44,7 +44,13 @@ def test_malformed_config_file(tmp_path, capsys):
     (tmp_path / "config.json").write_text('{"dim": 256, "n_layers": 2, "compress_ratios": [0, 5, 0]')
     assert main(["info", "--model", str(tmp_path)]) == 2
     assert "config.json" in capsys.readouterr().err
-    (tmp_path / "config.json").write_text('{"dim": 256, "n_layers": 2, "compress_ratios": [0, 5, 0]}')
+    (tmp_path / "config.json").write_text('{"dim": 256, "n_layers": 2}')
+    assert main(["info", "--model", str(tmp_path)]) == 2
+    assert "'vocab_size', 'n_heads', 'moe_inter_dim', 'n_routed_experts', 'n_activated_experts' missing" in \
+        capsys.readouterr().err  # named, never Flash's defaults
+    (tmp_path / "config.json").write_text('{"dim": 256, "n_layers": 2, "compress_ratios": [0, 5, 0], "vocab_size": '
+                                          '1024, "n_heads": 4, "moe_inter_dim": 128, "n_routed_experts": 16, '
+                                          '"n_activated_experts": 2}')
     assert main(["info", "--model", str(tmp_path)]) == 2
     assert "compress_ratios" in capsys.readouterr().err
 

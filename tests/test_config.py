@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-from ascend_dsv4.config import (
-    PRESETS, ModelConfig, from_dict, from_hf_dict, from_official_dict, load_config, preset,
+from ascend_dsv4.models import from_dict, load_config, preset
+from ascend_dsv4.models.deepseek_v4.config import (
+    PRESETS, DeepseekV4Config as ModelConfig, from_hf_dict, from_official_dict,
 )
 from ascend_dsv4.errors import AscendDSV4Error, ConfigError
 

@@ -7,10 +7,12 @@ import math
 
 import pytest
 
-from ascend_dsv4.config import ALL_PRESETS, PRESETS, ModelConfig, from_dict, load_config, preset
-from ascend_dsv4.config_v3 import (
-    V3_PRESETS, DeepseekV3Config, from_hf_dict_v3, from_official_dict_v3, yarn_get_mscale,
+from ascend_dsv4.models import ALL_PRESETS, from_dict, load_config, preset
+from ascend_dsv4.models.deepseek_v3.config import (
+    PRESETS as V3_PRESETS, DeepseekV3Config, from_hf_dict as from_hf_dict_v3,
+    from_official_dict as from_official_dict_v3, yarn_get_mscale,
 )
+from ascend_dsv4.models.deepseek_v4.config import PRESETS, DeepseekV4Config as ModelConfig
 from ascend_dsv4.errors import ConfigError
 
 TOY = preset("toy-v3")

@@ -90,7 +90,7 @@ def test_model_folder_with_hf_tokenizer(tmp_path):
     tokenizers = pytest.importorskip("tokenizers")
     from tokenizers import Tokenizer, models, pre_tokenizers, decoders
 
-    from ascend_dsv4.config import preset
+    from ascend_dsv4.models import preset
 
     cfg = preset("toy-v4").replace(vocab_size=300)
     vocab = {"<s>": 0, "</s>": 1}

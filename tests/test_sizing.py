@@ -7,9 +7,9 @@ from collections import Counter
 import pytest
 import torch
 
-from ascend_dsv4 import sizing
-from ascend_dsv4.config import preset
-from ascend_dsv4.engine.kv_pools import PoolSizes, SeqBlocks, V4KVPools
+from ascend_dsv4.models.deepseek_v4 import sizing
+from ascend_dsv4.models import preset
+from ascend_dsv4.kv import PoolSizes, SeqBlocks, V4KVPools
 from ascend_dsv4.errors import RequestError
 
 FLASH, PRO, TOY = preset("deepseek-v4-flash"), preset("deepseek-v4-pro"), preset("toy-v4")

@@ -6,13 +6,23 @@ import json
 
 import pytest
 
-from ascend_dsv4.config import preset
+from ascend_dsv4.models import preset
 from ascend_dsv4.entrypoints.cli import main
 from ascend_dsv4.errors import RequestError
-from ascend_dsv4.sizing_v3 import (
-    GROUPS, active_param_count_v3, checkpoint_bytes_v3, checkpoint_tensors_v3, dequantized_weights_bytes_v3,
-    format_info_v3, kv_bytes_per_token_v3, memory_plan_v3, mtp_param_count_v3, param_breakdown_v3, param_count_v3,
-    tensor_inventory_v3, weights_bytes_v3,
+from ascend_dsv4.models.deepseek_v3.sizing import (
+    GROUPS,
+    active_param_count as active_param_count_v3,
+    checkpoint_bytes as checkpoint_bytes_v3,
+    checkpoint_tensors as checkpoint_tensors_v3,
+    dequantized_weights_bytes as dequantized_weights_bytes_v3,
+    format_info as format_info_v3,
+    kv_bytes_per_token as kv_bytes_per_token_v3,
+    memory_plan as memory_plan_v3,
+    mtp_param_count as mtp_param_count_v3,
+    param_breakdown as param_breakdown_v3,
+    param_count as param_count_v3,
+    tensor_inventory as tensor_inventory_v3,
+    weights_bytes as weights_bytes_v3,
 )
 
 V3 = preset("deepseek-v3")

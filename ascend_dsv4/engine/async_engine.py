@@ -28,6 +28,10 @@ class EngineDead(AscendDSV4Error):
     """The engine thread stopped after an internal error."""
 
 
+class EngineShuttingDown(AscendDSV4Error):
+    """The server is shutting down: the request was ended before it finished."""
+
+
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, max_queue: int = 256, ops_context=None):
         self.engine = engine
@@ -130,6 +134,14 @@ class AsyncEngine:
             if not finished:
                 self._inbox.put(("abort", rid))
                 self._wake.set()
+
+    def fail_all(self, message: str) -> int:
+        """End every request in flight with :class:`EngineShuttingDown` (``message``); their callers' iterations
+        raise it and abort their requests (safe from any thread). Returns how many were ended."""
+        items = list(self._queues.values())
+        for loop, q in items:
+            loop.call_soon_threadsafe(q.put_nowait, EngineShuttingDown(message))
+        return len(items)
 
     async def abort(self, request_id: str) -> bool:
         self._inbox.put(("abort", request_id))

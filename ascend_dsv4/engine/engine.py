@@ -10,6 +10,7 @@ produced something. Metrics (throughput, TTFT, TPOT, queue length, KV usage, pre
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -19,10 +20,14 @@ from ..errors import RequestError
 from .model_runner import ModelRunner
 from .request import Request, RequestOutput, Status
 from .sampling import Sampler, SamplingParams, apply_penalties, make_generator
+from .sampling_guard import bad_logit_rows, describe_bad_row
 from .prefix_cache import PrefixCache
+from .prompts import check_prompt_ids
 from .scheduler import Scheduler
 from .spec_decode import MTPDrafter, rejection_accept
 from .tokenizer import IncrementalDetokenizer
+
+log = logging.getLogger("ascend_dsv4")
 
 
 @dataclass
@@ -46,7 +51,7 @@ class LLMEngine:
                  max_num_batched_tokens: int = 512, enable_prefix_caching: bool = False,
                  num_speculative_tokens: int = 0):
         self.runner, self.tokenizer, self.max_model_len = runner, tokenizer, max_model_len
-        self.cfg = runner.model.cfg
+        self.cfg = runner.cfg
         self.stats = EngineStats()
         prefix_cache = PrefixCache(runner.pools, self.stats) if enable_prefix_caching else None
         self.prefix_cache = prefix_cache
@@ -56,7 +61,7 @@ class LLMEngine:
         self.sampler = Sampler()
         if num_speculative_tokens not in (0, 1):
             raise RequestError("num_speculative_tokens must be 0 or 1 (one MTP draft per step)")
-        if num_speculative_tokens and not getattr(runner.model, "mtp", None):
+        if num_speculative_tokens and not runner.has_mtp:
             raise RequestError("speculative decoding needs a model with an MTP module")
         self.num_spec = num_speculative_tokens
         self.drafter = MTPDrafter(runner, self.sampler) if num_speculative_tokens else None
@@ -73,14 +78,7 @@ class LLMEngine:
             text, ids = prompt, self.tokenizer.encode(prompt)
         else:
             text, ids = None, list(prompt)
-        if not ids:
-            raise RequestError("the prompt is empty")
-        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.cfg.vocab_size]
-        if bad:
-            raise RequestError(f"prompt holds {bad[0]!r}, not a token id in [0, {self.cfg.vocab_size})")
-        if len(ids) >= self.max_model_len:
-            raise RequestError(f"the prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
-                               f"(the prompt must leave room for at least one generated token)")
+        ids = check_prompt_ids(ids, self.cfg.vocab_size, self.max_model_len)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         return Request(rid, text, ids, params, IncrementalDetokenizer(self.tokenizer), make_generator(params.seed))
 
@@ -142,7 +140,6 @@ class LLMEngine:
         tokens = [c + d for c, d in zip(chunks, drafts)]
         seqs = [r.seq for r in reqs]
         starts = [s.num_tokens for s in seqs]
-        ids, ctx = runner.prepare(seqs, tokens, "none")
         # logits rows: every verified position of a drafting request, else the last token of a request
         # whose pending tokens are all in this step
         rows, owner = [], []
@@ -154,17 +151,28 @@ class LLMEngine:
                 rows.extend(range(off + len(t) - m, off + len(t)))
                 owner.extend([i] * m)
             off += len(t)
-        with torch.inference_mode():
-            streams = runner.model(ids, ctx)
-            logits = runner.model.logits(streams, torch.tensor(rows, dtype=torch.long, device=ids.device)).float().cpu()
+        logits, hidden = runner.execute(seqs, tokens, rows)
         self.stats.steps += 1
         committed = [len(c) for c in chunks]
         by_req: dict[int, list[int]] = {}
         for j, i in enumerate(owner):
             by_req.setdefault(i, []).append(j)
+        bad_rows = set(bad_logit_rows(logits))
         for i, js in by_req.items():
             r, d = reqs[i], drafts[i]
-            acc = self._verify(r, logits[js], d, outputs)
+            # one request's failure (non-finite logits, sampling, stop strings, detokenising) ends that request
+            # with an error; the engine and the other requests go on
+            bad = [j for j in js if j in bad_rows]
+            if bad:
+                self._fail(r, f"the model produced non-finite logits for this request "
+                              f"({describe_bad_row(logits[bad[0]])})", outputs)
+                continue
+            try:
+                acc = self._verify(r, logits[js], d, outputs)
+            except Exception as e:  # noqa: BLE001 - isolate the request, keep the engine alive
+                log.exception("request %s failed while sampling / detokenising", r.request_id)
+                self._fail(r, f"{type(e).__name__}: {e}", outputs)
+                continue
             committed[i] += acc
             if d:
                 self.stats.mtp_proposed += len(d)
@@ -179,7 +187,7 @@ class LLMEngine:
                 n = committed[i] if not r.finished else 0
                 items.append((r, starts[i], n, torch.arange(off, off + n)))
                 off += len(t)
-            for i, ((r, *_), res) in enumerate(zip(items, self.drafter.catch_up(items, streams))):
+            for i, ((r, *_), res) in enumerate(zip(items, self.drafter.catch_up(items, hidden))):
                 keep = res is not None and i in by_req  # a draft only after a sampled token
                 r.draft, r.draft_probs = ([res[0]], res[1]) if keep else ([], None)
         for r, c in zip(reqs, chunks):
@@ -260,6 +268,18 @@ class LLMEngine:
         r._stop_hold = buf[len(buf) - keep:]
         r.text += out
         return out
+
+    def _fail(self, r: Request, message: str, outputs: list) -> None:
+        """End ``r`` with ``error=message`` (finish_reason "abort"), free its pages, and report it."""
+        log.warning("request %s ended with an error: %s", r.request_id, message)
+        if not r.finished:
+            r.seq.num_tokens = 0  # nothing of this request goes into the prefix cache (its KV may be NaN)
+            r.draft, r.draft_probs = [], None
+            self.scheduler.abort(r)
+            self.stats.aborted += 1
+        r.error = message
+        self.requests.pop(r.request_id, None)
+        outputs.append(self._output(r, [], ""))
 
     def _finish(self, r: Request) -> None:
         self.scheduler.finish(r)

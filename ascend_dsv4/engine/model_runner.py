@@ -1,52 +1,194 @@
-"""ModelRunner: runs one ragged step of a model over paged KV pools.
+"""ModelRunner: the model of one rank and everything it needs to run a step.
 
-The runner owns the pools. A caller (the LLM API now, the scheduler later) passes the sequences of the
-step and the new tokens of each; the runner allocates pages, builds the :class:`StepContext`, runs the
-model, advances each sequence and frees pages no later query can read.
+The runner builds the model of the config's family, loads its weights (or random ones for a preset), sizes and
+owns its KV pools, and executes ragged steps under the chosen op backend. The engine (scheduler, sampling,
+speculative decoding) and the ``LLM`` facade drive it through this interface only; a multi-process or Ray
+executor puts one runner per rank behind the same calls.
+
+What goes in: the step description -- the sequences of the step (:class:`~ascend_dsv4.kv.blocks.SeqBlocks`: page
+tables and the number of tokens already computed) and the new token ids of each -- plus the rows whose logits
+are wanted. What comes out: float32 logits ``[rows, vocab]`` on the CPU (from rank 0 under tensor parallelism).
+
+=====================================================  ==========================================================
+``ModelRunner.create(model, cfg, ...)``                 build, load, size pools (``ModelRunner(model, sizes)``
+                                                        wraps an already built model)
+``runner.cfg``, ``runner.pools``, ``runner.has_mtp``    the config; the KV pools (:class:`~ascend_dsv4.kv.KVPool`,
+                                                        whose page bookkeeping the scheduler uses); MTP present
+``runner.execute(seqs, tokens, rows)``                  one forward step -> (logits [len(rows), V], hidden): pages
+                                                        are allocated, ``seqs`` are not advanced (the engine
+                                                        commits what it accepts); ``hidden`` is an opaque handle
+                                                        on this step's hidden states for :meth:`draft`
+``runner.draft(seqs, counts, next_ids, hidden, rows)``  the MTP module over committed positions -> draft logits
+``runner.step(seqs, tokens, logits="last"|"all")``      execute + commit + trim, for one-shot callers
+``runner.new_sequence()``, ``runner.release(seq)``      page tables of a new sequence; free its pages
+=====================================================  ==========================================================
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 from typing import Sequence
 
 import torch
 
-from .context import StepContext
-from .kv_pools import PoolSizes, SeqBlocks
+import atb_ops
+
+from ..kv.blocks import PoolSizes, SeqBlocks
+from ..models import family_of
+
+
+def plan_pool_sizes(cfg, block_size: int, max_num_seqs: int, max_model_len: int,
+                    max_num_batched_tokens: int) -> PoolSizes:
+    """Pages for ``max_num_seqs`` sequences of up to ``max_model_len`` tokens with steps of up to
+    ``max_num_batched_tokens`` tokens (token pages per sequence from the family's pool layout)."""
+    B, c4_b, c128_b = block_size, 16, 2
+    per_seq_tokens = family_of(cfg).token_pages_per_sequence(cfg, B, max_model_len, max_num_batched_tokens)
+    return PoolSizes(
+        block_size=B, c4_block_size=c4_b, c128_block_size=c128_b,
+        num_blocks=max_num_seqs * per_seq_tokens + -(-max_num_batched_tokens // B),
+        num_c4_blocks=max_num_seqs * (-(-max_model_len // (4 * c4_b)) + 1),
+        num_c128_blocks=max_num_seqs * (-(-max_model_len // (128 * c128_b)) + 1),
+    )
+
+
+def build_model(model: str, cfg, dtype: torch.dtype, device: torch.device, numerics: str = "exact", seed: int = 0,
+                dequantize: bool = False, progress: bool = True, msmodelslim_path: str = "int",
+                allow_float_mtp: bool = False, msmodelslim_act_sim: str | None = None, check_weights: bool = True,
+                npu: bool = False) -> tuple[torch.nn.Module, dict | None]:
+    """The model of ``cfg`` on ``device`` in eval mode, with the weights of the folder ``model`` (safetensors or
+    msModelSlim) or random ones from ``seed`` for a preset; and the msModelSlim summary (None otherwise).
+
+    ``check_weights``: every tensor is checked for NaN / Inf as it lands (:mod:`ascend_dsv4.weights.weight_check`).
+    ``npu`` (the NPU backend runs the model): Atlas A2/A3 have no FP8/FP4 matmul, so official FP8/FP4 weights are
+    dequantised at load (tensor by tensor), and msModelSlim int-path linears get their NPU parameter form."""
+    family = family_of(cfg)
+    folder = model if os.path.isdir(model) else (os.path.dirname(model) if os.path.isfile(model) else None)
+    summary = None
+    if folder is None:
+        from ..weights.random_init import init_random_
+
+        net = init_random_(family.build_model(cfg, dtype, numerics), seed)
+    else:
+        from ..weights.loader import load_weights
+        from ..weights.msmodelslim_loader import is_msmodelslim_folder, load_msmodelslim
+
+        with torch.device("meta"):
+            net = family.build_model(cfg, dtype, numerics)
+        if is_msmodelslim_folder(folder):
+            summary = load_msmodelslim(net, folder, msmodelslim_path, allow_float_mtp, msmodelslim_act_sim,
+                                       check_weights=check_weights, npu=npu)
+        else:
+            load_weights(net, folder, device, dequantize=dequantize or npu, progress=progress,
+                         check_weights=check_weights)
+    return net.to(device).eval(), summary
 
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, sizes: PoolSizes, device: torch.device | str = "cpu",
-                 kv_dtype: torch.dtype | None = None):
+                 kv_dtype: torch.dtype | None = None, backend: str | None = None, quant_summary: dict | None = None,
+                 batch_invariant: bool = False):
         self.model = model
+        self.cfg = model.cfg
         self.device = torch.device(device)
+        self.backend = backend  # atb_ops backend forced for every step (None: by tensor device)
+        self.batch_invariant = batch_invariant  # every step in atb_ops' batch-invariant mode
+        self.quant_summary = quant_summary
         self.pools = model.make_pools(sizes, kv_dtype or model.dtype, self.device)
+        self.max_model_len: int | None = None  # limits the pools were sized for (set by create)
+        self.max_num_batched_tokens: int | None = None
 
+    @classmethod
+    def create(cls, model: str, cfg, *, device: torch.device, dtype: torch.dtype, numerics: str = "exact",
+               backend: str | None = None, block_size: int = 16, max_num_seqs: int = 8, max_model_len: int,
+               max_num_batched_tokens: int = 512, gpu_memory_utilization: float | None = None,
+               batch_invariant: bool = False, **load) -> "ModelRunner":
+        """Build and load the model (``load``: the keyword arguments of :func:`build_model`) and size its pools
+        (``gpu_memory_utilization``: from the device's free memory, :mod:`.memory_sizing`)."""
+        runner_ops = atb_ops.use_backend(backend) if backend else contextlib.nullcontext()
+        npu = backend == "npu" or (backend is None and torch.device(device).type == "npu")
+        with runner_ops:
+            net, summary = build_model(model, cfg, dtype, device, numerics, npu=npu, **load)
+        sizes = plan_pool_sizes(cfg, block_size, max_num_seqs, max_model_len, max_num_batched_tokens)
+        if gpu_memory_utilization is not None:
+            from .memory_sizing import sized_for_memory
+
+            sizes = sized_for_memory(net, sizes, dtype, gpu_memory_utilization, torch.device(device), max_num_seqs,
+                                     max_model_len)
+        runner = cls(net, sizes, device, backend=backend, quant_summary=summary, batch_invariant=batch_invariant)
+        runner.max_model_len, runner.max_num_batched_tokens = max_model_len, max_num_batched_tokens
+        return runner
+
+    # ---- properties the engine asks -----------------------------------------------------------------
+    @property
+    def has_mtp(self) -> bool:
+        return bool(getattr(self.model, "mtp", None))
+
+    def ops(self):
+        """The op-backend context every step runs under (and batch-invariant mode when asked)."""
+        stack = contextlib.ExitStack()
+        if self.backend:
+            stack.enter_context(atb_ops.use_backend(self.backend))
+        if self.batch_invariant:
+            stack.enter_context(atb_ops.batch_invariant())
+        return stack
+
+    # ---- sequences -----------------------------------------------------------------------------------
     def new_sequence(self) -> SeqBlocks:
         return SeqBlocks()
 
+    def release(self, seq: SeqBlocks) -> None:
+        self.pools.free(seq)
+
+    # ---- steps ---------------------------------------------------------------------------------------
     def prepare(self, seqs: Sequence[SeqBlocks], tokens: Sequence[Sequence[int]], logits: str = "last"):
+        """Allocate the pages of the new tokens; (input ids [T], step context)."""
         for s, t in zip(seqs, tokens):
             self.pools.ensure(s, s.num_tokens + len(t))
         ctx = self.pools.build_context(list(seqs), [len(t) for t in tokens], logits, self.device)
         ids = torch.tensor([x for t in tokens for x in t], dtype=torch.long, device=self.device)
         return ids, ctx
 
-    def commit(self, seqs: Sequence[SeqBlocks], ctx: StepContext) -> None:
+    def commit(self, seqs: Sequence[SeqBlocks], ctx) -> None:
+        """Advance every sequence over its new tokens and free pages no later query can read."""
         for s, n in zip(seqs, ctx.query_lens):
             s.num_tokens += n
             self.pools.trim(s)
 
     @torch.inference_mode()
+    def execute(self, seqs: Sequence[SeqBlocks], tokens: Sequence[Sequence[int]], rows: Sequence[int]):
+        """Run the new ``tokens[s]`` of every ``seqs[s]`` (KV written, sequences not advanced).
+
+        ``rows``: indices into the concatenated new tokens whose logits are wanted. Returns (float32 CPU logits
+        [len(rows), vocab], hidden): ``hidden`` holds this step's hidden states, row ``i`` = new token ``i``,
+        for :meth:`draft`."""
+        with self.ops():
+            ids, _ctx = self.prepare(seqs, tokens, "none")
+            hidden = self.model(ids, _ctx)
+            index = torch.tensor(list(rows), dtype=torch.long, device=ids.device)
+            logits = self.model.logits(hidden, index).float().cpu()
+        return logits, hidden
+
+    @torch.inference_mode()
+    def draft(self, seqs: Sequence[SeqBlocks], counts: Sequence[int], next_ids: Sequence[int], hidden,
+              rows: torch.Tensor, k: int = 0) -> torch.Tensor:
+        """MTP draft logits (float32 CPU, one row per sequence: its last position) of ``counts[s]`` committed
+        positions of every ``seqs[s]`` starting at its ``num_tokens``, given the main model's hidden states
+        ``hidden[rows]`` at those positions (from :meth:`execute`) and the true next token of each position;
+        ``k``: which MTP module."""
+        with self.ops():
+            ctx = self.pools.build_context(list(seqs), list(counts), "last", self.device)
+            nxt = torch.tensor(list(next_ids), dtype=torch.long, device=self.device)
+            return self.model.mtp_logits(hidden[rows], nxt, ctx, k, ctx.logits_index).float().cpu()
+
+    @torch.inference_mode()
     def step(self, seqs: Sequence[SeqBlocks], tokens: Sequence[Sequence[int]], logits: str = "last",
              return_streams: bool = False):
-        """Run the new ``tokens[s]`` of every ``seqs[s]``; returns float32 logits [rows, vocab]
+        """Run the new ``tokens[s]`` of every ``seqs[s]`` and advance them; returns float32 logits [rows, vocab]
         (rows per ``logits``: "last" = one per sequence, "all" = every token), and the streams if asked."""
-        ids, ctx = self.prepare(seqs, tokens, logits)
-        streams = self.model(ids, ctx)
-        out = self.model.logits(streams, ctx.logits_index)
-        self.commit(seqs, ctx)
+        with self.ops():
+            ids, ctx = self.prepare(seqs, tokens, logits)
+            streams = self.model(ids, ctx)
+            out = self.model.logits(streams, ctx.logits_index)
+            self.commit(seqs, ctx)
         return (out, streams, ctx, ids) if return_streams else out
-
-    def release(self, seq: SeqBlocks) -> None:
-        self.pools.free(seq)

@@ -2,11 +2,15 @@
 
 What a cached token holds (each as one reference on a page; pages are shared and reference counted):
 
-- DeepSeek-V4, "full" part: the ratio-4 and ratio-128 entry pages of the entries its block belongs to (entry
-  ``p // 4`` and ``p // 128``); "window" part: its token page (sliding-window K=V row and compressor state
-  rows). The radix window is ``max(window_size, 128 with HCA layers, 8 with CSA layers)``: a hit needs that
-  many live window tokens before its end, which covers the sliding window and the open compression blocks.
-- DeepSeek-V3: only a "full" part, its MLA latent token page (no window: a plain radix cache).
+- a pool with a window (``pools.radix_window`` set; DeepSeek-V4): "full" part = the entry pages of every
+  entry space (``pools.entry_spaces()``: ratio-4 and ratio-128) that its position belongs to (entry ``p // 4``
+  and ``p // 128``); "window" part = its token page (sliding-window K=V row and compressor state rows). A hit
+  needs ``radix_window`` live window tokens before its end (V4: ``max(window_size, 128 with HCA layers, 8
+  with CSA layers)``), which covers the sliding window and the open compression blocks.
+- a pool without a window (``radix_window is None``; DeepSeek-V3's MLA latent pool): only a "full" part, its
+  token page (a plain radix cache).
+
+The cache asks the pool protocol (:mod:`ascend_dsv4.kv.protocol`), never which model family it serves.
 
 Pages are position-aligned (logical page ``k`` holds positions ``[kB, (k+1)B)``), so a hit of length ``P``
 becomes page tables directly: full pages are shared, and the partially filled pages the new request will
@@ -21,28 +25,26 @@ from __future__ import annotations
 
 import itertools
 
+from ..kv.protocol import KVPool
 from .radix_cache import RadixCache
 from .request import Request
 
 
 class PrefixCache:
-    def __init__(self, pools, stats):
+    def __init__(self, pools: KVPool, stats):
         self.pools, self.stats = pools, stats
-        cfg = pools.cfg
-        self.v4 = cfg.model_type == "deepseek_v4"
         self.B = pools.sizes.block_size
-        window = None
-        if self.v4:
-            window = max(cfg.window_size, 128 if pools.hca_layers else 0, 8 if pools.csa_layers else 0)
+        window = pools.radix_window
+        self.windowed = window is not None
         self.radix = RadixCache(window, self._free_full, self._free_swa)
-        self.full_refs: dict[int, list[tuple[object, int]]] = {}  # V4 full slot -> (allocator, page) refs
+        self.full_refs: dict[int, list[tuple[object, int]]] = {}  # windowed: full slot -> (allocator, page) refs
         self._ids = itertools.count()
         self.matches: dict[str, object] = {}  # request id -> (locked node, Match)
         pools.reclaim = self.reclaim
 
     # ---- slot ownership callbacks ------------------------------------------------------------------------
     def _free_full(self, slots: list[int]) -> None:
-        if not self.v4:
+        if not self.windowed:
             self.pools.token_alloc.free([s // self.B for s in slots])
             return
         for s in slots:
@@ -54,7 +56,7 @@ class PrefixCache:
 
     def reclaim(self) -> bool:
         """Evict some least recently used cached state; False when nothing is left to evict."""
-        freed = self.radix.evict_swa(64) if self.v4 else 0
+        freed = self.radix.evict_swa(64) if self.windowed else 0
         freed += self.radix.evict_full(64)
         return freed > 0
 
@@ -84,21 +86,18 @@ class PrefixCache:
     def _build_tables(self, req: Request, m) -> None:
         pools, B, P, seq = self.pools, self.B, m.length, req.seq
         tok_pages: dict[int, int] = {}
-        if self.v4:
+        if self.windowed:
             for i, slot in enumerate(m.swa_slots):
                 pos = m.swa_start + i
                 if pos >= pools.keep_from(P):
                     tok_pages[pos // B] = slot // B
-            c4_pages: dict[int, int] = {}
-            c128_pages: dict[int, int] = {}
-            for r, pages, size in ((4, c4_pages, pools.sizes.c4_block_size), (128, c128_pages, pools.sizes.c128_block_size)):
-                alloc = pools.c4_alloc if r == 4 else pools.c128_alloc
+            for sp in pools.entry_spaces():
+                r, pages = sp.ratio, {}
                 for e in range(P // r):  # complete entries: take the page from the token that completed it
                     for a, page in self.full_refs[m.full_slots[e * r + r - 1]]:
-                        if a is alloc:
-                            pages[e // size] = page
-            seq.c4 = self._share(pools.c4_alloc, c4_pages, "c4", (P // 4) % pools.sizes.c4_block_size != 0)
-            seq.c128 = self._share(pools.c128_alloc, c128_pages, "c128", (P // 128) % pools.sizes.c128_block_size != 0)
+                        if a is sp.alloc:
+                            pages[e // sp.page_size] = page
+                setattr(seq, sp.table, self._share(sp.alloc, pages, sp.table, (P // r) % sp.page_size != 0))
         else:
             for pos, slot in enumerate(m.full_slots):
                 tok_pages[pos // B] = slot // B
@@ -134,7 +133,7 @@ class PrefixCache:
         full = list(m.full_slots) if m else []
         for pos in range(P, L):
             full.append(self._new_full_slot(seq, pos))
-        if not self.v4:
+        if not self.windowed:
             self.radix.insert(tokens, full)
             return
         live = [k for k, p in enumerate(seq.token) if p >= 0]
@@ -174,17 +173,17 @@ class PrefixCache:
         self.pools.free(req.seq)
 
     def _new_full_slot(self, seq, pos: int) -> int:
-        if not self.v4:
+        if not self.windowed:
             page = seq.token[pos // self.B]
             self.pools.token_alloc.incref([page])
             return page * self.B + pos % self.B
         refs = []
-        for r, table, alloc, size in ((4, seq.c4, self.pools.c4_alloc, self.pools.sizes.c4_block_size),
-                                      (128, seq.c128, self.pools.c128_alloc, self.pools.sizes.c128_block_size)):
-            k = (pos // r) // size
+        for sp in self.pools.entry_spaces():
+            table = getattr(seq, sp.table)
+            k = (pos // sp.ratio) // sp.page_size
             if k < len(table) and table[k] >= 0:
-                alloc.incref([table[k]])
-                refs.append((alloc, table[k]))
+                sp.alloc.incref([table[k]])
+                refs.append((sp.alloc, table[k]))
         sid = next(self._ids)
         self.full_refs[sid] = refs
         return sid

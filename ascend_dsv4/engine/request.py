@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .kv_pools import SeqBlocks
+from ..kv.blocks import SeqBlocks
 from .sampling import SamplingParams, TokenLogprobs
 from .tokenizer import IncrementalDetokenizer
 
@@ -61,8 +61,28 @@ class Request:
 
 
 @dataclass
+class CompletionOutput:
+    """One completion of a request, as vLLM's ``RequestOutput.outputs[i]``."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    cumulative_logprob: float | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
 class RequestOutput:
-    """What a request has produced so far; ``delta_*`` is what the last engine step added."""
+    """What a request has produced so far; ``delta_*`` is what the last engine step added.
+
+    ``outputs`` lists its completions as vLLM does (``outputs[i].text / .token_ids / .finish_reason``): one, or
+    ``SamplingParams.n`` from :meth:`~ascend_dsv4.LLM.generate`. ``text``, ``token_ids``, ``finish_reason`` and
+    ``logprobs`` are those of ``outputs[0]`` (kept as shortcuts)."""
 
     request_id: str
     prompt: str | None
@@ -76,3 +96,17 @@ class RequestOutput:
     logprobs: list[TokenLogprobs]
     num_cached_tokens: int = 0
     error: str | None = None  # set when the engine aborted the request itself (e.g. it can never fit the pools)
+    more_outputs: list[CompletionOutput] = field(default_factory=list, repr=False)  # completions 1 .. n-1
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        return [self.as_completion(0)] + self.more_outputs
+
+    def as_completion(self, index: int) -> CompletionOutput:
+        """This output's own completion, numbered ``index``."""
+        return CompletionOutput(index, self.text, self.token_ids, self.finish_reason, self.logprobs,
+                                _cumulative(self.logprobs))
+
+
+def _cumulative(lps: list[TokenLogprobs]) -> float | None:
+    return sum(lp.logprob for lp in lps) if lps else None

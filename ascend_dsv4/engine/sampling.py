@@ -23,12 +23,21 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from ..errors import RequestError
+from ..errors import RequestError, RequestFailed
+from .sampling_guard import bad_logit_rows, check_distribution, describe_bad_row
 
-__all__ = ["SamplingParams", "Sampler", "TokenLogprobs", "make_generator", "apply_penalties", "GREEDY_EPS"]
+__all__ = ["SamplingParams", "Sampler", "TokenLogprobs", "make_generator", "apply_penalties", "GREEDY_EPS",
+           "TEMPERATURE_MAX", "REPETITION_PENALTY_RANGE"]
 
 # Temperatures below this are treated as greedy: dividing by them would overflow float32 logits.
 GREEDY_EPS = 1e-5
+# Ranges where the arithmetic stays finite for any float32 logit a model produces (|logit| < 1e30): dividing or
+# multiplying by a repetition penalty in this range, or dividing by a temperature >= GREEDY_EPS, cannot overflow
+# float32. (A repetition_penalty of 1e-300 is 0 in float32: its division made every seen logit inf and NaN
+# probabilities.) Non-finite results that slip through anyway end only their own request (sampling_guard).
+TEMPERATURE_MAX = 1e4
+MAX_N = 128  # completions per prompt
+REPETITION_PENALTY_RANGE = (1e-2, 1e2)
 _SEED_MAX = 2**64  # torch.Generator.manual_seed takes seeds in [0, 2**64)
 
 
@@ -59,6 +68,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens
     repetition_penalty: float = 1.0  # prompt + generated tokens: positive logits / p, negative * p
     stop: list[str] | None = None  # stop strings: the output ends before the first occurrence
+    n: int = 1  # completions per prompt (LLM.generate and the server fan a request out; the engine runs one each)
 
     def __post_init__(self):
         if isinstance(self.stop_token_ids, tuple):
@@ -76,11 +86,13 @@ class SamplingParams:
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise RequestError naming the first bad field; ``vocab_size`` adds the range checks on ids."""
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise _bad("n", f"must be an integer in [1, {MAX_N}]", self.n)
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise _bad("max_tokens", "must be an integer >= 1", self.max_tokens)
         t = self.temperature
-        if not _is_real(t) or not math.isfinite(t) or t < 0:
-            raise _bad("temperature", "must be a finite number >= 0 (0 means greedy)", t)
+        if not _is_real(t) or not math.isfinite(t) or not 0 <= t <= TEMPERATURE_MAX:
+            raise _bad("temperature", f"must be a number in [0, {TEMPERATURE_MAX:g}] (0 means greedy)", t)
         p = self.top_p
         if not _is_real(p) or not (0.0 < p <= 1.0):
             raise _bad("top_p", "must be a number in (0, 1]", p)
@@ -111,8 +123,9 @@ class SamplingParams:
             if not _is_real(v) or not (lo <= v <= hi):
                 raise _bad(name, f"must be a number in [{lo:g}, {hi:g}]", v)
         rp = self.repetition_penalty
-        if not _is_real(rp) or not math.isfinite(rp) or rp <= 0:
-            raise _bad("repetition_penalty", "must be a finite number > 0 (1 disables it)", rp)
+        lo, hi = REPETITION_PENALTY_RANGE
+        if not _is_real(rp) or not math.isfinite(rp) or not lo <= rp <= hi:
+            raise _bad("repetition_penalty", f"must be a number in [{lo:g}, {hi:g}] (1 disables it)", rp)
         if self.stop is not None and (not isinstance(self.stop, (list, tuple))
                                       or not all(isinstance(x, str) and x for x in self.stop)):
             raise _bad("stop", "must be null, a non-empty string or a list of non-empty strings", self.stop)
@@ -133,6 +146,14 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     g = torch.Generator(device=device)
     g.manual_seed(int(seed))
     return g
+
+
+def _refuse_bad_rows(logits: torch.Tensor) -> None:
+    """RequestFailed when a row of ``logits`` holds NaN / +inf or nothing finite: argmax would return token 0
+    and multinomial would raise."""
+    bad = bad_logit_rows(logits)
+    if bad:
+        raise RequestFailed(f"the model produced non-finite logits (row {bad[0]}: {describe_bad_row(logits[bad[0]])})")
 
 
 class TokenLogprobs(NamedTuple):
@@ -177,12 +198,14 @@ class Sampler:
 
     def probs(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
         """The distribution [B, V] that :meth:`sample` draws from (one-hot on the argmax for greedy rows)."""
+        _refuse_bad_rows(logits)
         out = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
         for i, p in enumerate(params):
             if p.greedy:
                 out[i, torch.argmax(logits[i])] = 1.0
             else:
                 pr, order = self._filtered_sorted(logits[i:i + 1], [p])
+                check_distribution(pr, "sampling")
                 out[i].scatter_(0, order[0], pr[0])
         return out
 
@@ -200,6 +223,7 @@ class Sampler:
         if B == 0:
             return out
         logits = logits.float()
+        _refuse_bad_rows(logits)
         greedy = [p.greedy for p in params]
         g_rows = [i for i in range(B) if greedy[i]]
         s_rows = [i for i in range(B) if not greedy[i]]
@@ -212,6 +236,7 @@ class Sampler:
 
         sp = [params[i] for i in s_rows]
         probs, order = self._filtered_sorted(logits[torch.tensor(s_rows, device=dev)], sp)
+        check_distribution(probs, "sampling")
 
         # Draw in sorted space, then map back through ``order``. Seeded rows draw alone with their own
         # generator; unseeded rows share one draw from the global RNG.

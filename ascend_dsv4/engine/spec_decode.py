@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import torch
 
-from .kv_pools import SeqBlocks
+from ..errors import RequestFailed
+from ..kv.blocks import SeqBlocks
 from .sampling import Sampler
+from .sampling_guard import bad_logit_rows
 
 
 def rejection_accept(p: torch.Tensor, q: torch.Tensor, draft: int, gen: torch.Generator | None) -> tuple[bool, int]:
@@ -48,9 +50,9 @@ class MTPDrafter:
     def __init__(self, runner, sampler: Sampler):
         self.runner, self.sampler = runner, sampler
 
-    @torch.inference_mode()
-    def catch_up(self, items: list[tuple], streams: torch.Tensor) -> list[tuple[int, torch.Tensor] | None]:
-        """items: (request, start position, committed count, stream rows [n] in ``streams``) for each request.
+    def catch_up(self, items: list[tuple], streams) -> list[tuple[int, torch.Tensor] | None]:
+        """items: (request, start position, committed count, rows [n] of the step's hidden states ``streams``,
+        the handle :meth:`ModelRunner.execute` returned) for each request.
 
         Runs MTP on positions start .. start+n-1 with next tokens all_ids[pos + 1] (all known: the token after
         the last committed position was just sampled). Returns per item (draft token, draft distribution)
@@ -58,19 +60,23 @@ class MTPDrafter:
         live = [(r, s, n, rows) for r, s, n, rows in items if n > 0]
         if not live:
             return [None] * len(items)
-        pools = self.runner.pools
         views = [SeqBlocks(r.seq.token, r.seq.c4, r.seq.c128, s) for r, s, n, _ in live]
-        ctx = pools.build_context(views, [n for _, _, n, _ in live], "last", self.runner.device)
-        next_ids = torch.tensor([r.all_ids[s + 1 + i] for r, s, n, _ in live for i in range(n)],
-                                dtype=torch.long, device=self.runner.device)
+        next_ids = [r.all_ids[s + 1 + i] for r, s, n, _ in live for i in range(n)]
         rows = torch.cat([rows for _, _, _, rows in live])
-        logits = self.runner.model.mtp_logits(streams[rows], next_ids, ctx, 0, ctx.logits_index).float().cpu()
+        logits = self.runner.draft(views, [n for _, _, n, _ in live], next_ids, streams, rows)
         drafts = []
+        bad = set(bad_logit_rows(logits))
         for i, (r, *_rest) in enumerate(live):
-            if r.params.greedy:  # greedy verification compares tokens: no distribution needed
+            if i in bad:  # non-finite MTP logits: no draft this step (the request itself goes on)
+                drafts.append(None)
+            elif r.params.greedy:  # greedy verification compares tokens: no distribution needed
                 drafts.append((int(torch.argmax(logits[i])), None))
             else:
-                q = self.sampler.probs(logits[i:i + 1], [r.params])[0]
+                try:
+                    q = self.sampler.probs(logits[i:i + 1], [r.params])[0]
+                except RequestFailed:  # the draft overflowed after temperature: propose nothing
+                    drafts.append(None)
+                    continue
                 drafts.append((int(torch.multinomial(q, 1, generator=r.generator)[0]), q))
         it = iter(drafts)
         return [next(it) if n > 0 else None for _r, _s, n, _rows in items]

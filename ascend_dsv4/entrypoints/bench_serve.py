@@ -45,8 +45,10 @@ class BenchConfig:
     temperature: float = 0.0
     ignore_eos: bool = False
     timeout: float = 120.0
+    progress: bool = False
 
     def check(self) -> None:
+        self.base_url = server_root(self.base_url)
         if self.concurrency < 1:
             raise ValueError("--concurrency must be >= 1")
         if self.num_requests is None and self.duration is None:
@@ -61,6 +63,17 @@ class BenchConfig:
             raise ValueError("--shared-prefix-ratio must be in [0, 1]")
         if not self.timeout > 0:
             raise ValueError("--timeout must be > 0 seconds")
+
+
+def server_root(url: str) -> str:
+    """The server root of ``url``: a trailing ``/`` and ``/v1`` are dropped (vLLM's and OpenAI's clients take the
+    ``.../v1`` form, so users paste it)."""
+    u = url.strip().rstrip("/")
+    if u.endswith("/v1"):
+        u = u[:-3].rstrip("/")
+    if not u.startswith(("http://", "https://")):
+        raise ValueError(f"--base-url must be an http:// or https:// URL, got {url!r}")
+    return u
 
 
 @dataclass
@@ -224,9 +237,20 @@ async def run_bench(cfg: BenchConfig) -> dict:
                 i = run.sent
                 run.sent += 1
                 prompt = make_prompt(i, cfg.input_len, cfg.shared_prefix_ratio, cfg.seed)
-                run.results.append(await _one(client, cfg, model, prompt))
+                res = await _one(client, cfg, model, prompt)
+                run.results.append(res)
+                bar.update(1)
+                if not res.ok:
+                    bar.set_postfix_str(f"{sum(not r.ok for r in run.results)} errors", refresh=False)
 
-        await asyncio.gather(*(worker() for _ in range(cfg.concurrency)))
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.num_requests, unit="req", desc="bench serve", file=sys.stderr,
+                   disable=not cfg.progress, dynamic_ncols=True)
+        try:
+            await asyncio.gather(*(worker() for _ in range(cfg.concurrency)))
+        finally:
+            bar.close()
         elapsed = time.perf_counter() - t_start
     ok = [r for r in run.results if r.ok]
     bad = [r for r in run.results if not r.ok]
@@ -276,7 +300,8 @@ def format_report(r: dict) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (without /v1)")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000",
+                   help="server URL; the root or the OpenAI base URL ending in /v1 (both work)")
     p.add_argument("--model", default=None, help="model name to request (default: the first of /v1/models)")
     p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer <key>'")
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight at once")
@@ -291,13 +316,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="ask for exactly --output-len tokens (vLLM extension)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds allowed per request")
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    p.add_argument("--progress", choices=("auto", "on", "off"), default="auto",
+                   help="progress bar on stderr (auto: when stderr is a terminal)")
 
 
 def config_from_args(a: argparse.Namespace) -> BenchConfig:
     return BenchConfig(base_url=a.base_url, model=a.model, api_key=a.api_key, concurrency=a.concurrency,
                        num_requests=a.num_requests, duration=a.duration, input_len=a.input_len,
                        output_len=a.output_len, shared_prefix_ratio=a.shared_prefix_ratio, seed=a.seed,
-                       temperature=a.temperature, ignore_eos=a.ignore_eos, timeout=a.timeout)
+                       temperature=a.temperature, ignore_eos=a.ignore_eos, timeout=a.timeout,
+                       progress=_progress_on(getattr(a, "progress", "auto")))
+
+
+def _progress_on(mode: str) -> bool:
+    if mode in ("on", "off"):
+        return mode == "on"
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        return False
 
 
 def main(a: argparse.Namespace) -> int:

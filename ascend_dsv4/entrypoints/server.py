@@ -35,11 +35,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engine.async_engine import AsyncEngine, EngineDead, EngineOverloaded
+from ..engine.async_engine import AsyncEngine, EngineDead, EngineOverloaded, EngineShuttingDown
+from ..engine.prompts import PromptError, check_prompt_ids
 from ..engine.request import RequestOutput
-from ..engine.sampling import SamplingParams
+from ..engine.sampling import MAX_N, SamplingParams
 from ..errors import AscendDSV4Error, RequestError
 from .chat import ChatFormatter
+from .serve_lifecycle import DrainingServer, DrainState, bind_socket
 
 log = logging.getLogger("ascend_dsv4.server")
 
@@ -81,6 +83,8 @@ def _engine_error(e: BaseException, prompt_param: str) -> ApiError:
         return ApiError(429, f"the server is overloaded: {e}", None, "engine_overloaded", headers={"Retry-After": "1"})
     if isinstance(e, EngineDead):
         return ApiError(503, f"the engine is not running: {e}", None, "engine_dead")
+    if isinstance(e, EngineShuttingDown):
+        return ApiError(503, f"the request was ended: {e}", None, "server_shutting_down")
     if isinstance(e, RequestError):
         msg = str(e)
         m = _PARAM_RE.search(msg)
@@ -112,6 +116,33 @@ def _opt_bool(body: dict, name: str) -> bool | None:
     return v
 
 
+def _lone_surrogate(obj: Any, path: str = "", top: str | None = None) -> tuple[str, str] | None:
+    """(path of the first string holding a lone surrogate, its top-level field), or None. JSON's ``\\ud800``
+    escapes decode to such strings; UTF-8 cannot encode them (the tokenizer would fail with a 500)."""
+    if isinstance(obj, str):
+        try:
+            obj.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "the request body", top or path
+        return None
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            key = k if isinstance(k, str) else str(k)
+            if isinstance(k, str):
+                bad = _lone_surrogate(k, f"{path}.<key>" if path else "a field name", top or "body")
+                if bad:
+                    return bad
+            bad = _lone_surrogate(v, f"{path}.{key}" if path else key, top or key)
+            if bad:
+                return bad
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            bad = _lone_surrogate(v, f"{path}[{i}]", top)
+            if bad:
+                return bad
+    return None
+
+
 def _finite(x: float) -> float:
     return x if math.isfinite(x) else -9999.0  # JSON has no -inf; OpenAI clients expect a number
 
@@ -140,23 +171,31 @@ class _State:
         if m is None:
             return self.names[0]
         if not isinstance(m, str) or m not in self.names:
-            raise ApiError(400, f"the model {m!r} does not exist; this server serves {', '.join(self.names)}",
+            raise ApiError(404, f"The model {m!r} does not exist; this server serves {', '.join(self.names)}",
                            "model", "model_not_found")
         return m
 
-    def check_len(self, ids: list[int], param: str) -> None:
-        if not ids:
-            raise _bad(f"{param} is empty", param)
-        if len(ids) >= self.max_model_len:
-            raise _bad(f"This model's maximum context length is {self.max_model_len} tokens. However, your "
-                       f"{param} has {len(ids)} tokens (it must leave room for at least one generated token).",
+    def check_max_tokens(self, ids: list[int], max_tokens: int | None, param: str) -> int | None:
+        """``max_tokens`` must fit the context left after the prompt (vLLM's rule: a 400 naming both numbers, not
+        a request that runs to the limit). Returns the context left."""
+        left = self.max_model_len - len(ids)
+        if max_tokens is not None and max_tokens > left:
+            raise _bad(f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                       f"{max_tokens} output tokens ({param}) and your prompt contains {len(ids)} tokens, for a "
+                       f"total of {len(ids) + max_tokens} tokens: {param} must be at most {left}, the context left.",
                        param, "context_length_exceeded")
+        return left
 
-    def check_ids(self, ids: list, param: str) -> list[int]:
-        for t in ids:
-            if not _is_int(t) or t < 0 or (self.vocab_size is not None and t >= self.vocab_size):
-                raise _bad(f"{param} holds {t!r}, not a token id in [0, {self.vocab_size})", param)
-        return list(ids)
+    def check_prompt(self, ids: list, param: str) -> list[int]:
+        """The prompt's ids (engine's validator), or a 400 naming ``param`` (OpenAI's wording for length)."""
+        try:
+            return check_prompt_ids(ids, self.vocab_size, self.max_model_len, param)
+        except PromptError as e:
+            if e.code == "context_length_exceeded":
+                raise _bad(f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                           f"{param} has {len(ids)} tokens (it must leave room for at least one generated token).",
+                           param, "context_length_exceeded") from None
+            raise _bad(str(e), param) from None
 
     def completion_prompts(self, p: Any) -> list[_Prompt]:
         if p is None:
@@ -175,8 +214,8 @@ class _State:
             if isinstance(x, str):
                 pr = _Prompt(x, self.tokenizer.encode(x))
             else:
-                pr = _Prompt(None, self.check_ids(x, "prompt"))
-            self.check_len(pr.ids, "prompt")
+                pr = _Prompt(None, list(x))
+            pr.ids = self.check_prompt(pr.ids, "prompt")
             out.append(pr)
         return out
 
@@ -224,6 +263,15 @@ class _State:
 
 
 # ---- streaming plumbing ------------------------------------------------------------------------------------
+def _failed(o: RequestOutput) -> bool:
+    """The engine ended this request with an error while computing it (not for lack of KV cache)."""
+    return bool(o.finished and o.error and "KV cache" not in o.error)
+
+
+def _failure(o: RequestOutput) -> ApiError:
+    return ApiError(500, f"the request failed: {o.error}", None, "request_failed")
+
+
 async def _prime(gens: list, prompt_param: str) -> list[RequestOutput]:
     """Admit every request and wait for its first output, so errors (overload, bad request) become an HTTP
     status before any byte of the response is sent."""
@@ -231,6 +279,9 @@ async def _prime(gens: list, prompt_param: str) -> list[RequestOutput]:
     err = next((r for r in results if isinstance(r, BaseException)), None)
     if err is None:
         for r in results:
+            if _failed(r):
+                err = _failure(r)
+                break
             if r.finished and r.finish_reason == "abort" and not r.token_ids:
                 err = _bad("the request needs more KV cache than this server holds; shorten the prompt or "
                            "max_tokens", prompt_param, "kv_capacity_exceeded")
@@ -252,6 +303,8 @@ async def _merge(gens: list, firsts: list[RequestOutput]) -> AsyncIterator[tuple
             yield 0, o
             while not o.finished:
                 o = await g.__anext__()
+                if _failed(o):
+                    raise _failure(o)
                 yield 0, o
         finally:
             await g.aclose()
@@ -268,6 +321,8 @@ async def _merge(gens: list, firsts: list[RequestOutput]) -> AsyncIterator[tuple
             for t in sorted(done, key=lambda t: tasks[t]):
                 i = tasks.pop(t)
                 o = t.result()
+                if _failed(o):
+                    raise _failure(o)
                 yield i, o
                 if not o.finished:
                     tasks[asyncio.ensure_future(gens[i].__anext__())] = i
@@ -284,8 +339,9 @@ def _sse(obj: Any) -> str:
     return "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False) + "\n\n"
 
 
-def _usage(outs: Sequence[RequestOutput]) -> dict:
-    p = sum(len(o.prompt_token_ids) for o in outs)
+def _usage(outs: Sequence[RequestOutput], n: int = 1) -> dict:
+    """Token counts of ``outs`` (``n`` completions per prompt, in order: each prompt counts once)."""
+    p = sum(len(o.prompt_token_ids) for o in outs[::n])
     c = sum(len(o.token_ids) for o in outs)
     cached = sum(getattr(o, "num_cached_tokens", 0) or 0 for o in outs)
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
@@ -356,6 +412,14 @@ class _Gate:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        drain = self.state.drain
+        drain.enter()
+        try:
+            await self._serve(scope, receive, send)
+        finally:
+            drain.leave()
+
+    async def _serve(self, scope, receive, send):
         path = scope.get("path", "")
         label = path if path in _ROUTES else "/v1/models" if path.startswith("/v1/models/") else "other"
         status_box = [0]
@@ -366,6 +430,17 @@ class _Gate:
                 key = (label, message["status"])
                 self.state.http_counts[key] = self.state.http_counts.get(key, 0) + 1
             await send(message)
+
+        async def send_error(err: ApiError, extra: list | None = None) -> None:
+            body = json.dumps(err.body()).encode()
+            await counting_send({"type": "http.response.start", "status": err.status,
+                                 "headers": [(b"content-type", b"application/json"),
+                                             (b"content-length", str(len(body)).encode())] + (extra or [])})
+            await counting_send({"type": "http.response.body", "body": body})
+
+        if self.state.drain.draining and path != "/metrics":
+            return await send_error(ApiError(503, "the server is shutting down; retry on another replica", None,
+                                             "server_shutting_down"), [(b"connection", b"close")])
 
         key = self.state.api_key
         if key and path.startswith("/v1"):
@@ -381,11 +456,17 @@ class _Gate:
                                                  (b"www-authenticate", b"Bearer")]})
                 await counting_send({"type": "http.response.body", "body": body})
                 return
-        await self.app(scope, receive, counting_send)
+        try:
+            await self.app(scope, receive, counting_send)
+        except Exception as e:  # noqa: BLE001 - answered here (and counted), so the connection stays usable
+            if status_box[0]:
+                raise  # the response had started: nothing else can be sent
+            await send_error(_engine_error(e, "prompt"))
 
 
 def create_app(async_engine: AsyncEngine, model_name: str | Sequence[str], api_key: str | None = None,
-               max_model_len: int | None = None, *, model_dir: str | None = None, chat_template: str | None = None):
+               max_model_len: int | None = None, *, model_dir: str | None = None, chat_template: str | None = None,
+               drain: DrainState | None = None):
     """The FastAPI app serving ``async_engine`` under ``model_name`` (one name or several aliases; the first is
     listed first). ``max_model_len`` defaults to the engine's. The chat format comes from ``chat_template``
     (a Jinja2 string or file), else ``model_dir``'s ``tokenizer_config.json``, else DeepSeek's encoding."""
@@ -394,6 +475,7 @@ def create_app(async_engine: AsyncEngine, model_name: str | Sequence[str], api_k
         raise ValueError("model_name must be a non-empty string or a list of them")
     mml = max_model_len or async_engine.engine.max_model_len
     st = _State(async_engine, names, api_key or None, mml, ChatFormatter.from_folder(model_dir, chat_template))
+    st.drain = drain or DrainState()  # SIGTERM drain (serve_lifecycle): refuse new requests, count those in flight
 
     app = FastAPI(title="ascend-dsv4 OpenAI-compatible server", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = st
@@ -442,13 +524,18 @@ def create_app(async_engine: AsyncEngine, model_name: str | Sequence[str], api_k
             raise ApiError(400, f"the request body is not valid JSON: {e}", None, "invalid_json") from None
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object", None, "invalid_json")
+        bad = _lone_surrogate(body)
+        if bad is not None:
+            field, top = bad
+            raise _bad(f"{field} holds a lone UTF-16 surrogate (an escape \\ud800-\\udfff without its pair): it is "
+                       f"not Unicode text and cannot be encoded", top, "invalid_unicode")
         return body
 
     def common(body: dict) -> tuple[str, bool, bool]:
         model = st.model(body)
         n = body.get("n")
-        if n is not None and (not _is_int(n) or n != 1):
-            raise _bad(f"only n=1 is supported, got n={n!r}", "n", "unsupported_value")
+        if n is not None and (not _is_int(n) or not 1 <= n <= MAX_N):
+            raise _bad(f"n must be an integer in [1, {MAX_N}], got n={n!r}", "n")
         best_of = body.get("best_of")
         if best_of is not None and best_of != 1:
             raise _bad(f"only best_of=1 is supported, got {best_of!r}", "best_of", "unsupported_value")
@@ -487,9 +574,15 @@ def create_app(async_engine: AsyncEngine, model_name: str | Sequence[str], api_k
             return None
         return work.result()
 
-    def start(prompts: list[list[int]], params: SamplingParams, rid: str) -> list:
-        return [async_engine.generate(ids, dataclasses.replace(params), f"{rid}-{i}")
-                for i, ids in enumerate(prompts)]
+    def start(prompts: list[list[int]], params: SamplingParams, rid: str, n: int = 1) -> list:
+        """One engine stream per (prompt, completion): choice ``i * n + j`` is completion ``j`` of prompt ``i``
+        (OpenAI's order); a seeded request's completion ``j`` uses seed ``seed + j``."""
+        gens = []
+        for i, ids in enumerate(prompts):
+            for j in range(n):
+                seed = params.seed if params.seed is None or j == 0 else (params.seed + j) % 2**64
+                gens.append(async_engine.generate(ids, dataclasses.replace(params, seed=seed), f"{rid}-{i * n + j}"))
+        return gens
 
     # ---- /v1/completions -----------------------------------------------------------------------------
     def completion_logprobs(out_lps, toks: list[int], text_len: int, base: int) -> dict:
@@ -518,12 +611,16 @@ def create_app(async_engine: AsyncEngine, model_name: str | Sequence[str], api_k
             raise _bad("suffix is not supported", "suffix", "unsupported_parameter")
         prompts = st.completion_prompts(body.get("prompt"))
         max_tokens = _opt_int(body, "max_tokens", 1)
+        left = min(st.check_max_tokens(p.ids, max_tokens, "max_tokens") for p in prompts)
+        if max_tokens is None:  # OpenAI's default, within the context left
+            max_tokens = min(DEFAULT_COMPLETION_MAX_TOKENS, left)
         lp = body.get("logprobs")
         if lp is not None and (not _is_int(lp) or not 0 <= lp <= MAX_LOGPROBS):
             raise _bad(f"logprobs must be null or an integer in [0, {MAX_LOGPROBS}], got {lp!r}", "logprobs")
         params = st.sampling(body, max_tokens or DEFAULT_COMPLETION_MAX_TOKENS, "max_tokens", lp)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        gens = start([p.ids for p in prompts], params, rid)
+        n = body.get("n") or 1
+        gens = start([p.ids for p in prompts], params, rid, n)
         if not stream:
             async def collect():
                 firsts = await _prime(gens, "prompt")
@@ -539,7 +636,7 @@ def create_app(async_engine: AsyncEngine, model_name: str | Sequence[str], api_k
                         "logprobs": completion_logprobs(o.logprobs, o.token_ids, len(o.text), 0) if lp is not None
                         else None} for i, o in enumerate(finals)]
             return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                                 "choices": choices, "usage": _usage(finals), "system_fingerprint": None})
+                                 "choices": choices, "usage": _usage(finals, n), "system_fingerprint": None})
 
         firsts = await _prime(gens, "prompt")
 
@@ -566,7 +663,7 @@ def create_app(async_engine: AsyncEngine, model_name: str | Sequence[str], api_k
                     yield _sse(chunk)
                 if include_usage:
                     yield _sse({"id": rid, "object": "text_completion", "created": created, "model": model,
-                                "choices": [], "usage": _usage(finals)})
+                                "choices": [], "usage": _usage(finals, n)})
             except Exception as e:  # noqa: BLE001 - report in-band: the status line is already sent
                 yield _sse(_engine_error(e, "prompt").body())
             yield "data: [DONE]\n\n"
@@ -605,56 +702,60 @@ def create_app(async_engine: AsyncEngine, model_name: str | Sequence[str], api_k
         except RequestError as e:
             raise _bad(str(e), "messages") from None
         ids = st.tokenizer.encode(text)
-        st.check_len(ids, "messages")
+        ids = st.check_prompt(ids, "messages")
         mt = _opt_int(body, "max_completion_tokens", 1)
         mt_param = "max_completion_tokens"
         if mt is None:
             mt, mt_param = _opt_int(body, "max_tokens", 1), "max_tokens"
+        st.check_max_tokens(ids, mt, mt_param)
         params = st.sampling(body, mt or (st.max_model_len - len(ids)), mt_param, (top or 0) if want_lp else None)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        gens = start([ids], params, rid)
+        gens = start([ids], params, rid, body.get("n") or 1)
         if not stream:
             async def collect():
                 firsts = await _prime(gens, "messages")
-                final = firsts[0]
-                async for _, o in _merge(gens, firsts):
-                    final = o
-                return final
+                finals = list(firsts)
+                async for i, o in _merge(gens, firsts):
+                    finals[i] = o
+                return finals
 
-            o = await run_until_disconnect(request, collect())
-            if o is None:
+            finals = await run_until_disconnect(request, collect())
+            if finals is None:
                 return JSONResponse({}, status_code=499)
-            choice = {"index": 0, "message": {"role": "assistant", "content": o.text},
-                      "logprobs": {"content": chat_logprobs(o.logprobs)} if want_lp else None,
-                      "finish_reason": o.finish_reason}
+            choices = [{"index": i, "message": {"role": "assistant", "content": o.text},
+                        "logprobs": {"content": chat_logprobs(o.logprobs)} if want_lp else None,
+                        "finish_reason": o.finish_reason} for i, o in enumerate(finals)]
+            usage = _usage(finals, len(finals))  # one prompt, however many completions
             return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": model,
-                                 "choices": [choice], "usage": _usage([o]), "system_fingerprint": None})
+                                 "choices": choices, "usage": usage, "system_fingerprint": None})
 
         firsts = await _prime(gens, "messages")
 
         async def events():
-            final = firsts[0]
-            n_lp = 0
+            finals = list(firsts)
+            n_lp = [0] * len(gens)
 
-            def chunk(delta: dict, finish, lps=None) -> str:
+            def chunk(i: int, delta: dict, finish, lps=None) -> str:
                 c = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                     "choices": [{"index": 0, "delta": delta, "logprobs": lps, "finish_reason": finish}]}
+                     "choices": [{"index": i, "delta": delta, "logprobs": lps, "finish_reason": finish}]}
                 if include_usage:
                     c["usage"] = None
                 return _sse(c)
 
             try:
-                yield chunk({"role": "assistant", "content": ""}, None)
-                async for _, o in _merge(gens, firsts):
-                    final = o
+                for i in range(len(gens)):
+                    yield chunk(i, {"role": "assistant", "content": ""}, None)
+                async for i, o in _merge(gens, firsts):
+                    finals[i] = o
                     lps = None
                     if want_lp:
-                        lps = {"content": chat_logprobs(o.logprobs[n_lp:])}
-                        n_lp = len(o.logprobs)
-                    yield chunk({"content": o.delta_text}, o.finish_reason if o.finished else None, lps)
+                        lps = {"content": chat_logprobs(o.logprobs[n_lp[i]:])}
+                        n_lp[i] = len(o.logprobs)
+                    yield chunk(i, {"content": o.delta_text}, o.finish_reason if o.finished else None, lps)
                 if include_usage:
+                    usage = _usage(finals, len(finals))
                     yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                                "choices": [], "usage": _usage([final])})
+                                "choices": [], "usage": usage})
             except Exception as e:  # noqa: BLE001
                 yield _sse(_engine_error(e, "messages").body())
             yield "data: [DONE]\n\n"
@@ -744,21 +845,32 @@ class ServerThread:
 
 def run_server(llm, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
                served_model_name: str | Sequence[str] | None = None, max_queue: int = 256,
-               model_dir: str | None = None, chat_template: str | None = None, log_level: str = "info") -> None:
-    """Serve ``llm`` (an :class:`~ascend_dsv4.LLM`) until interrupted; the engine thread stops on exit."""
+               model_dir: str | None = None, chat_template: str | None = None, log_level: str = "info",
+               sock=None, shutdown_timeout: float = 30.0) -> None:
+    """Serve ``llm`` (an :class:`~ascend_dsv4.LLM`) until interrupted; the engine thread stops on exit.
+
+    ``sock``: a socket from :func:`~.serve_lifecycle.bind_socket` (bound before the model loaded); else
+    ``host:port`` is bound here. SIGTERM drains: new requests get 503, those in flight get ``shutdown_timeout``
+    seconds, then the server exits normally."""
     import uvicorn
 
     if not isinstance(max_queue, int) or max_queue < 1:
         raise AscendDSV4Error(f"max_queue must be a positive integer, got {max_queue!r}")
+    sock = sock if sock is not None else bind_socket(host, port)
     engine = AsyncEngine(llm.engine, max_queue=max_queue, ops_context=llm._ops)
     try:
         names = served_model_name or getattr(llm.cfg, "name", None) or "ascend-dsv4"
-        app = create_app(engine, names, api_key, llm.max_model_len, model_dir=model_dir, chat_template=chat_template)
+        drain = DrainState()
+        app = create_app(engine, names, api_key, llm.max_model_len, model_dir=model_dir, chat_template=chat_template,
+                         drain=drain)
+        port = sock.getsockname()[1]
         where = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-        log.warning("serving %s on %s (max_model_len %d, max_queue %d, API key %s)",
-                    names if isinstance(names, str) else ", ".join(names), where, llm.max_model_len, max_queue,
-                    "required" if api_key else "off")
-        uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                      timeout_graceful_shutdown=5)).run()
+        log.info("serving %s on %s (max_model_len %d, max_queue %d, API key %s)",
+                 names if isinstance(names, str) else ", ".join(names), where, llm.max_model_len, max_queue,
+                 "required" if api_key else "off")
+        server = DrainingServer(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5), drain,
+                                engine.fail_all, shutdown_timeout)
+        server.run(sockets=[sock])
     finally:
         engine.shutdown()
+        sock.close()

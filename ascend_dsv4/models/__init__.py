@@ -1,22 +1,21 @@
-"""Model definitions. They compose atb_ops and parallel linears only: no device checks, no kernels."""
+"""Model families (one folder each: ``deepseek_v4/``, ``deepseek_v3/``) and their registry.
+
+Models compose :mod:`atb_ops`, :mod:`parallel` linears, :mod:`ascend_dsv4.layers` and :mod:`ascend_dsv4.kv` only:
+no device checks, no kernels, nothing of the engine, entrypoints or weights. This package is the only place
+that knows which family it is; everything else asks the family record (:mod:`.registry`).
+"""
 
 from __future__ import annotations
 
 import torch
 
+from .family import ModelFamily
+from .registry import ALL_PRESETS, FAMILIES, family, family_of, from_dict, load_config, preset
 
-def model_class(cfg):
-    """The model class for a config (by ``cfg.model_type``)."""
-    if cfg.model_type == "deepseek_v4":
-        from .deepseek_v4 import DeepseekV4Model
-
-        return DeepseekV4Model
-    if cfg.model_type == "deepseek_v3":
-        from .deepseek_v3 import DeepseekV3Model
-
-        return DeepseekV3Model
-    raise ValueError(f"no model for model_type {cfg.model_type!r}")
+__all__ = ["ALL_PRESETS", "FAMILIES", "ModelFamily", "build_model", "family", "family_of", "from_dict",
+           "load_config", "preset"]
 
 
 def build_model(cfg, dtype: torch.dtype, numerics: str = "exact") -> torch.nn.Module:
-    return model_class(cfg)(cfg, dtype, numerics)
+    """The model of ``cfg``'s family with uninitialised weights (build under ``torch.device("meta")`` to load)."""
+    return family_of(cfg).build_model(cfg, dtype, numerics)

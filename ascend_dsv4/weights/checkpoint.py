@@ -21,11 +21,12 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from parallel.linear import Linear
+from quant.safetensors_io import TensorInfo, checkpoint_inventory
 
 from ..errors import CheckpointError
-from ..models.v4_moe import Experts
-from .names import canonical_name, expert_key
-from .safetensors_io import TensorInfo, checkpoint_inventory
+from ..layers.experts import Experts
+from ..models import family_of
+from ..models.deepseek_v4.names import expert_key
 
 log = logging.getLogger("ascend_dsv4")
 
@@ -107,7 +108,11 @@ def plan_load(model: nn.Module, folder: str) -> Plan:
     """Match checkpoint headers against the model; raise one CheckpointError listing every problem."""
     targets = model_targets(model)
     inv = checkpoint_inventory(folder)
-    canon = getattr(model, "canonical_name", None) or canonical_name
+    fam, n_layers = family_of(model.cfg), model.cfg.n_layers
+
+    def canon(name: str) -> str | None:
+        return fam.canonical_name(name, n_layers)
+
     found: dict[str, Found] = {}
     fused: dict[str, tuple[str, str, TensorInfo]] = {}
     problems: list[str] = []

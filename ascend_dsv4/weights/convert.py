@@ -1,6 +1,6 @@
 """Convert a DeepSeek-V4 checkpoint between layouts and formats, streaming tensor by tensor.
 
-- names: ``official`` <-> ``hf`` (see :mod:`.random_checkpoint` for the two layouts);
+- names: ``official`` <-> ``hf`` (see :mod:`ascend_dsv4.models.deepseek_v4.random_weights` for the two layouts);
 - ``dequantize``: FP8 block and packed-FP4 weights -> BF16 (their scales dropped);
 - ``experts_fp8``: packed-FP4 routed experts -> FP8 e4m3 with one E8M0 scale per 128x128 block (lossless,
   spec §3.2: "convert.py --expert-dtype fp8").
@@ -13,14 +13,16 @@ import os
 
 import torch
 
+import atb_ops
 from quant.e8m0 import float_to_e8m0
 from quant.fp4_to_fp8 import fp4_to_fp8
+from quant.safetensors_io import checkpoint_inventory, stream_tensors
+from quant.shard_writer import ShardWriter
 
-from ..config import load_config
 from ..errors import CheckpointError
-from .names import canonical_name, hf_writer_name
-from .random_checkpoint import ShardWriter, hf_config_dict, official_config_dict
-from .safetensors_io import checkpoint_inventory, stream_tensors
+from ..models import load_config
+from ..models.deepseek_v4.config import DeepseekV4Config
+from ..models.deepseek_v4.names import canonical_name, hf_writer_name
 
 
 def _to_layout(name: str, t: torch.Tensor, layout: str) -> tuple[str, torch.Tensor]:
@@ -46,9 +48,10 @@ def convert_checkpoint(src: str, dst: str, layout: str = "official", dequantize:
         raise ValueError("choose either dequantize or experts_fp8")
     if os.path.abspath(src) == os.path.abspath(dst):
         raise CheckpointError("the output folder must differ from the input folder")
-    from atb_ops.reference.linear import dequant_weight
 
     cfg = load_config(src)
+    if not isinstance(cfg, DeepseekV4Config):
+        raise CheckpointError(f"{src}: convert_checkpoint converts DeepSeek-V4 checkpoints; this is {cfg.model_type}")
     inv = checkpoint_inventory(src)
     canon = {ck: canonical_name(ck) for ck in inv}
     bad = [ck for ck, off in canon.items() if off is None]
@@ -73,7 +76,7 @@ def convert_checkpoint(src: str, dst: str, layout: str = "official", dequantize:
                 outs = [(base + ".weight", w8), (base + ".scale", s8.view(torch.float8_e8m0fnu))]
             elif dequantize:
                 fmt = "fp4" if w.dtype == torch.int8 else "fp8_block"
-                outs = [(base + ".weight", dequant_weight(w, s, fmt).to(torch.bfloat16))]
+                outs = [(base + ".weight", atb_ops.dequantize_weight(w, s, fmt).to(torch.bfloat16))]
             else:
                 outs = [(base + ".weight", w), (base + ".scale", s)]
             for n, v in outs:
@@ -86,7 +89,7 @@ def convert_checkpoint(src: str, dst: str, layout: str = "official", dequantize:
         cfg = cfg.replace(dtype="bf16", scale_fmt=None, expert_dtype=None)
     elif experts_fp8 and cfg.expert_dtype == "fp4":
         cfg = cfg.replace(expert_dtype="fp8")
-    conf = official_config_dict(cfg) if layout == "official" else hf_config_dict(cfg)
+    conf = cfg.to_official_dict() if layout == "official" else cfg.to_hf_dict()
     conf.pop("name", None)
     shards = writer.close(conf)
     for extra in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):

@@ -26,7 +26,7 @@ def describe_folder(folder: str) -> str:
     import glob
     import os
 
-    from .safetensors_io import checkpoint_inventory
+    from quant.safetensors_io import checkpoint_inventory
 
     if not glob.glob(os.path.join(glob.escape(folder), "*.safetensors")):
         return "weights      none in this folder (config only)"

@@ -15,11 +15,13 @@ import os
 import torch
 from torch import nn
 
+import atb_ops
 from parallel.linear import Linear
 
 from ..errors import CheckpointError
-from ..models.v4_moe import Experts
+from ..layers.experts import Experts
 from .checkpoint import Plan, plan_load
+from .weight_check import checkable, count_nonfinite, nonfinite_flag
 
 log = logging.getLogger("ascend_dsv4")
 
@@ -45,8 +47,11 @@ def _check_scale(t: torch.Tensor, where: str, problems: list[str]) -> None:
 
 
 class _Loader:
-    def __init__(self, model: nn.Module, plan: Plan, dtype: torch.dtype, device, dequantize: bool):
+    def __init__(self, model: nn.Module, plan: Plan, dtype: torch.dtype, device, dequantize: bool,
+                 check_weights: bool = True):
         self.model, self.plan, self.dtype, self.device, self.deq = model, plan, dtype, torch.device(device), dequantize
+        self.check_weights = check_weights
+        self.counts: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (where, stored, device flag) per batch
         self.problems: list[str] = []
         self.routes: dict[str, list[tuple]] = {}  # checkpoint name -> [(kind, target key)]
         self.pending: dict[str, dict[str, torch.Tensor]] = {}  # dequant-at-load pairs waiting for a partner
@@ -162,7 +167,7 @@ class _Loader:
 
         from tqdm import tqdm
 
-        from .safetensors_io import _progress_enabled, find_shards, read_header
+        from quant.safetensors_io import _progress_enabled, find_shards, read_header
 
         plan = []
         for path in find_shards(folder):
@@ -211,6 +216,24 @@ class _Loader:
         for info, actions, dst, in_place in items:
             self._apply(actions, _as_storable(dst), f"{os.path.basename(h.path)}: {info.name}", fmts, in_place)
             bar.update(info.nbytes)
+        self._collect_counts()
+
+    def _count(self, where: str, stored: torch.Tensor) -> None:
+        """Queue the non-finite check of ``stored`` (the tensor where it lands, on its device)."""
+        if self.check_weights and checkable(stored):
+            self.counts.append((where, stored, nonfinite_flag(stored)))
+
+    def _collect_counts(self) -> None:
+        """One synchronisation per batch; a flagged tensor is counted exactly and becomes a problem naming shard,
+        tensor and count."""
+        if not self.counts:
+            return
+        flags = torch.stack([f for *_, f in self.counts]).tolist()  # one sync for the whole batch
+        for (where, stored, _), bad in zip(self.counts, flags):
+            if bad:
+                n = int(count_nonfinite(stored))
+                self.problems.append(f"{where}: {n} non-finite value(s) (NaN or Inf) in the weight")
+        self.counts = []
 
     def _apply(self, actions, t: torch.Tensor, where: str, fmts: dict, in_place: bool) -> None:
         for action in actions:
@@ -221,6 +244,7 @@ class _Loader:
                     self._check_tid2eid(key, t, where)
                 if not in_place:
                     self.storage[key].copy_(t)
+                self._count(where, self.storage[key])
             elif kind == "copy_scale":
                 _check_scale(t, where, self.problems)
                 if not in_place:
@@ -233,6 +257,8 @@ class _Loader:
                 part[kind] = t
                 if len(part) == 2:
                     self._dequant_into(key, part.pop("deq_w"), part.pop("deq_s"), fmts[key])
+                    shard, ck, _ = self.plan.found[key].weight
+                    self._count(f"{os.path.basename(shard)}: {ck} (dequantised with its scale)", self.storage[key])
                     del self.pending[key]
             elif kind == "fused":
                 mod = self.model.get_submodule(action[1])
@@ -240,14 +266,15 @@ class _Loader:
                     inter = t.shape[1] // 2
                     mod.w1.copy_(t[:, :inter])
                     mod.w3.copy_(t[:, inter:])
+                    self._count(where + " (w1)", mod.w1)
+                    self._count(where + " (w3)", mod.w3)
                 else:
                     mod.w2.copy_(t)
+                    self._count(where, mod.w2)
 
     def _dequant_into(self, key: str, w: torch.Tensor, s: torch.Tensor, fmt: str) -> None:
-        from atb_ops.reference.linear import dequant_weight
-
         try:
-            self.storage[key].copy_(dequant_weight(w, s, fmt))
+            self.storage[key].copy_(atb_ops.dequantize_weight(w, s, fmt))
         except ValueError as e:  # QuantFormatError from the codecs
             self.problems.append(f"{key}: {e}")
 
@@ -259,13 +286,15 @@ class _Loader:
 
 @torch.no_grad()
 def load_weights(model: nn.Module, folder: str, device: str | torch.device = "cpu", dequantize: bool = False,
-                 progress: bool = True) -> Plan:
+                 progress: bool = True, check_weights: bool = True) -> Plan:
     """Fill ``model`` (built on any device, e.g. ``meta``) from the checkpoint in ``folder``; returns the plan.
 
     Raises :class:`CheckpointError` listing every problem. MTP weights absent from the checkpoint are zeroed.
+    ``check_weights``: count NaN / Inf values of every floating-point tensor where it lands (on ``device``; FP8
+    NaN codes included, see :mod:`.weight_check`) and report each offending shard, tensor and count.
     """
     plan = plan_load(model, folder)
-    ld = _Loader(model, plan, getattr(model, "dtype", torch.bfloat16), device, dequantize)
+    ld = _Loader(model, plan, getattr(model, "dtype", torch.bfloat16), device, dequantize, check_weights)
     ld.allocate()
     ld.fill(folder, progress)
     if ld.pending:

@@ -19,91 +19,21 @@ import os
 import torch
 from torch import nn
 
-import atb_ops
 from parallel.linear import Linear
 
 from ..errors import CheckpointError
-from ..models.common import RMSNorm
-from ..models.v4_moe import Experts
+from ..layers.experts import Experts
+from ..layers.norm import RMSNorm
+from ..layers.quantized import QuantExperts, QuantLinearAdapter, SmoothedRMSNorm
+from ..models import family_of
+from .weight_check import count_nonfinite, nonfinite_flag
+from .msm_npu import to_npu_experts, to_npu_linear
 
 log = logging.getLogger("ascend_dsv4")
-_V3_W = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
 def is_msmodelslim_folder(folder: str) -> bool:
     return bool(glob.glob(os.path.join(glob.escape(folder), "quant_model_description*.json")))
-
-
-class QuantLinearAdapter(nn.Module):
-    """A described msModelSlim linear in place of a :class:`parallel.linear.Linear`: [..., K] -> [..., N]."""
-
-    def __init__(self, ql: nn.Module, out_dtype: torch.dtype):
-        super().__init__()
-        self.ql, self.out_dtype = ql, out_dtype
-
-    @property
-    def weight(self) -> torch.Tensor:  # consumers that need the matrix itself (absorption, einsum) get it dense
-        return self.ql.dequant_weight().to(self.out_dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.ql(x.reshape(-1, x.shape[-1]).float())
-        return y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype if x.dtype != torch.float32 else self.out_dtype)
-
-
-class QuantExperts(nn.Module):
-    """Routed experts whose weights are msModelSlim entries: w1 / w3 / w2 QuantLinears per expert."""
-
-    def __init__(self, experts: list[tuple[nn.Module, nn.Module, nn.Module]], limit: float,
-                 weight_after_w2: bool = False):
-        super().__init__()
-        # where the routing weight multiplies: before w2 (DeepSeek-V4, spec §2.4) or after (DeepSeek-V3); it
-        # matters once w2 quantises its input
-        self.weight_after_w2 = weight_after_w2
-        self.w1 = nn.ModuleList(e[0] for e in experts)
-        self.w3 = nn.ModuleList(e[1] for e in experts)
-        self.w2 = nn.ModuleList(e[2] for e in experts)
-        self.limit = limit
-
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        T, k = ids.shape
-        y = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
-        for e in torch.unique(ids).tolist():
-            tok, slot = (ids == e).nonzero(as_tuple=True)
-            xs = x[tok]
-            h = atb_ops.swiglu(self.w1[e](xs), self.w3[e](xs), self.limit)
-            w = weights[tok, slot].unsqueeze(-1)
-            if self.weight_after_w2:
-                y.index_add_(0, tok, self.w2[e](h.to(x.dtype)).float() * w)
-            else:
-                y.index_add_(0, tok, self.w2[e]((h * w).to(x.dtype)).float())
-        return y
-
-
-class SmoothedRMSNorm(nn.Module):
-    def __init__(self, norm: nn.Module):
-        super().__init__()
-        self.norm = norm
-
-    def forward(self, x):
-        return self.norm(x)
-
-
-def _ck_name(cfg, ours: str) -> str:
-    """Checkpoint name of one of our parameter / module names."""
-    if cfg.model_type == "deepseek_v4":
-        return ours
-    if ours.startswith("mtp."):
-        k, rest = ours[len("mtp."):].split(".", 1)
-        return f"model.layers.{cfg.n_layers + int(k)}.{rest}"
-    if ours == "lm_head" or ours.startswith("lm_head."):
-        return ours
-    return "model." + ours
-
-
-def _expert_name(cfg, mod: str, e: int, w: str) -> str:
-    if cfg.model_type == "deepseek_v4":
-        return f"{mod}.{e}.{w}"
-    return _ck_name(cfg, f"{mod}.{e}.{_V3_W[w]}")
 
 
 def _set(module: nn.Module, leaf: str, t: torch.Tensor, buffer: bool = False) -> None:
@@ -115,19 +45,34 @@ def _set(module: nn.Module, leaf: str, t: torch.Tensor, buffer: bool = False) ->
 
 @torch.no_grad()
 def load_msmodelslim(model: nn.Module, folder: str, path: str = "int", allow_float_mtp: bool = False,
-                     act_sim: str | None = None) -> dict:
-    """Fill ``model`` (built on any device, e.g. meta) from the msModelSlim folder; returns a summary."""
+                     act_sim: str | None = None, check_weights: bool = True, npu: bool = False) -> dict:
+    """Fill ``model`` (built on any device, e.g. meta) from the msModelSlim folder; returns a summary.
+
+    ``check_weights``: every floating-point tensor read is checked for NaN / Inf (:mod:`.weight_check`).
+    ``npu``: convert the int-path linears to their NPU parameter form at load (:mod:`.msm_npu`)."""
     import quant.msmodelslim as msm
 
     cfg, dtype = model.cfg, model.dtype
+    fam = family_of(cfg)
+
+    def _ck_name(cfg, ours: str) -> str:
+        return fam.checkpoint_name(ours, cfg.n_layers)
+
+    def _expert_name(cfg, mod: str, e: int, w: str) -> str:
+        return fam.expert_checkpoint_name(mod, e, w, cfg.n_layers)
+
     try:
         ck = msm.load(folder, allow_float_mtp=allow_float_mtp, num_hidden_layers=cfg.n_layers)
     except ValueError as e:  # QuantFormatError names the keys already
         raise CheckpointError(f"{folder}: {e}") from None
     types = ck.types
     kw = {} if act_sim is None else {"act_sim": act_sim}  # float path: which activation fake-quant to apply
-    has_mtp = any(k.startswith("mtp.") if cfg.model_type == "deepseek_v4" else k.startswith(f"model.layers.{cfg.n_layers}.")
-                  for k in types)
+
+    def qlinear(key: str) -> nn.Module:
+        ql = ck.linear(key, path=path, **kw)
+        return (to_npu_linear(ql, dtype) or ql) if npu and path == "int" else ql
+    mtp_prefix = fam.checkpoint_name("mtp.0", cfg.n_layers) + "."
+    has_mtp = any(k.startswith(mtp_prefix) for k in types)
     problems: list[str] = []
     n_quant = 0
     mods = dict(model.named_modules())
@@ -136,10 +81,19 @@ def load_msmodelslim(model: nn.Module, folder: str, path: str = "int", allow_flo
 
     def tensor(key: str) -> torch.Tensor | None:
         try:
-            return ck.tensor(key)
+            t = ck.tensor(key)
         except (KeyError, ValueError):
             problems.append(f"{key}: missing from the msModelSlim checkpoint in {folder}")
             return None
+        if check_weights:
+            if bool(nonfinite_flag(t)):
+                n = int(count_nonfinite(t))
+                try:
+                    shard = os.path.basename(ck.weights.file_of(key)) + ": "
+                except Exception:  # noqa: BLE001 - the name of the shard is a courtesy
+                    shard = ""
+                problems.append(f"{shard}{key}: {n} non-finite value(s) (NaN or Inf) in the weight")
+        return t
 
     def skip(name: str) -> bool:
         return name.startswith("mtp.") and not has_mtp
@@ -159,7 +113,7 @@ def load_msmodelslim(model: nn.Module, folder: str, path: str = "int", allow_flo
                 if t is not None:
                     mod.set_weight(t.to(torch.float32 if mod.compute_fp32 else dtype))
             else:
-                setattr(parent, leaf, QuantLinearAdapter(ck.linear(key, path=path, **kw), dtype))
+                setattr(parent, leaf, QuantLinearAdapter(qlinear(key), dtype))
                 replaced.add(name)
                 n_quant += 1
             done.update({f"{name}.weight", f"{name}.scale"})
@@ -175,9 +129,10 @@ def load_msmodelslim(model: nn.Module, folder: str, path: str = "int", allow_flo
                     if all(t is not None for t in ts):
                         _set(mod, w, torch.stack(ts).to(dtype))
             else:
-                triples = [tuple(QuantLinearAdapter(ck.linear(keys[(e, w)], path=path, **kw), dtype) for w in ("w1", "w3", "w2"))
+                triples = [tuple(QuantLinearAdapter(qlinear(keys[(e, w)]), dtype) for w in ("w1", "w3", "w2"))
                            for e in range(E)]
-                setattr(parent, leaf, QuantExperts(triples, mod.limit, weight_after_w2=cfg.model_type == "deepseek_v3"))
+                qe = QuantExperts(triples, mod.limit, weight_after_w2=fam.experts_weight_after_w2)
+                setattr(parent, leaf, to_npu_experts(qe) if npu and path == "int" else qe)
                 replaced.add(name)
                 n_quant += 3 * E
             done.update({f"{name}.{w}" for w in ("w1", "w2", "w3")})

@@ -1,4 +1,4 @@
-"""Per-rank loading: read only the slices of a checkpoint that one tensor-/expert-parallel rank needs.
+"""Per-rank loading of a DeepSeek-V4 checkpoint (official names): read only the slices of a checkpoint that one tensor-/expert-parallel rank needs.
 
 Sharding rules (the official ``convert.py``, spec §3.3): ``embed``, ``head``, ``attn.wq_b``, ``attn.wo_a``,
 ``attn.attn_sink``, ``attn.indexer.wq_b`` and ``attn.indexer.weights_proj`` split on dim 0 (vocab, heads, output
@@ -15,10 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import ModelConfig
+from quant.safetensors_io import ShardReader, checkpoint_inventory
+
 from ..errors import ConfigError
-from .names import canonical_name
-from .safetensors_io import ShardReader, checkpoint_inventory
+from ..models.deepseek_v4.config import DeepseekV4Config
+from ..models.deepseek_v4.names import canonical_name
 
 _DIM0 = re.compile(r"(^embed\.weight$|^head\.weight$|\.attn\.(wq_b|wo_a|attn_sink|indexer\.wq_b|indexer\.weights_proj)"
                    r"\.(weight|scale)$|\.attn\.attn_sink$)")
@@ -33,7 +34,7 @@ class RankLayout:
     ep_size: int = 1
     ep_rank: int = 0
 
-    def validate(self, cfg: ModelConfig) -> "RankLayout":
+    def validate(self, cfg: DeepseekV4Config) -> "RankLayout":
         if not (0 <= self.tp_rank < self.tp_size and 0 <= self.ep_rank < self.ep_size):
             raise ConfigError(f"rank layout {self}: ranks must be in [0, size)")
         checks = {"n_heads": cfg.n_heads, "o_groups": cfg.o_groups, "index_n_heads": cfg.index_n_heads,
@@ -72,7 +73,7 @@ def _bounds(size: int, layout: RankLayout, name: str, is_scale: bool) -> tuple[i
     return layout.tp_rank * per, (layout.tp_rank + 1) * per
 
 
-def rank_tensors(folder: str, cfg: ModelConfig, layout: RankLayout) -> dict[str, torch.Tensor]:
+def rank_tensors(folder: str, cfg: DeepseekV4Config, layout: RankLayout) -> dict[str, torch.Tensor]:
     """{official name: this rank's slice} of every tensor the rank needs (others are not read)."""
     layout.validate(cfg)
     owned = layout.expert_range(cfg.n_routed_experts)

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from .._dispatch import register
+from ..reference import quant_linear as ref_qlinear
 from ..reference import quant_sim as ref_quant
 from ..reference import rope as ref_rope
 from ..reference.linear import dequant_weight
@@ -23,8 +24,8 @@ from ..reference.quant_sim import _hadamard_matrix
 from .primitives import BLOCK_N, bmm, matmul, row_sum
 
 for _name, _fn in (("apply_rope", ref_rope.apply_rope), ("fp8_act_round", ref_quant.fp8_act_round),
-                   ("fp4_act_round", ref_quant.fp4_act_round)):
-    register(_name, "reference", batch_invariant=True)(_fn)  # elementwise (and exact maxima): invariant as is
+                   ("fp4_act_round", ref_quant.fp4_act_round), ("dequantize_weight", dequant_weight)):
+    register(_name, "reference", batch_invariant=True)(_fn)  # elementwise, exact maxima or exact sums: as is
 
 VEC = 64
 
@@ -114,6 +115,51 @@ def group_linear(x, w):
     if x.shape[0] == 0:
         return x.new_zeros((0, w.shape[0], w.shape[1]))
     return torch.stack([matmul(x[:, g], w[g]) for g in range(w.shape[0])], dim=1).to(x.dtype)
+
+
+@register("quant_linear", "reference", batch_invariant=True)
+def quant_linear(x, weight, mode, scale, bias=None, offset=None, input_scale=None, input_offset=None, group_size=0):
+    if mode not in ref_qlinear.QUANT_MODES:
+        raise ValueError(f"quant_linear: mode must be one of {ref_qlinear.QUANT_MODES}, got {mode!r}")
+    w = ref_qlinear._int4_values(weight) if weight.dtype == torch.int32 else weight  # [K, N]
+    if mode != "weight_only":
+        # integer products summed in float64: exact (|sum| < 2^53), so the same in any order and on any device
+        xf = x.float()
+        if mode == "dynamic":
+            s_t = xf.abs().amax(-1) / 127.0
+            q = torch.round(xf / torch.where(s_t > 0, s_t, torch.ones_like(s_t)).unsqueeze(-1)).clamp(-128, 127)
+        else:
+            q = torch.round(xf * (1.0 / input_scale.float().reshape(())) + input_offset.float().reshape(()))
+            q = q.clamp(-128, 127)
+        acc = q.double() @ w.double()
+        if mode == "static" and bias is not None:
+            acc = acc + bias.double()
+        ref_qlinear._check_int32(acc)
+        if mode == "static":
+            return (acc.float() * ref_qlinear._scale_f32(scale)).to(x.dtype)
+        y = acc.float() * ref_qlinear._scale_f32(scale) * s_t.unsqueeze(-1)
+        return (y if bias is None else y + bias.float()).to(x.dtype)
+    k, n = w.shape
+    if group_size > 0:
+        def rep(t):
+            return t.float().reshape(-1, n).repeat_interleave(group_size, dim=0)[:k]
+    else:
+        def rep(t):
+            return t.float().reshape(1, n)
+    wf = w.float() if offset is None else w.float() + rep(offset)
+    x2 = x.reshape(-1, k).float()
+    y = matmul(x2, (wf * rep(scale)).t())
+    y = y if bias is None else y + bias.float()
+    return y.view(*x.shape[:-1], n).to(x.dtype)
+
+
+@register("quant_grouped_matmul", "reference", batch_invariant=True)
+def quant_grouped_matmul(x, weight, expert_ids, scale):
+    out = torch.zeros(x.shape[0], weight.shape[2], dtype=x.dtype, device=x.device)
+    for e in torch.unique(expert_ids).tolist():
+        rows = (expert_ids == e).nonzero(as_tuple=True)[0]
+        out[rows] = quant_linear(x[rows], weight[e], "dynamic", scale[e])
+    return out
 
 
 @register("grouped_matmul", "reference", batch_invariant=True)

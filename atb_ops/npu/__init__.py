@@ -1,7 +1,48 @@
-"""Ascend NPU backend (torch_npu fused ops and custom-op packages).
+"""Ascend NPU backend: torch_npu fused ops, custom-op packages, compositions (see :mod:`.optable`).
 
-Registers implementations with ``atb_ops._dispatch.register(op, "npu")`` when torch_npu is importable.
-No NPU kernel has landed yet: NPU tensors run the reference implementation on the device (the dispatcher
-logs this once per op). NPU hardware is not available to this project; see DESIGN.md for how this
-backend is tested (emulated torch_npu ops plus the wheel's meta functions).
+Importing this package registers, for every atb_ops op, an ``npu`` implementation that runs the entry of the
+op table (:func:`atb_ops.npu.optable.table`, resolved once at first use and logged): a custom op when its
+package is loaded, else a torch_npu fused op, else a composition of torch / torch_npu ops on the device, else
+(logged as a warning) the reference implementation. torch_npu is called through the module at call time, so
+``atb_ops.npu.emulation.install()`` (a CPU emulation of torch_npu) lets the whole backend run on CPU tensors.
+No NPU is available to this project: the backend is verified by that emulation and by the torch_npu wheel's
+own schemas and Meta kernels (:mod:`.contracts`), not on hardware.
 """
+
+from __future__ import annotations
+
+import functools
+
+from .._dispatch import register
+# importing the implementation modules registers their candidates
+from . import impl_attn, impl_custom, impl_dense, impl_moe, impl_numerics, impl_quant  # noqa: F401
+from .optable import HOT_PATH, candidate, format_table, hot_path_fallbacks, reset, run, table  # noqa: F401
+
+
+def _register_all() -> None:
+    from .. import OPS
+
+    for op in OPS:
+        def _impl(*args, _op=op):
+            return run(_op, *args)
+
+        functools.update_wrapper(_impl, run)
+        _impl.__name__ = f"npu_{op}"
+        register(op, "npu")(_impl)
+
+
+def _ascendc_candidates() -> None:
+    """Our AscendC kernels (atb_ops/ascendc: ``torch.ops.ascend_dsv4.*``) are custom-op candidates of their ops,
+    used when ``libascend_dsv4_ascendc_ops.so`` was built and loads (checked when the table is resolved)."""
+    from ..ascendc import loader
+
+    for name in loader.SCHEMAS:
+        def _kernel(*args, _name=name):
+            return loader.npu_impls()[_name](*args)
+
+        candidate(name, "custom", f"ascend_dsv4 AscendC kernel torch.ops.ascend_dsv4.{name}",
+                  loader.load_ascendc_ops)(_kernel)
+
+
+_ascendc_candidates()
+_register_all()

@@ -9,7 +9,8 @@ from .._dispatch import register
 FORMATS = ("dense", "fp8_block", "fp4")
 
 
-def dequant_weight(w: torch.Tensor, scale: torch.Tensor | None, fmt: str) -> torch.Tensor:
+@register("dequantize_weight", "reference")
+def dequant_weight(w: torch.Tensor, scale: torch.Tensor | None = None, fmt: str = "dense") -> torch.Tensor:
     """float32 [out, in] from a stored weight (see :func:`atb_ops.linear` for the formats)."""
     if fmt == "dense":
         return w.float()

@@ -14,57 +14,49 @@ but a folder assembled by hand can still hold the source's ``model.safetensors.i
 
 1. an msModelSlim index ``quant_model_weight*.safetensors.index.json`` (its ``weight_map``);
 2. every ``quant_model_weight*.safetensors`` file (a numbered set must be complete);
-3. otherwise the generic rules of :func:`ascend_dsv4.weights.safetensors_io.find_shards`
+3. otherwise the generic rules of :func:`quant.safetensors_io.find_shards`
    (``model.safetensors.index.json`` or any ``*.safetensors``).
 
 Only headers are read when a :class:`WeightStore` is opened; a tensor's data is read (memory-mapped, through
-:class:`~ascend_dsv4.weights.safetensors_io.ShardReader`) when :meth:`WeightStore.get` asks for it.
+:class:`~quant.safetensors_io.ShardReader`) when :meth:`WeightStore.get` asks for it.
 """
 
 from __future__ import annotations
 
 import glob
-import json
 import logging
 import os
-import re
 
 import torch
 
-from ascend_dsv4.weights.safetensors_io import ShardReader, TensorInfo, find_shards, read_header
-from quant.errors import QuantFormatError
+from quant.errors import CheckpointError, QuantFormatError
+from quant.safetensors_io import ShardReader, TensorInfo, check_numbered_set, find_shards, read_header, read_index
 
 log = logging.getLogger(__name__)
 
 WEIGHT_GLOB = "quant_model_weight*.safetensors"
 INDEX_GLOB = "quant_model_weight*.safetensors.index.json"
-_NUMBERED = re.compile(r"-(\d+)-of-(\d+)\.safetensors$")
 
 
 def _read_index(index: str) -> dict[str, str]:
     try:
-        with open(index, encoding="utf-8") as f:
-            obj = json.load(f)
-    except json.JSONDecodeError as e:
-        raise QuantFormatError(f"{index}: malformed index file: not valid JSON ({e})") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise QuantFormatError(f"{index}: cannot read index file ({e})") from e
-    wm = obj.get("weight_map") if isinstance(obj, dict) else None
-    if not isinstance(wm, dict) or not wm or not all(isinstance(v, str) for v in wm.values()):
+        wm = read_index(index)
+    except CheckpointError as e:
+        raise QuantFormatError(str(e)) from None
+    if not wm:
         raise QuantFormatError(f"{index}: malformed index file: expected a non-empty \"weight_map\" object")
+    for k, v in wm.items():  # shard names are plain file names inside the folder: nothing else is opened
+        if v in ("", ".", "..") or "/" in v or "\\" in v or "\0" in v or os.path.isabs(v) or v[1:2] == ":":
+            raise QuantFormatError(f"{index}: \"weight_map\" entry {k!r} names the shard {v!r}, which is not a "
+                                   f"plain file name inside the model folder; it was not opened")
     return wm
 
 
 def _check_numbered(folder: str, paths: list[str]) -> None:
-    totals = {int(m.group(2)) for p in paths if (m := _NUMBERED.search(p))}
-    for n in totals:
-        have = {int(m.group(1)) for p in paths if (m := _NUMBERED.search(p)) and int(m.group(2)) == n}
-        gone = sorted(set(range(1, n + 1)) - have)
-        if gone:
-            raise QuantFormatError(
-                f"{folder}: no msModelSlim index file and the shard set is incomplete: shard(s) "
-                f"{', '.join(str(i) for i in gone)} of {n} are missing"
-            )
+    try:
+        check_numbered_set(folder, paths, f"an msModelSlim index ({INDEX_GLOB})")
+    except CheckpointError as e:
+        raise QuantFormatError(str(e)) from None
 
 
 def find_weight_files(folder: str) -> tuple[list[str], str | None, dict[str, str] | None]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ascend_dsv4 import LLM, SamplingParams
-from ascend_dsv4.engine.kv_pools import PoolSizes
+from ascend_dsv4.kv import PoolSizes
 
 BASE = "The quick brown fox jumps over the lazy dog. " * 6  # 270 bytes: longer than toy-v4's 128-token radix window
 PROMPTS = [BASE + "Alpha", BASE + "Beta gamma", BASE[:40] + "zz", BASE + "Alpha", "short", "sho"]

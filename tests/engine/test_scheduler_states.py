@@ -8,13 +8,13 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from ascend_dsv4.config import preset
+from ascend_dsv4.models import preset
 from ascend_dsv4.engine.engine import LLMEngine
-from ascend_dsv4.engine.kv_pools import PoolSizes
+from ascend_dsv4.kv import PoolSizes
 from ascend_dsv4.engine.model_runner import ModelRunner
 from ascend_dsv4.engine.sampling import SamplingParams
 from ascend_dsv4.engine.tokenizer import ByteTokenizer
-from ascend_dsv4.models.deepseek_v4 import DeepseekV4Model
+from ascend_dsv4.models.deepseek_v4.model import DeepseekV4Model
 from ascend_dsv4.weights.random_init import init_random_
 
 CFG = preset("toy-v4").replace(vocab_size=300, dim=128, n_layers=2, compress_ratios=(4, 128, 0), n_hash_layers=1,

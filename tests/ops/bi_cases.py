@@ -47,6 +47,18 @@ def cases(device: str = "cpu", seed: int = 0, T: int = 37):
     w8, s8 = quant_fp8_block(r(160, 256).cpu())
     w8, s8 = w8.to(device), s8.to(device)
     out.append(("linear_fp8_block", lambda s: atb_ops.linear(_pick(x256, s), w8, s8, "fp8_block")))
+    out.append(("dequantize_weight", lambda s: atb_ops.dequantize_weight(_pick(w_bf, s))))
+    wq = torch.randint(-127, 128, (256, 80), generator=g, dtype=torch.int8).to(device)  # [K, N] x2 layout
+    qs, qoff, qb = r(80).abs() * 0.01, r(80), r(80)
+    out.append(("quant_linear_weight_only", lambda s: atb_ops.quant_linear(_pick(x256, s), wq, "weight_only", qs,
+                                                                           qb, qoff)))
+    out.append(("quant_linear_dynamic", lambda s: atb_ops.quant_linear(_pick(x256, s), wq, "dynamic", qs, qb)))
+    qis, qio, qbi = torch.tensor(0.02, device=device), torch.tensor(3.0, device=device), ri(-500, 500, 80)
+    out.append(("quant_linear_static", lambda s: atb_ops.quant_linear(_pick(x256, s), wq, "static", qs, qbi,
+                                                                      input_scale=qis, input_offset=qio)))
+    wqe = torch.randint(-127, 128, (4, 256, 80), generator=g, dtype=torch.int8).to(device)
+    qse, qeid = r(4, 80).abs() * 0.01, ri(0, 4, T)
+    out.append(("quant_grouped_matmul", lambda s: atb_ops.quant_grouped_matmul(_pick(x256, s), wqe, _pick(qeid, s), qse)))
     we = r(6, 64, 256, dtype=bf)
     eid = ri(0, 6, T)
     out.append(("grouped_matmul", lambda s: atb_ops.grouped_matmul(_pick(x256, s), we, _pick(eid, s))))

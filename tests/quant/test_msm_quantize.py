@@ -330,9 +330,9 @@ def test_w4_quantizer_range_and_zero_rows():
 
 def test_cli_quantize_from_folder(tmp_path, capsys):
     """CLI end to end on a random V3 checkpoint folder (BF16, 2 layers): summary, files, copied extras, errors."""
-    from ascend_dsv4.config import preset
+    from ascend_dsv4.models import preset
     from ascend_dsv4.entrypoints.cli import main
-    from ascend_dsv4.weights.random_checkpoint import write_checkpoint_v3
+    from ascend_dsv4.weights.random_checkpoint import write_checkpoint as write_checkpoint_v3
 
     cfg = preset("toy-v3").replace(dtype="bf16", **SMALL_V3)
     src = tmp_path / "src"

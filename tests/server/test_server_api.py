@@ -230,14 +230,13 @@ def test_api_key(srv):
     ("/v1/completions", {"min_p": 2}, "min_p"),
     ("/v1/completions", {"max_tokens": 0}, "max_tokens"),
     ("/v1/completions", {"max_tokens": "many"}, "max_tokens"),
-    ("/v1/completions", {"n": 2}, "n"),
+    ("/v1/completions", {"n": 1000}, "n"),
     ("/v1/completions", {"logprobs": 50}, "logprobs"),
     ("/v1/completions", {"presence_penalty": 5}, "presence_penalty"),
     ("/v1/completions", {"frequency_penalty": -3}, "frequency_penalty"),
     ("/v1/completions", {"repetition_penalty": 0}, "repetition_penalty"),
     ("/v1/completions", {"seed": -1}, "seed"),
     ("/v1/completions", {"stop": [1, 2]}, "stop"),
-    ("/v1/completions", {"model": "gpt-4"}, "model"),
     ("/v1/completions", {"prompt": None}, "prompt"),
     ("/v1/completions", {"prompt": [5, 10**9]}, "prompt"),
     ("/v1/completions", {"prompt": {"a": 1}}, "prompt"),
@@ -247,7 +246,7 @@ def test_api_key(srv):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
     ("/v1/chat/completions", {"max_completion_tokens": 0}, "max_completion_tokens"),
     ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
-    ("/v1/chat/completions", {"n": 3, "stream": True}, "n"),
+    ("/v1/chat/completions", {"n": 0, "stream": True}, "n"),
     ("/v1/chat/completions", {"temperature": -0.5, "stream": True}, "temperature"),
 ])
 def test_invalid_fields_get_400_naming_the_param(http, path, extra, param):
@@ -265,7 +264,7 @@ def test_openai_client_sees_400(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="toy-v4", prompt=PROMPT, temperature=-1)
     assert e.value.param == "temperature"
-    with pytest.raises(openai.BadRequestError) as e:
+    with pytest.raises(openai.NotFoundError) as e:  # 404, as OpenAI and vLLM answer an unknown model
         client.completions.create(model="nope", prompt=PROMPT)
     assert e.value.param == "model" and e.value.code == "model_not_found"
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from ascend_dsv4 import LLM
-from ascend_dsv4.config import preset
-from ascend_dsv4.engine.kv_pools import PoolSizes
+from ascend_dsv4.models import preset
+from ascend_dsv4.kv import PoolSizes
 from ascend_dsv4.engine.model_runner import ModelRunner
-from ascend_dsv4.models.deepseek_v3 import DeepseekV3Model
+from ascend_dsv4.models.deepseek_v3.model import DeepseekV3Model
 from ascend_dsv4.weights.random_init import init_random_
 from v3_oracle import random_hf_v3
 

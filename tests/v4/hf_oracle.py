@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ascend_dsv4.config import RATIO_TO_LAYER_TYPE, ModelConfig
+from ascend_dsv4.models.deepseek_v4.config import RATIO_TO_LAYER_TYPE, DeepseekV4Config as ModelConfig
 
 
 def hf_config(cfg: ModelConfig):

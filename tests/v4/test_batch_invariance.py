@@ -90,38 +90,23 @@ def test_issue_experiment_64_prompts(device):
     assert sum(a != b for a, b in zip(small, batched)) == 0
 
 
-def test_cli_flags(monkeypatch, capsys):
+def test_cli_flags(capsys):
     from ascend_dsv4.entrypoints import cli
 
-    seen = {}
-    real = cli._parser
-
-    def spy():
-        p = real()
-        orig = p.parse_args
-
-        def parse(argv=None):
-            a = orig(argv)
-            seen["bi"] = a.batch_invariant
-            return a
-
-        p.parse_args = parse
-        return p
-
-    monkeypatch.setattr(cli, "_parser", spy)
-    assert cli.main(["generate", "--model", "toy-v4", "--prompt", "Hi", "--max-tokens", "2", "--device", "cpu",
+    assert cli._parser().parse_args(["generate", "toy-v4", "--prompt", "x", "--batch-invariant"]).batch_invariant
+    assert cli._parser().parse_args(["serve", "toy-v4", "--batch-invariant"]).batch_invariant
+    assert not cli._parser().parse_args(["serve", "toy-v4"]).batch_invariant
+    assert cli.main(["generate", "toy-v4", "--prompt", "Hi", "--max-tokens", "2", "--device", "cpu",
                      "--dtype", "bfloat16", "--batch-invariant"]) == 0
-    assert seen["bi"] is True
     assert "2 generated" in capsys.readouterr().err
-    args = real().parse_args(["serve", "--model", "toy-v4", "--batch-invariant"])
-    assert args.batch_invariant is True
-    assert real().parse_args(["serve"]).batch_invariant is False
 
 
 def test_flag_reaches_the_ops():
-    llm = LLM("toy-v4", dtype="bfloat16", progress=False, batch_invariant=True)
-    with llm._ops():
-        import atb_ops
+    import atb_ops
 
+    llm = LLM("toy-v4", dtype="bfloat16", progress=False, batch_invariant=True)
+    assert llm.runner.batch_invariant
+    with llm.runner.ops():  # what every step of the runner (engine, server) runs under
         assert atb_ops.is_batch_invariant()
-    assert not LLM("toy-v4", progress=False).batch_invariant
+    assert not atb_ops.is_batch_invariant()
+    assert not LLM("toy-v4", progress=False).runner.batch_invariant

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ascend_dsv4.weights.names import official_to_hf
+from ascend_dsv4.models.deepseek_v4.names import official_to_hf
 from v4_helpers import make_runner, rel_err, toy_cfg
 
 T = 140

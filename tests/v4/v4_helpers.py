@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from ascend_dsv4.config import preset
-from ascend_dsv4.engine.kv_pools import PoolSizes
+from ascend_dsv4.models import preset
+from ascend_dsv4.kv import PoolSizes
 from ascend_dsv4.engine.model_runner import ModelRunner
-from ascend_dsv4.models.deepseek_v4 import DeepseekV4Model
+from ascend_dsv4.models.deepseek_v4.model import DeepseekV4Model
 from ascend_dsv4.weights.random_init import init_random_
 
 SMALL_POOLS = PoolSizes(block_size=16, c4_block_size=4, c128_block_size=1, num_blocks=160, num_c4_blocks=160,

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ascend_dsv4 import LLM
-from ascend_dsv4.config import preset
+from ascend_dsv4.models import preset
 from ascend_dsv4.errors import CheckpointError
 from ascend_dsv4.weights.convert import convert_checkpoint
 from ascend_dsv4.weights.rank_slices import RankLayout, rank_tensors, slice_rule

@@ -39,7 +39,7 @@ def test_v1_sharded_with_index_is_lazy(tmp_path, monkeypatch):
     # a stale copy of the source model's index must not be followed
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "model-00001-of-00009.safetensors"}}))
 
-    import ascend_dsv4.weights.safetensors_io as sio
+    import quant.safetensors_io as sio
 
     reads = []
     orig = sio.ShardReader.get

@@ -1,0 +1,90 @@
+"""``gpu_memory_utilization``: size the KV pools from the device memory this instance may use (vLLM's flag).
+
+``requested = gpu_memory_utilization * total device memory`` is the most this instance may hold (weights, KV,
+activations). After the weights have loaded, ``in_use = total - free`` (this process's weights and whatever
+else holds the device) is subtracted, and so is an activation reserve (``ACTIVATION_RESERVE`` of the total: the
+step's activations and logits are not profiled yet); what is left is the KV budget. The three page counts of the
+default sizing (:func:`~.model_runner.plan_pool_sizes`) are scaled by one factor so that the pools' bytes fill
+the budget (pool bytes are linear in the page counts; they are measured by building the pools on the ``meta``
+device, so no memory is touched).
+
+CPU has no such budget: the flag is validated and ignored there (the pools keep their default sizing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from ..errors import ConfigError
+
+log = logging.getLogger("ascend_dsv4")
+
+__all__ = ["ACTIVATION_RESERVE", "check_utilization", "device_memory", "pool_bytes", "size_pools_for_memory",
+           "sized_for_memory"]
+
+ACTIVATION_RESERVE = 0.05
+
+
+def check_utilization(util) -> float:
+    if isinstance(util, bool) or not isinstance(util, (int, float)) or not 0 < util <= 1:
+        raise ConfigError(f"gpu_memory_utilization must be a fraction in (0, 1], got {util!r}")
+    return float(util)
+
+
+def device_memory(device: torch.device) -> tuple[int, int] | None:
+    """(free, total) bytes of ``device`` from its torch device module (``torch.cuda`` / ``torch.npu``), or None for
+    a device without one (CPU)."""
+    mod = getattr(torch, device.type, None)
+    fn = getattr(mod, "mem_get_info", None)
+    if device.type == "cpu" or fn is None:
+        return None
+    free, total = fn(device)
+    return int(free), int(total)
+
+
+def pool_bytes(model, sizes, dtype: torch.dtype) -> int:
+    """Bytes of the KV pools ``model.make_pools(sizes, dtype, ...)`` would allocate (built on ``meta``)."""
+    pools = model.make_pools(sizes, dtype, torch.device("meta"))
+    return sum(t.numel() * t.element_size() for t in vars(pools).values() if isinstance(t, torch.Tensor))
+
+
+def size_pools_for_memory(model, base, dtype: torch.dtype, util: float, free: int, total: int):
+    """``base`` (a PoolSizes) with its page counts scaled to the KV budget described in the module docstring.
+
+    Raises ConfigError naming the numbers when the budget leaves no room for KV."""
+    util = check_utilization(util)
+    requested = int(util * total)
+    in_use = total - free
+    reserve = int(ACTIVATION_RESERVE * total)
+    budget = requested - in_use - reserve
+    gib = 2**30
+    if budget <= 0:
+        raise ConfigError(
+            f"gpu_memory_utilization {util:g} allows {requested / gib:.2f} GiB of the device's {total / gib:.2f} GiB, "
+            f"but {in_use / gib:.2f} GiB are in use already (the weights and other processes) and "
+            f"{reserve / gib:.2f} GiB are kept for activations: no room for the KV cache; raise it")
+    per = pool_bytes(model, base, dtype)
+    f = budget / per
+    out = dataclasses.replace(base, num_blocks=max(1, int(base.num_blocks * f)),
+                              num_c4_blocks=max(1, int(base.num_c4_blocks * f)),
+                              num_c128_blocks=max(1, int(base.num_c128_blocks * f)))
+    log.info("KV pools sized for gpu_memory_utilization %g: %.2f GiB budget (%.2f GiB requested, %.2f GiB in use, "
+             "%.2f GiB activation reserve): %d token / %d c4 / %d c128 pages", util, budget / gib, requested / gib,
+             in_use / gib, reserve / gib, out.num_blocks, out.num_c4_blocks, out.num_c128_blocks)
+    return out
+
+
+def sized_for_memory(model, base, dtype: torch.dtype, util: float, device: torch.device, max_num_seqs: int,
+                     max_model_len: int):
+    """``base`` sized for ``util`` of ``device``'s memory (cuda / npu); ``base`` itself on a device without a
+    memory budget (CPU), with a note."""
+    util = check_utilization(util)
+    mem = device_memory(device)
+    if mem is None:
+        log.info("gpu_memory_utilization is ignored on %s: the KV pools hold max_num_seqs (%d) sequences of "
+                 "max_model_len (%d)", device, max_num_seqs, max_model_len)
+        return base
+    return size_pools_for_memory(model, base, dtype, util, *mem)

@@ -1,0 +1,68 @@
+"""Quantised layers that replace a model's dense ones when a msModelSlim checkpoint describes them (both families):
+a described linear (:class:`QuantLinearAdapter` around :class:`quant.msmodelslim.QuantLinear`), routed experts of
+such linears (:class:`QuantExperts`), a smoothed norm (:class:`SmoothedRMSNorm`)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import atb_ops
+
+
+class QuantLinearAdapter(nn.Module):
+    """A described msModelSlim linear in place of a :class:`parallel.linear.Linear`: [..., K] -> [..., N]."""
+
+    def __init__(self, ql: nn.Module, out_dtype: torch.dtype):
+        super().__init__()
+        self.ql, self.out_dtype = ql, out_dtype
+
+    @property
+    def weight(self) -> torch.Tensor:  # consumers that need the matrix itself (absorption, einsum) get it dense
+        return self.ql.dequant_weight().to(self.out_dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])
+        # the NPU form (weights/msm_npu.py) takes the model dtype, as its NPU ops do; the CPU-layout one float32
+        y = self.ql(x2 if getattr(self.ql, "takes_model_dtype", False) else x2.float())
+        return y.reshape(*x.shape[:-1], y.shape[-1]).to(x.dtype if x.dtype != torch.float32 else self.out_dtype)
+
+
+class QuantExperts(nn.Module):
+    """Routed experts whose weights are msModelSlim entries: w1 / w3 / w2 QuantLinears per expert."""
+
+    def __init__(self, experts: list[tuple[nn.Module, nn.Module, nn.Module]], limit: float,
+                 weight_after_w2: bool = False):
+        super().__init__()
+        # where the routing weight multiplies: before w2 (DeepSeek-V4, spec §2.4) or after (DeepSeek-V3); it
+        # matters once w2 quantises its input
+        self.weight_after_w2 = weight_after_w2
+        self.w1 = nn.ModuleList(e[0] for e in experts)
+        self.w3 = nn.ModuleList(e[1] for e in experts)
+        self.w2 = nn.ModuleList(e[2] for e in experts)
+        self.limit = limit
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        T, k = ids.shape
+        y = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
+        for e in torch.unique(ids).tolist():
+            tok, slot = (ids == e).nonzero(as_tuple=True)
+            xs = x[tok]
+            h = atb_ops.swiglu(self.w1[e](xs), self.w3[e](xs), self.limit)
+            w = weights[tok, slot].unsqueeze(-1)
+            if self.weight_after_w2:
+                y.index_add_(0, tok, self.w2[e](h.to(x.dtype)).float() * w)
+            else:
+                y.index_add_(0, tok, self.w2[e]((h * w).to(x.dtype)).float())
+        return y
+
+
+class SmoothedRMSNorm(nn.Module):
+    """An anti-outlier smoothed norm (``norm(x) * w + b``, msModelSlim's ``AntiOutlierNorm``) in place of an RMSNorm."""
+
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.norm = norm
+
+    def forward(self, x):
+        return self.norm(x)

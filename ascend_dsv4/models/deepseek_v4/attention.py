@@ -1,0 +1,149 @@
+"""DeepSeek-V4 attention: sliding window + compressed entries (CSA with indexer, HCA) + sink (spec §2.3).
+
+Every tensor is token-major over a ragged batch: ``x`` is ``[T, dim]``; KV state lives in the paged pools
+of ``ctx.pools`` and is addressed with the slot tensors of the :class:`StepContext`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import atb_ops
+from parallel.linear import Linear
+
+from ...kv.context import StepContext
+from ...layers.norm import RMSNorm, fp32_param
+from .config import DeepseekV4Config
+
+
+def layer_inv_freq(cfg: DeepseekV4Config, ratio: int) -> torch.Tensor:
+    """RoPE table of a layer: base 10000 without YaRN for ratio 0, else base 160000 with YaRN (spec §2.0)."""
+    if ratio == 0:
+        return atb_ops.rope_inv_freq(cfg.rope_head_dim, cfg.rope_theta)
+    return atb_ops.rope_inv_freq(cfg.rope_head_dim, cfg.compress_rope_theta, cfg.rope_factor,
+                                 cfg.original_seq_len, cfg.beta_fast, cfg.beta_slow)
+
+
+class Compressor(nn.Module):
+    """Gated pooling of ``ratio`` tokens (2*ratio with overlap) into one ``head_dim`` entry.
+
+    Parameters (official names): ``wkv``, ``wgate`` [kappa*c, dim] (float32 compute), ``ape`` [r, kappa*c],
+    ``norm`` [c]. ``rotate`` marks the indexer's compressor (Hadamard + FP4 in reference numerics) versus
+    the main one (FP8 on the non-rope channels in reference numerics).
+    """
+
+    def __init__(self, cfg: DeepseekV4Config, ratio: int, head_dim: int, rotate: bool, dtype: torch.dtype,
+                 reference: bool):
+        super().__init__()
+        self.ratio, self.head_dim, self.rotate, self.reference = ratio, head_dim, rotate, reference
+        self.overlap = ratio == 4
+        width = (2 if self.overlap else 1) * head_dim
+        self.rope_head_dim = cfg.rope_head_dim
+        self.wkv = Linear(cfg.dim, width, torch.float32, compute_fp32=True)
+        self.wgate = Linear(cfg.dim, width, torch.float32, compute_fp32=True)
+        self.ape = fp32_param(ratio, width)
+        self.norm = RMSNorm(head_dim, cfg.norm_eps)
+        self.dtype = dtype
+
+    def forward(self, x: torch.Tensor, ctx: StepContext, layer_id: int, inv_freq: torch.Tensor) -> None:
+        """Write this step's state rows, pool the entries completed in this step, store them."""
+        which = "index" if self.rotate else "main"
+        kv_rows, score_rows = ctx.pools.state_layer(layer_id, which)
+        a = self.wkv(x)
+        z = self.wgate(x) + self.ape[ctx.positions % self.ratio]
+        kv_rows.index_copy_(0, ctx.swa_slot, a)
+        score_rows.index_copy_(0, ctx.swa_slot, z)
+        cc = ctx.compress[self.ratio]
+        if cc.new_slot.numel() == 0:
+            return
+        e = atb_ops.compressor_pool(kv_rows, score_rows, cc.new_cand, self.overlap).to(self.dtype)
+        e = self.norm(e)
+        e = atb_ops.apply_rope(e, cc.new_pos, inv_freq)
+        if self.reference:
+            if self.rotate:
+                e = atb_ops.fp4_act_round(atb_ops.hadamard(e), 32)
+            else:
+                e = _fp8_nope(e, self.rope_head_dim)
+        ctx.pools.entry_layer(layer_id, which).index_copy_(0, cc.new_slot, e.to(ctx.pools.dtype))
+
+
+def _fp8_nope(v: torch.Tensor, rope_dim: int) -> torch.Tensor:
+    """FP8 round trip of the non-rope channels in blocks of 64 (official QAT simulation of the KV)."""
+    return torch.cat([atb_ops.fp8_act_round(v[..., :-rope_dim], 64), v[..., -rope_dim:]], dim=-1)
+
+
+class Indexer(nn.Module):
+    """Lightning indexer of a CSA layer: picks ``index_topk`` compressed entries per query."""
+
+    def __init__(self, cfg: DeepseekV4Config, dtype: torch.dtype, reference: bool):
+        super().__init__()
+        self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+        self.reference = reference
+        self.wq_b = Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, dtype, fp8_input=reference)
+        self.weights_proj = Linear(cfg.dim, self.n_heads, dtype)
+        self.compressor = Compressor(cfg, 4, self.head_dim, True, dtype, reference)
+        self.weight_scale = self.head_dim ** -0.5 * self.n_heads ** -0.5
+
+    def forward(self, x, qr, ctx: StepContext, layer_id: int, inv_freq) -> torch.Tensor:
+        q = self.wq_b(qr).view(-1, self.n_heads, self.head_dim)
+        q = atb_ops.apply_rope(q, ctx.positions, inv_freq)
+        if self.reference:
+            q = atb_ops.fp4_act_round(atb_ops.hadamard(q), 32)
+        self.compressor(x, ctx, layer_id, inv_freq)
+        w = self.weights_proj(x).float() * self.weight_scale
+        keys = ctx.pools.entry_layer(layer_id, "index")
+        return atb_ops.indexer_topk(q, w, keys, ctx.compress[4].visible, self.topk)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DeepseekV4Config, layer_id: int, dtype: torch.dtype, reference: bool):
+        super().__init__()
+        self.layer_id, self.ratio = layer_id, cfg.compress_ratios[layer_id]
+        self.n_heads, self.head_dim, self.rope_head_dim = cfg.n_heads, cfg.head_dim, cfg.rope_head_dim
+        self.o_groups, self.o_lora_rank, self.eps = cfg.o_groups, cfg.o_lora_rank, cfg.norm_eps
+        self.reference = reference
+        H, D = cfg.n_heads, cfg.head_dim
+        self.wq_a = Linear(cfg.dim, cfg.q_lora_rank, dtype, fp8_input=reference)
+        self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
+        self.wq_b = Linear(cfg.q_lora_rank, H * D, dtype, fp8_input=reference)
+        self.wkv = Linear(cfg.dim, D, dtype, fp8_input=reference)
+        self.kv_norm = RMSNorm(D, cfg.norm_eps)
+        # wo_a runs in BF16 in the official model (dequantised at load): no activation rounding
+        self.wo_a = Linear(H * D // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, dtype)
+        self.wo_a.keep_checkpoint_format = False  # used as a dense einsum weight (spec §3.3)
+        self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.dim, dtype, fp8_input=reference)
+        self.attn_sink = fp32_param(H)
+        self.compressor = Compressor(cfg, self.ratio, D, False, dtype, reference) if self.ratio else None
+        self.indexer = Indexer(cfg, dtype, reference) if self.ratio == 4 else None
+        self.register_buffer("inv_freq", layer_inv_freq(cfg, self.ratio), persistent=False)
+
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        T = x.shape[0]
+        pos, inv_freq = ctx.positions, self.inv_freq
+        qr = self.q_norm(self.wq_a(x))
+        q = self.wq_b(qr).view(T, self.n_heads, self.head_dim)
+        q = atb_ops.rms_norm(q, None, self.eps)
+        q = atb_ops.apply_rope(q, pos, inv_freq)
+
+        kv = atb_ops.apply_rope(self.kv_norm(self.wkv(x)), pos, inv_freq)
+        if self.reference:
+            kv = _fp8_nope(kv, self.rope_head_dim)
+        swa = ctx.pools.swa_layer(self.layer_id)
+        swa.index_copy_(0, ctx.swa_slot, kv.to(swa.dtype))
+
+        extra_kv = extra_idx = None
+        if self.ratio:
+            if self.indexer is not None:
+                extra_idx = self.indexer(x, qr, ctx, self.layer_id, inv_freq)
+            else:
+                extra_idx = ctx.compress[self.ratio].visible
+            self.compressor(x, ctx, self.layer_id, inv_freq)
+            extra_kv = ctx.pools.entry_layer(self.layer_id)
+        o = atb_ops.sparse_attention(q, swa, ctx.window, self.attn_sink, self.head_dim ** -0.5, extra_kv, extra_idx)
+        o = atb_ops.apply_rope(o, pos, inv_freq, inverse=True)
+        # grouped low-rank output: group g of heads -> o_lora_rank, then wo_b over all groups
+        o = o.reshape(T, self.o_groups, -1)
+        wo_a = self.wo_a.weight.view(self.o_groups, self.o_lora_rank, -1)
+        z = atb_ops.group_linear(o, wo_a)
+        return self.wo_b(z.flatten(1))

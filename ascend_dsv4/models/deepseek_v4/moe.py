@@ -1,0 +1,61 @@
+"""DeepSeek-V4 MoE: sqrt-softplus gate (biased top-k or hash routing), clamped SwiGLU experts (spec §2.4)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import atb_ops
+from parallel.linear import Linear
+
+from ...layers.experts import Experts
+from ...layers.norm import fp32_param
+from .config import DeepseekV4Config
+
+
+class Gate(nn.Module):
+    """``weight`` [E, dim]; ``bias`` [E] (non-hash layers, selection only) or ``tid2eid`` [vocab, k] (hash)."""
+
+    def __init__(self, cfg: DeepseekV4Config, hash_routed: bool, dtype: torch.dtype):
+        super().__init__()
+        self.topk, self.route_scale = cfg.n_activated_experts, cfg.route_scale
+        self.hash_routed = hash_routed
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.dim, dtype=dtype), requires_grad=False)
+        if hash_routed:
+            self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, cfg.n_activated_experts, dtype=torch.long))
+            self.bias = None
+        else:
+            self.bias = fp32_param(cfg.n_routed_experts)
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.hash_routed:
+            return atb_ops.moe_gate(x, self.weight, None, self.topk, self.route_scale, self.tid2eid, token_ids)
+        return atb_ops.moe_gate(x, self.weight, self.bias, self.topk, self.route_scale)
+
+
+class SharedExpert(nn.Module):
+    def __init__(self, cfg: DeepseekV4Config, dtype: torch.dtype, reference: bool):
+        super().__init__()
+        d, I = cfg.dim, cfg.moe_inter_dim
+        self.limit = cfg.swiglu_limit  # current official revision clamps the shared expert too
+        self.w1 = Linear(d, I, dtype, fp8_input=reference)
+        self.w3 = Linear(d, I, dtype, fp8_input=reference)
+        self.w2 = Linear(I, d, dtype, fp8_input=reference)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(atb_ops.swiglu(self.w1(x), self.w3(x), self.limit).to(x.dtype))
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: DeepseekV4Config, layer_id: int, dtype: torch.dtype, reference: bool):
+        super().__init__()
+        self.gate = Gate(cfg, layer_id < cfg.n_hash_layers and layer_id < cfg.n_layers, dtype)
+        self.experts = Experts(cfg.n_routed_experts, cfg.moe_inter_dim, cfg.dim, cfg.swiglu_limit, dtype, reference)
+        self.shared_experts = SharedExpert(cfg, dtype, reference) if cfg.n_shared_experts else None
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x, token_ids)
+        y = self.experts(x, weights, ids)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x).float()
+        return y.to(x.dtype)

@@ -1,0 +1,190 @@
+"""Triton sparse attention over gathered rows (V4 sparse attention with sink; V3 MLA decode).
+
+One kernel, ``_attn_kernel``, serves both ops. A program owns one token t, a block of BH heads and one split
+of the token's key list; every key row it gathers is shared by all heads (one KV head), so it is loaded once
+per head block. Per chunk of BN keys (rows ``idx[t, n]``, -1 = absent and never read):
+
+    s[h, n] = scale * (q1[h] . row[n, :D1] + q2[h] . row[n, D1:D1+D2])        (float32 accumulation)
+    online softmax (base-2 exponent, running max m, running sum l), acc[h] += p[h, n] row[n, :D1]
+
+The key list is the main set ``idx`` followed by the optional extra set ``idx2`` over another row pool (V4's
+compressed entries), all in one softmax. V4's sink enters as exp(sink_h) in the denominator (the running
+max starts at the sink). When a token's keys are few compared with the GPU (decode), the key list is split
+over several programs (flash-decoding) and ``_combine_kernel`` merges the partial (m, l, acc) triples.
+P is rounded to the value dtype for the P.V product (as FlashAttention does); accumulation stays float32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .._dispatch import register
+from ._util import mma, dot_precision, pow2, sm_count
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attn_chunk(q1, q2, row_ptr, stride_row, idx_ptr, n0, n_keys, m_i, l_i, acc, scale2, D1, D2,
+                HAS_Q2: tl.constexpr, BN: tl.constexpr, BD1: tl.constexpr, BD2: tl.constexpr, PREC: tl.constexpr):
+    n = n0 + tl.arange(0, BN)
+    rows = tl.load(idx_ptr + n, mask=n < n_keys, other=-1)
+    valid = rows >= 0
+    base = rows.to(tl.int64) * stride_row
+    d1 = tl.arange(0, BD1)
+    k1 = tl.load(row_ptr + base[:, None] + d1[None, :], mask=valid[:, None] & (d1 < D1)[None, :], other=0.0)
+    s = mma(q1, tl.trans(k1), PREC)
+    if HAS_Q2:
+        d2 = tl.arange(0, BD2)
+        k2 = tl.load(row_ptr + base[:, None] + D1 + d2[None, :], mask=valid[:, None] & (d2 < D2)[None, :], other=0.0)
+        s += mma(q2, tl.trans(k2), PREC)
+    s = tl.where(valid[None, :], s * scale2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + mma(p.to(k1.dtype), k1, PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _attn_kernel(q1_ptr, q2_ptr, kv_ptr, idx_ptr, kv2_ptr, idx2_ptr, sink_ptr, out_ptr, part_ptr, ml_ptr,
+                 T, H, D1, D2, K1, K2, stride_kv, stride_kv2, scale2, chunks_per_split,
+                 HAS_Q2: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_SINK: tl.constexpr, SPLIT: tl.constexpr,
+                 BH: tl.constexpr, BN: tl.constexpr, BD1: tl.constexpr, BD2: tl.constexpr, PREC: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    hb = tl.program_id(1)
+    sp = tl.program_id(2)
+    h = hb * BH + tl.arange(0, BH)
+    hm = h < H
+    d1 = tl.arange(0, BD1)
+    kv_ty = kv_ptr.dtype.element_ty
+    q1 = tl.load(q1_ptr + (t * H + h[:, None]) * D1 + d1[None, :], mask=hm[:, None] & (d1 < D1)[None, :],
+                 other=0.0).to(kv_ty)
+    q2 = q1
+    if HAS_Q2:
+        d2 = tl.arange(0, BD2)
+        q2 = tl.load(q2_ptr + (t * H + h[:, None]) * D2 + d2[None, :], mask=hm[:, None] & (d2 < D2)[None, :],
+                     other=0.0).to(kv_ty)
+    if HAS_SINK and not SPLIT:
+        m_i = tl.load(sink_ptr + h, mask=hm, other=0.0).to(tl.float32) * 1.4426950408889634
+        l_i = tl.full((BH,), 1.0, tl.float32)
+    else:
+        m_i = tl.full((BH,), -1.0e30, tl.float32)
+        l_i = tl.zeros((BH,), tl.float32)
+    acc = tl.zeros((BH, BD1), tl.float32)
+
+    nc1 = tl.cdiv(K1, BN)
+    nc = nc1
+    if HAS_EXTRA:
+        nc += tl.cdiv(K2, BN)
+    c_lo = sp * chunks_per_split
+    c_hi = tl.minimum(c_lo + chunks_per_split, nc)
+    for c in range(c_lo, tl.minimum(c_hi, nc1)):
+        m_i, l_i, acc = _attn_chunk(q1, q2, kv_ptr, stride_kv, idx_ptr + t * K1, c * BN, K1, m_i, l_i, acc, scale2,
+                                    D1, D2, HAS_Q2, BN, BD1, BD2, PREC)
+    if HAS_EXTRA:
+        for c in range(tl.maximum(c_lo, nc1), c_hi):
+            m_i, l_i, acc = _attn_chunk(q1, q2, kv2_ptr, stride_kv2, idx2_ptr + t * K2, (c - nc1) * BN, K2, m_i, l_i,
+                                        acc, scale2, D1, D2, HAS_Q2, BN, BD1, BD2, PREC)
+    if SPLIT:
+        off = (sp * T + t) * H + h
+        tl.store(ml_ptr + off * 2, m_i, mask=hm)
+        tl.store(ml_ptr + off * 2 + 1, l_i, mask=hm)
+        tl.store(part_ptr + off[:, None] * BD1 + d1[None, :], acc, mask=hm[:, None])
+    else:
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + (t * H + h[:, None]) * D1 + d1[None, :], o.to(out_ptr.dtype.element_ty),
+                 mask=hm[:, None] & (d1 < D1)[None, :])
+
+
+@triton.jit
+def _combine_kernel(part_ptr, ml_ptr, sink_ptr, out_ptr, T, H, D1, n_split,
+                    HAS_SINK: tl.constexpr, BS: tl.constexpr, BD1: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    s = tl.arange(0, BS)
+    sm = s < n_split
+    off = (s * T + t) * H + h
+    m_s = tl.load(ml_ptr + off * 2, mask=sm, other=-1.0e30)
+    l_s = tl.load(ml_ptr + off * 2 + 1, mask=sm, other=0.0)
+    m = tl.max(m_s, 0)
+    if HAS_SINK:
+        sink2 = tl.load(sink_ptr + h).to(tl.float32) * 1.4426950408889634
+        m = tl.maximum(m, sink2)
+    w = tl.exp2(m_s - m)
+    l = tl.sum(l_s * w, 0)
+    if HAS_SINK:
+        l += tl.exp2(sink2 - m)
+    d = tl.arange(0, BD1)
+    acc = tl.load(part_ptr + off[:, None] * BD1 + d[None, :], mask=sm[:, None], other=0.0)
+    o = tl.sum(acc * w[:, None], 0) / tl.where(l > 0, l, 1.0)
+    tl.store(out_ptr + (t * H + h) * D1 + d, o.to(out_ptr.dtype.element_ty), mask=d < D1)
+
+
+def _run(q1, q2, kv, idx, kv2, idx2, sink, scale, out_dtype):
+    t_count, h_count, d1 = q1.shape
+    d2 = 0 if q2 is None else q2.shape[-1]
+    out = torch.empty(t_count, h_count, d1, dtype=out_dtype, device=q1.device)
+    if t_count == 0:
+        return out
+    k1 = idx.shape[-1]
+    has_extra = kv2 is not None and idx2 is not None and idx2.shape[-1] > 0
+    k2 = idx2.shape[-1] if has_extra else 0
+    bd1, bd2 = pow2(d1, 16), pow2(d2, 16)
+    bh = 16 if bd1 >= 512 or h_count <= 16 else 32
+    bn = 32 if bd1 + bd2 <= 640 else 16
+    nc = triton.cdiv(k1, bn) + triton.cdiv(k2, bn)
+    hb = triton.cdiv(h_count, bh)
+    programs = t_count * hb
+    n_split = max(1, min(nc, 64, triton.cdiv(2 * sm_count(q1.device), programs)))
+    cps = max(1, triton.cdiv(nc, n_split))
+    n_split = max(1, triton.cdiv(nc, cps))
+    split = n_split > 1
+    kvc = kv.contiguous()
+    kv2c = kv2.contiguous() if has_extra else kvc
+    q1c = q1.contiguous()
+    q2c = q2.contiguous() if q2 is not None else q1c
+    idxc = idx.contiguous()
+    idx2c = idx2.contiguous() if has_extra else idxc
+    sinkc = sink.float().contiguous() if sink is not None else q1c
+    if split:
+        part = torch.empty(n_split, t_count, h_count, bd1, dtype=torch.float32, device=q1.device)
+        ml = torch.empty(n_split, t_count, h_count, 2, dtype=torch.float32, device=q1.device)
+    else:
+        part = ml = out
+    prec = dot_precision(kv.dtype, q1.dtype)
+    _attn_kernel[(t_count, hb, n_split)](
+        q1c, q2c, kvc, idxc, kv2c, idx2c, sinkc, out, part, ml, t_count, h_count, d1, d2, k1, k2,
+        kvc.stride(0), kv2c.stride(0), float(scale) * LOG2E, cps,
+        HAS_Q2=q2 is not None, HAS_EXTRA=has_extra, HAS_SINK=sink is not None, SPLIT=split,
+        BH=bh, BN=bn, BD1=bd1, BD2=bd2, PREC=prec, num_warps=8 if bd1 >= 256 else 4, num_stages=2)
+    if split:
+        _combine_kernel[(t_count, h_count)](part, ml, sinkc, out, t_count, h_count, d1, n_split,
+                                            HAS_SINK=sink is not None, BS=pow2(n_split, 2), BD1=bd1, num_warps=4)
+    return out
+
+
+@register("sparse_attention", "cuda")
+def sparse_attention(q, kv, idx, sink, scale, extra_kv=None, extra_idx=None):
+    """q [T, H, D], kv [P, D] (K = V), idx [T, K] (-1 ignored), sink [H] fp32, optional extra_kv [P2, D] /
+    extra_idx [T, K2] in the same softmax; returns [T, H, D] in q.dtype (see :func:`atb_ops.sparse_attention`)."""
+    if kv.dtype != q.dtype:
+        kv = kv.to(q.dtype)
+    if extra_kv is not None and extra_kv.dtype != q.dtype:
+        extra_kv = extra_kv.to(q.dtype)
+    return _run(q, None, kv, idx, extra_kv, extra_idx, sink, scale, q.dtype)
+
+
+@register("mla_decode", "cuda")
+def mla_decode(q_nope_absorbed, q_pe, latent, idx, scale):
+    """Absorbed MLA: q_nope [T, H, C], q_pe [T, H, R], latent rows [P, C + R], idx [T, L] -> [T, H, C]."""
+    c, r = q_nope_absorbed.shape[-1], q_pe.shape[-1]
+    if latent.shape[-1] != c + r:
+        raise ValueError(f"mla_decode: latent last dim {latent.shape[-1]} != C + R = {c} + {r}")
+    if latent.dtype != q_nope_absorbed.dtype:
+        latent = latent.to(q_nope_absorbed.dtype)
+    return _run(q_nope_absorbed, q_pe, latent, idx, None, None, None, scale, q_nope_absorbed.dtype)
+

@@ -1,0 +1,124 @@
+"""Triton MoE router (V4 sqrt-softplus with bias or hash routing; V3 sigmoid with group-limited top-k).
+
+One program per tile of BT tokens holds all E logits: logits = x @ W^T (float32 products), the score function,
+the selection (hash table lookup, or iterative arg-max over scores + bias after masking to the ``topk_groups``
+groups whose two best biased scores sum highest), then weights = scores[sel] (normalised) * route_scale.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .._dispatch import register
+from ._util import mma, dot_precision, pow2, tl_dtype
+
+_FUNCS = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
+
+
+@triton.jit
+def _gate_kernel(x_ptr, w_ptr, b_ptr, tid_ptr, tok_ptr, wout_ptr, iout_ptr, T, E, D, route_scale,
+                 K: tl.constexpr, FUNC: tl.constexpr, HAS_BIAS: tl.constexpr, HASH: tl.constexpr,
+                 G: tl.constexpr, TG: tl.constexpr, NORM: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr,
+                 BD: tl.constexpr, BK: tl.constexpr, CT: tl.constexpr, PREC: tl.constexpr):
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    tm = t < T
+    e = tl.arange(0, BE)
+    em = e < E
+    acc = tl.zeros((BT, BE), tl.float32)
+    for d0 in range(0, D, BD):
+        d = d0 + tl.arange(0, BD)
+        dm = d < D
+        xa = tl.load(x_ptr + t[:, None].to(tl.int64) * D + d[None, :], mask=tm[:, None] & dm[None, :], other=0.0)
+        wa = tl.load(w_ptr + e[:, None] * D + d[None, :], mask=em[:, None] & dm[None, :], other=0.0)
+        acc += mma(xa.to(CT), tl.trans(wa.to(CT)), PREC)
+    if FUNC == 0:
+        y = tl.exp(tl.minimum(acc, 20.0))
+        u = 1.0 + y
+        log1p = tl.where(u == 1.0, y, tl.log(u) * (y / (u - 1.0)))  # accurate log(1 + y)
+        sp = tl.where(acc > 20.0, acc, log1p)
+        scores = tl.sqrt(sp)
+    elif FUNC == 1:
+        scores = tl.sigmoid(acc)
+    else:
+        z = tl.where(em[None, :], acc, float("-inf"))
+        z = tl.exp(z - tl.max(z, 1)[:, None])
+        scores = z / tl.sum(z, 1)[:, None]
+    kk = tl.arange(0, BK)
+    ids = tl.zeros((BT, BK), tl.int64)
+    wts = tl.zeros((BT, BK), tl.float32)
+    if HASH:
+        tok = tl.load(tok_ptr + t, mask=tm, other=0).to(tl.int64)
+        ids = tl.load(tid_ptr + tok[:, None] * K + kk[None, :], mask=tm[:, None] & (kk < K)[None, :], other=0)
+        ids = ids.to(tl.int64)
+        for j in tl.static_range(K):
+            idj = tl.sum(tl.where(kk[None, :] == j, ids, 0), 1)
+            wj = tl.sum(tl.where(e[None, :] == idj[:, None], scores, 0.0), 1)
+            wts = tl.where(kk[None, :] == j, wj[:, None], wts)
+    else:
+        sel = scores
+        if HAS_BIAS:
+            sel = sel + tl.load(b_ptr + e, mask=em, other=0.0)[None, :]
+        sel = tl.where(em[None, :], sel, float("-inf"))
+        if G > 1:
+            EG: tl.constexpr = BE // G
+            g3 = tl.reshape(sel, (BT, G, EG))
+            top1 = tl.max(g3, 2)
+            if EG > 1:
+                pos = tl.arange(0, EG)[None, None, :]
+                a1 = tl.argmax(g3, 2)
+                top2 = tl.max(tl.where(pos == a1[:, :, None], float("-inf"), g3), 2)
+                gscore = top1 + top2
+            else:
+                gscore = top1
+            gi = tl.arange(0, G)[None, :]
+            keep = tl.zeros((BT, G), tl.int32)
+            for _ in tl.static_range(TG):
+                ga = tl.argmax(gscore, 1)
+                keep = tl.where(gi == ga[:, None], 1, keep)
+                gscore = tl.where(gi == ga[:, None], float("-inf"), gscore)
+            sel = tl.reshape(tl.where(keep[:, :, None] != 0, g3, float("-inf")), (BT, BE))
+        for j in tl.static_range(K):
+            a = tl.argmax(sel, 1)
+            hit = e[None, :] == a[:, None]
+            wj = tl.sum(tl.where(hit, scores, 0.0), 1)
+            ids = tl.where(kk[None, :] == j, a[:, None].to(tl.int64), ids)
+            wts = tl.where(kk[None, :] == j, wj[:, None], wts)
+            sel = tl.where(hit, float("-inf"), sel)
+    if NORM:
+        wts = wts / tl.sum(wts, 1)[:, None]
+    wts = wts * route_scale
+    om = tm[:, None] & (kk < K)[None, :]
+    tl.store(wout_ptr + t[:, None] * K + kk[None, :], wts, mask=om)
+    tl.store(iout_ptr + t[:, None] * K + kk[None, :], ids, mask=om)
+
+
+@register("moe_gate", "cuda")
+def moe_gate(x, weight, bias, topk: int, route_scale: float, tid2eid=None, token_ids=None,
+             score_func: str = "sqrtsoftplus", n_groups: int = 1, topk_groups: int = 1, normalize: bool = True):
+    """x [T, d], weight [E, d] -> (weights [T, k] fp32, ids [T, k] int64); see :func:`atb_ops.moe_gate`."""
+    if score_func not in _FUNCS:
+        raise ValueError(f"unknown score_func {score_func!r}")
+    t_count, d = x.shape
+    n_exp = weight.shape[0]
+    w_out = torch.empty(t_count, topk, dtype=torch.float32, device=x.device)
+    i_out = torch.empty(t_count, topk, dtype=torch.int64, device=x.device)
+    if t_count == 0:
+        return w_out, i_out
+    hashed = tid2eid is not None
+    be = pow2(n_exp, 16)
+    if n_groups > 1 and (n_exp % n_groups or be != n_exp or n_groups & (n_groups - 1)):
+        raise ValueError(f"moe_gate (cuda): group-limited routing needs a power-of-two number of experts split in "
+                         f"a power-of-two number of groups, got E={n_exp}, n_groups={n_groups}")
+    bt = 16
+    bd = 64 if be <= 128 else 32
+    wc = weight.contiguous()
+    _gate_kernel[(triton.cdiv(t_count, bt),)](
+        x.contiguous(), wc, bias.float().contiguous() if bias is not None else wc,
+        tid2eid.contiguous() if hashed else wc, token_ids.contiguous() if hashed else wc, w_out, i_out,
+        t_count, n_exp, d, float(route_scale), K=topk, FUNC=_FUNCS[score_func], HAS_BIAS=bias is not None and not hashed,
+        HASH=hashed, G=n_groups if not hashed else 1, TG=topk_groups, NORM=bool(normalize), BT=bt, BE=be, BD=bd,
+        BK=pow2(topk), CT=tl_dtype(x.dtype if x.dtype == weight.dtype else torch.float32),
+        PREC=dot_precision(x.dtype, weight.dtype), num_warps=4 if be <= 64 else 8)
+    return w_out, i_out

@@ -1,0 +1,67 @@
+"""Collectives over a :class:`parallel.groups.Group`; identities at group size 1 (no torch.distributed needed).
+
+Every failure is re-raised as :class:`ParallelError` naming the collective, the backend and the group size, so
+that a dead peer surfaces as one readable line instead of a backend stack trace.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .groups import Group, ParallelError
+
+
+def _fail(op: str, g: Group, e: Exception) -> ParallelError:
+    return ParallelError(f"{op} over a group of {g.size} (backend {g.backend or dist.get_backend(g.pg)}) failed: {e}")
+
+
+def all_reduce(x: torch.Tensor, g: Group) -> torch.Tensor:
+    """Sum of ``x`` over the group (in place when it communicates; returns the result)."""
+    if g.size == 1:
+        return x
+    x = x.contiguous()
+    try:
+        dist.all_reduce(x, group=g.pg)
+    except Exception as e:  # noqa: BLE001
+        raise _fail("all_reduce", g, e) from e
+    return x
+
+
+def all_gather(x: torch.Tensor, g: Group, dim: int = -1) -> torch.Tensor:
+    """Concatenation of every rank's ``x`` (same shape on all ranks) along ``dim``, rank order."""
+    if g.size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(g.size)]
+    try:
+        dist.all_gather(parts, x.contiguous(), group=g.pg)
+    except Exception as e:  # noqa: BLE001
+        raise _fail("all_gather", g, e) from e
+    return torch.cat(parts, dim=dim)
+
+
+def all_to_all(x: torch.Tensor, send_counts: list[int], recv_counts: list[int], g: Group) -> torch.Tensor:
+    """Rows ``x[sum(send_counts[:r]) : ...]`` go to rank r; returns the rows received, grouped by source rank.
+
+    x: [sum(send_counts), *rest]; returns [sum(recv_counts), *rest] (same dtype).
+    """
+    if g.size == 1:
+        return x
+    out = x.new_empty((sum(recv_counts),) + tuple(x.shape[1:]))
+    try:
+        dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts, group=g.pg)
+    except Exception as e:  # noqa: BLE001
+        raise _fail("all_to_all", g, e) from e
+    return out
+
+
+def exchange_counts(send_counts: torch.Tensor, g: Group) -> torch.Tensor:
+    """int64 [size] rows this rank sends to each rank -> int64 [size] rows it receives from each rank."""
+    if g.size == 1:
+        return send_counts
+    recv = torch.empty_like(send_counts)
+    try:
+        dist.all_to_all_single(recv, send_counts.contiguous(), group=g.pg)
+    except Exception as e:  # noqa: BLE001
+        raise _fail("all_to_all (counts)", g, e) from e
+    return recv

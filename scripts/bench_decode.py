@@ -1,0 +1,293 @@
+#!/usr/bin/env python3
+"""Decode-step benchmark of a DeepSeek-V4-Flash-shaped model through the project's ModelRunner on a GPU.
+
+Model: Flash dimensions (dim 4096, 64 heads x 512, q_lora 1024, o 8 x 1024, indexer 64 x 128 top-512,
+hc 4 x 20 Sinkhorn iterations, vocabulary 129280) with 3 layers: a hash-routed sliding-window layer, a CSA
+layer (ratio 4 with the indexer) and an HCA layer (ratio 128); 64 routed experts (top-6, inter 2048) plus
+the shared expert. Random weights (std fan_in^-1/2) initialised on the device, as BF16 or with the official
+formats kept: FP8-e4m3 128x128 block-scaled attention and shared-expert linears, FP4-e2m1 routed experts.
+
+Every sequence of a batch starts with ``ctx`` tokens of history (pages allocated, pools filled with random
+values; the compressor pools hold random entries), then decode steps run through ``ModelRunner.step`` (the
+same call the engine makes): step context built on the host, the model, the logits of the new token.
+
+Reported per (format, batch, ctx): ms/step (median of ``--steps`` after warm-up), tokens/s, and the HBM floor:
+the bytes a step must read (every non-routed weight, the weights of the routed experts the step's tokens
+actually selected, the KV rows it reads: window 128 + CSA top-512 entries + indexer keys of all ctx/4 entries
++ HCA ctx/128 entries, per sequence and layer) over the copy bandwidth measured in the same run; the ratio
+floor / measured is the "% of HBM floor". With ``--hf`` transformers' eager DeepseekV4ForCausalLM runs the
+same shapes (BF16) side by side at batch 8.
+
+Usage: python scripts/bench_decode.py [--batches 1,8,32,64] [--ctx 2048,8192] [--formats bf16,fp8] [--hf]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import atb_ops  # noqa: E402
+from ascend_dsv4.models import preset  # noqa: E402
+from ascend_dsv4.kv.blocks import PoolSizes  # noqa: E402
+from ascend_dsv4.engine.model_runner import ModelRunner  # noqa: E402
+from ascend_dsv4.models import build_model  # noqa: E402
+from parallel.linear import Linear  # noqa: E402
+from quant.fp4 import quant_fp4  # noqa: E402
+from quant.fp8_block import quant_fp8_block  # noqa: E402
+
+
+def flash3(n_experts: int = 64):
+    return preset("deepseek-v4-flash").replace(n_layers=3, n_mtp_layers=0, n_hash_layers=1, compress_ratios=(0, 4, 128),
+                                               n_routed_experts=n_experts)
+
+
+@torch.no_grad()
+def init_on_device_(model: torch.nn.Module, seed: int = 0) -> None:
+    """Random weights in place on the model's device (std fan_in^-1/2 for matrices, near-1 norms)."""
+    g = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if p.dim() >= 2:
+            p.normal_(0.0, 1.0 if "embed" in name else p.shape[-1] ** -0.5, generator=g)
+        elif leaf == "weight":
+            p.normal_(1.0, 0.1, generator=g)
+        elif leaf.endswith("_scale"):
+            p.normal_(1.0, 0.2, generator=g)
+        else:
+            p.normal_(0.0, 0.5, generator=g)
+    cfg = model.cfg
+    for name, b in model.named_buffers():
+        if name.endswith("tid2eid"):
+            r = torch.rand(cfg.vocab_size, cfg.n_routed_experts, device=b.device, generator=g)
+            b.copy_(r.argsort(-1)[:, : b.shape[1]])
+
+
+@torch.no_grad()
+def to_official_formats_(model: torch.nn.Module) -> None:
+    """FP8 block-scaled attention / shared-expert linears, FP4 routed experts (kept in format)."""
+    for name, m in model.named_modules():
+        if isinstance(m, Linear) and m.keep_checkpoint_format and (".attn." in name or "shared_experts" in name):
+            q, s = quant_fp8_block(m.weight.float())
+            m.set_weight(q, s, "fp8_block")
+        if type(m).__name__ == "Experts":
+            t = {}
+            for n in ("w1", "w2", "w3"):
+                w = getattr(m, n)
+                qs = [quant_fp4(w[e].float()) for e in range(w.shape[0])]
+                t[n] = torch.stack([q for q, _ in qs])
+                t[n + "_scale"] = torch.stack([s for _, s in qs])
+            m.set_weights("fp4", t)
+    torch.cuda.empty_cache()
+
+
+def weight_bytes(model) -> tuple[int, dict]:
+    """(bytes of every parameter except the routed experts, {layer: bytes of one routed expert})."""
+    other, per_expert = 0, {}
+    for name, p in model.named_parameters():
+        if ".experts." in name:
+            lid = int(name.split(".")[1])
+            per_expert[lid] = per_expert.get(lid, 0) + p.numel() * p.element_size() // p.shape[0]
+        else:
+            other += p.numel() * p.element_size()
+    return other, per_expert
+
+
+def kv_bytes_per_seq(cfg, ctx: int, dtype_bytes: int) -> int:
+    d = cfg.head_dim * dtype_bytes
+    total = 0
+    for r in cfg.compress_ratios[: cfg.n_layers]:
+        total += min(ctx, cfg.window_size) * d
+        if r == 4:
+            total += min(cfg.index_topk, ctx // 4) * d + (ctx // 4) * cfg.index_head_dim * dtype_bytes
+        elif r == 128:
+            total += (ctx // 128) * d
+    return total
+
+
+def copy_bandwidth(dev) -> float:
+    import triton.testing
+
+    a = torch.empty(256 * 1024 * 1024, dtype=torch.float32, device=dev).normal_()
+    b = torch.empty_like(a)
+    t = triton.testing.do_bench(lambda: b.copy_(a), warmup=5, rep=30, return_mode="median")
+    del a, b
+    return 2 * 256 * 1024 * 1024 * 4 / (t * 1e-3)
+
+
+def make_runner(model, cfg, batch: int, ctx: int, steps: int, dev):
+    B = 64
+    per_seq_tok = -(-(ctx + steps + 256) // B) + 1
+    sizes = PoolSizes(block_size=B, c4_block_size=64, c128_block_size=8,
+                      num_blocks=batch * 8 + per_seq_tok + 8,
+                      num_c4_blocks=batch * (-(-(ctx + steps) // 256) + 1),
+                      num_c128_blocks=batch * (-(-(ctx + steps) // 1024) + 1))
+    runner = ModelRunner(model, sizes, dev)
+    seqs = []
+    for _ in range(batch):
+        s = runner.new_sequence()
+        runner.pools.ensure(s, ctx)
+        s.num_tokens = ctx
+        runner.pools.trim(s)
+        seqs.append(s)
+    g = torch.Generator(device=dev).manual_seed(1)
+    for t in runner.pools.token_tensors() if hasattr(runner.pools, "token_tensors") else []:
+        t.normal_(0, 1, generator=g) if t.is_floating_point() else None
+    for name in ("c4", "c4_idx", "c128"):
+        t = getattr(runner.pools, name, None)
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            t.normal_(0, 1, generator=g)
+    return runner, seqs
+
+
+def time_decode(runner, seqs, steps: int, warmup: int, vocab: int, expert_log: list | None = None):
+    g = torch.Generator().manual_seed(2)
+    times = []
+    for i in range(warmup + steps):
+        toks = torch.randint(0, vocab, (len(seqs),), generator=g).tolist()
+        if expert_log is not None:
+            expert_log.clear()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        runner.step(seqs, [[x] for x in toks])
+        torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def bench_ours(fmt: str, batches, ctxs, steps, warmup, dev, bw, rows, backend, toy=False):
+    cfg = preset("toy-v4").replace(n_mtp_layers=0, compress_ratios=(0, 0, 4, 128, 4, 128, 4)) if toy else flash3()
+    torch.manual_seed(0)
+    model = build_model(cfg, torch.bfloat16, "exact").to(dev).eval()
+    init_on_device_(model)
+    if fmt == "fp8":
+        to_official_formats_(model)
+    other, per_expert = weight_bytes(model)
+    picked: dict[int, set] = {}
+    hooks = []
+    for lid, blk in enumerate(model.layers):
+        def hook(mod, inp, out, lid=lid):
+            picked.setdefault(lid, set()).update(out[1].reshape(-1).tolist())
+        hooks.append(blk.ffn.gate.register_forward_hook(hook))
+    for ctx in ctxs:
+        for batch in batches:
+            try:
+                runner, seqs = make_runner(model, cfg, batch, ctx, warmup + steps + 2, dev)
+                with atb_ops.use_backend(backend):
+                    # one step with the routing hook on: experts a step actually reads
+                    picked.clear()
+                    runner.step(seqs, [[7 + i] for i in range(batch)])
+                    act = {lid: len(v) for lid, v in picked.items()}
+                    for h in hooks:
+                        h.remove()
+                    hooks.clear()
+                    ms = time_decode(runner, seqs, steps, warmup, cfg.vocab_size)
+            except torch.cuda.OutOfMemoryError:
+                print(f"| {fmt} | {batch} | {ctx} | OOM |", flush=True)
+                torch.cuda.empty_cache()
+                continue
+            byt = other + sum(per_expert[l] * act.get(l, 0) for l in per_expert) + batch * kv_bytes_per_seq(cfg, ctx, 2)
+            floor = byt / bw * 1e3
+            row = dict(impl=f"ours-{backend}", fmt=fmt, batch=batch, ctx=ctx, ms=ms, tok_s=batch / ms * 1e3,
+                       bytes=byt, floor_ms=floor, pct_floor=100 * floor / ms, experts=act)
+            rows.append(row)
+            print(f"| ours ({backend}) | {fmt} | {batch} | {ctx} | {ms:.2f} | {row['tok_s']:.0f} | {byt / 1e9:.2f} | "
+                  f"{floor:.2f} | {row['pct_floor']:.1f} |", flush=True)
+            del runner, seqs
+            torch.cuda.empty_cache()
+            for lid, blk in enumerate(model.layers):
+                def hook(mod, inp, out, lid=lid):
+                    picked.setdefault(lid, set()).update(out[1].reshape(-1).tolist())
+                hooks.append(blk.ffn.gate.register_forward_hook(hook))
+    for h in hooks:
+        h.remove()
+    del model
+    torch.cuda.empty_cache()
+
+
+@torch.no_grad()
+def bench_hf(batch: int, ctx: int, steps: int, warmup: int, dev, rows):
+    try:
+        from transformers import DeepseekV4ForCausalLM  # noqa: F401
+
+        sys.path.insert(0, os.path.join(ROOT, "tests", "v4"))
+        from hf_oracle import hf_config
+    except ImportError as e:
+        print(f"| transformers eager | bf16 | {batch} | {ctx} | not available: {e} |")
+        return
+    from transformers import DeepseekV4ForCausalLM
+
+    cfg = flash3()
+    with torch.device(dev):
+        model = DeepseekV4ForCausalLM(hf_config(cfg)).to(torch.bfloat16).eval()
+    g = torch.Generator(device=dev).manual_seed(0)
+    for name, p in model.named_parameters():
+        p.normal_(0, (p.shape[-1] ** -0.5) if p.dim() >= 2 else 0.1, generator=g) if p.dim() >= 2 else p.normal_(1.0, 0.1, generator=g)
+    ids = torch.randint(0, cfg.vocab_size, (batch, ctx), device=dev, generator=g)
+    try:
+        out = model(input_ids=ids, use_cache=True)
+        pkv = out.past_key_values
+        nxt = out.logits[:, -1:].argmax(-1)
+        times = []
+        for i in range(warmup + steps):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = model(input_ids=nxt, past_key_values=pkv, use_cache=True)
+            torch.cuda.synchronize()
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+            pkv, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        ms = statistics.median(times) * 1e3
+        rows.append(dict(impl="transformers-eager", fmt="bf16", batch=batch, ctx=ctx, ms=ms, tok_s=batch / ms * 1e3))
+        print(f"| transformers eager | bf16 | {batch} | {ctx} | {ms:.2f} | {batch / ms * 1e3:.0f} | | | |", flush=True)
+    except torch.cuda.OutOfMemoryError:
+        print(f"| transformers eager | bf16 | {batch} | {ctx} | OOM |", flush=True)
+    del model
+    torch.cuda.empty_cache()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batches", default="1,8,32,64")
+    ap.add_argument("--ctx", default="2048,8192")
+    ap.add_argument("--formats", default="bf16,fp8")
+    ap.add_argument("--backends", default="cuda", help="comma list of atb_ops backends to time (cuda, reference)")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--hf", action="store_true", help="also time transformers eager (bf16, batch 8)")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--toy", action="store_true", help="the toy model instead (smoke test of this script)")
+    ap.add_argument("--device", default="cuda")
+    a = ap.parse_args()
+    dev = torch.device(a.device)
+    if dev.type == "cpu":  # smoke test only
+        torch.cuda.synchronize = lambda *args: None
+    bw = copy_bandwidth(dev) if dev.type == "cuda" else 1e10
+    print(f"device: {torch.cuda.get_device_name(dev) if dev.type == 'cuda' else 'cpu'}; measured copy bandwidth {bw / 1e12:.2f} TB/s (read + write)")
+    print("| impl | weights | batch | ctx | ms/step | tok/s | bytes/step GB | HBM floor ms | % of floor |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|", flush=True)
+    rows: list = []
+    batches = [int(x) for x in a.batches.split(",")]
+    ctxs = [int(x) for x in a.ctx.split(",")]
+    for backend in a.backends.split(","):
+        for fmt in a.formats.split(","):
+            bench_ours(fmt, batches, ctxs, a.steps, a.warmup, dev, bw, rows, backend, a.toy)
+    if a.hf:
+        for ctx in ctxs:
+            bench_hf(8, ctx, a.steps, a.warmup, dev, rows)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(dict(device=str(torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"), copy_Bps=bw, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

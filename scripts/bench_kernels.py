@@ -1,0 +1,228 @@
+#!/usr/bin/env python3
+"""Per-op benchmark of the CUDA backend's Triton kernels against the HBM and tensor-core ceilings.
+
+For every op at DeepSeek-V4-Flash shapes (decode and prefill), the script times the ``cuda`` implementation
+and the ``reference`` implementation on the same GPU (median of ``triton.testing.do_bench``), counts the
+fewest bytes the op must move (each input read once, each output written once; gathered rows counted once
+per distinct row) and its FLOPs, and prints time, GB/s, TFLOP/s, % of the HBM ceiling and % of the bf16
+tensor-core ceiling, both measured in the same run (device-to-device copy; 8192^3 bf16 cuBLAS matmul), and
+the speed-up over the reference op. Each case also checks the kernel against the reference output.
+
+DeepSeek's TileLang kernels are not run side by side: TileLang is not installed on the device machine.
+
+Usage: python scripts/bench_kernels.py [--out results.json] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import atb_ops  # noqa: E402
+from quant.fp4 import quant_fp4  # noqa: E402
+from quant.fp8_block import quant_fp8_block  # noqa: E402
+
+
+def bench(fn, warmup=10, rep=50) -> float:
+    """Median milliseconds (CUDA events via triton.testing.do_bench)."""
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def ceilings(dev) -> dict:
+    n = 256 * 1024 * 1024  # 1 GiB of bf16... as 2 x 512 MiB buffers
+    a = torch.empty(n, dtype=torch.float32, device=dev).normal_()
+    b = torch.empty_like(a)
+    t = bench(lambda: b.copy_(a), 5, 30)
+    bw = 2 * a.numel() * 4 / (t * 1e-3)
+    del a, b
+    m = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    n2 = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    t = bench(lambda: m @ n2, 5, 30)
+    tf = 2 * 8192**3 / (t * 1e-3)
+    return {"hbm_Bps": bw, "bf16_flops": tf}
+
+
+def rel(a, b):
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp(min=1e-30))
+
+
+def _nb(*ts):
+    return sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))
+
+
+def cases(dev, quick: bool):
+    """Yield (name, op, args, kwargs, bytes, flops)."""
+    g = torch.Generator(device=dev).manual_seed(0)
+    bf = torch.bfloat16
+
+    def r(*s, dtype=bf, scale=1.0):
+        return (torch.randn(*s, device=dev, generator=g) * scale).to(dtype)
+
+    D, H, Dm = 512, 64, 4096
+    for T in ((32,) if quick else (1, 32, 128)):
+        x = r(T, Dm)
+        w = torch.ones(Dm, device=dev)
+        yield f"rms_norm T={T} d=4096", "rms_norm", (x, w, 1e-6), {}, 2 * _nb(x), 3 * x.numel()
+        q = r(T, H, D)
+        yield f"rms_norm q T={T}x64 d=512", "rms_norm", (q, None, 1e-6), {}, 2 * _nb(q), 3 * q.numel()
+        inv = atb_ops.rope_inv_freq(64, 10000.0)
+        pos = torch.arange(T, device=dev) + 5000
+        yield f"apply_rope q T={T}x64x512", "apply_rope", (q, pos, inv), {}, 2 * _nb(q), 6 * T * H * 64
+        xs = r(T, 4, Dm)
+        fn = r(24, 4 * Dm, dtype=torch.float32, scale=0.01)
+        base, scale = r(24, dtype=torch.float32), r(3, dtype=torch.float32).abs()
+        yield (f"hc_pre T={T} 4x4096", "hc_pre", (xs, fn, base, scale, 20, 1e-6, 1e-6), {},
+               2 * _nb(xs) + _nb(fn) + T * Dm * 2, 2 * T * 24 * 4 * Dm + 2 * T * 4 * Dm)
+        post, comb = torch.rand(T, 4, device=dev), torch.rand(T, 4, 4, device=dev)
+        yield f"hc_post T={T} 4x4096", "hc_post", (x, xs, post, comb), {}, 2 * _nb(xs) + _nb(x), 10 * T * 4 * Dm
+        gt, up = r(T * 6, 2048), r(T * 6, 2048)
+        yield f"swiglu {T * 6}x2048", "swiglu", (gt, up, 10.0), {}, _nb(gt, up) + gt.numel() * 4, 8 * gt.numel()
+        yield f"fp8_act_round {T}x4096", "fp8_act_round", (x, 128), {}, 2 * _nb(x), 4 * x.numel()
+        yield f"fp4_act_round {T}x4096", "fp4_act_round", (x, 32), {}, 2 * _nb(x), 8 * x.numel()
+        gw, gb = r(256, Dm), r(256, dtype=torch.float32, scale=0.1)
+        yield (f"moe_gate T={T} E=256 k=6", "moe_gate", (x, gw, gb, 6, 1.5), {}, _nb(x, gw) + T * 6 * 16,
+               2 * T * 256 * Dm)
+
+    # sparse attention, decode: window 128 + compressed (CSA top-512 or HCA ctx/128) per token
+    for T, h, ctx, kind in ((1, 64, 8192, "csa"), (32, 64, 8192, "csa"), (128, 64, 8192, "csa"),
+                            (32, 128, 8192, "csa"), (32, 64, 8192, "hca"), (2048, 64, 2048, "csa-prefill")):
+        if quick and T not in (32,):
+            continue
+        q = r(T, h, D)
+        swa = r(T * 128 + 16, D)
+        win = torch.arange(T * 128, device=dev).view(T, 128)
+        n_ent = ctx // 4 if kind.startswith("csa") else ctx // 128
+        pool = r(T * n_ent, D)
+        k2 = min(512, n_ent) if kind.startswith("csa") else n_ent
+        ex = torch.stack([torch.randperm(n_ent, device=dev, generator=g)[:k2] + i * n_ent for i in range(T)])
+        sink = r(h, dtype=torch.float32)
+        rows = T * (128 + k2)
+        byt = rows * D * 2 + 2 * _nb(q) + _nb(win, ex)
+        fl = 4 * T * h * (128 + k2) * D
+        yield (f"sparse_attention {kind} T={T} h={h} K=128+{k2}", "sparse_attention",
+               (q, swa, win, sink, D**-0.5, pool, ex), {}, byt, fl)
+
+    # V3 MLA decode (absorbed): H=128, C=512, R=64
+    for T, L in ((1, 4096), (32, 4096)):
+        if quick and T != 32:
+            continue
+        qn, qp = r(T, 128, 512), r(T, 128, 64)
+        lat = r(T * L, 576)
+        idx = torch.arange(T * L, device=dev).view(T, L)
+        yield (f"mla_decode T={T} H=128 L={L}", "mla_decode", (qn, qp, lat, idx, 0.1), {},
+               _nb(lat, idx) + 2 * _nb(qn) + _nb(qp), 4 * T * 128 * L * 512 + 2 * T * 128 * L * 64)
+
+    # compressor pooling (prefill of 8192 tokens, ratio 4 with overlap; ratio 128)
+    S = 8192
+    for ratio in (4, 128):
+        width = 2 * D if ratio == 4 else D
+        kvs, scs = r(S, width, dtype=torch.float32), r(S, width, dtype=torch.float32)
+        M = S // ratio
+        kk = 2 * ratio if ratio == 4 else ratio
+        e = torch.arange(M, device=dev)
+        cand = (e[:, None] * ratio - (kk - ratio) + torch.arange(kk, device=dev)[None, :])
+        cand = torch.where(cand >= 0, cand, torch.full_like(cand, -1))
+        yield (f"compressor_pool prefill S={S} r={ratio}", "compressor_pool", (kvs, scs, cand, ratio == 4), {},
+               _nb(kvs, scs) + M * D * 4 + _nb(cand), 5 * M * kk * D)
+
+    # indexer: 64 heads x 128 dims, candidates = ctx/4 entries, top-512
+    for T, ctx in ((1, 8192), (32, 8192), (32, 65536)):
+        if quick and T != 32:
+            continue
+        n = ctx // 4
+        q, wts = r(T, 64, 128), r(T, 64, dtype=torch.float32)
+        keys = r(T * n, 128)
+        cand = torch.arange(T * n, device=dev).view(T, n)
+        yield (f"indexer_topk T={T} N={n} top-512", "indexer_topk", (q, wts, keys, cand, 512), {},
+               _nb(keys, cand, q) + T * 512 * 8, 2 * T * 64 * n * 128)
+
+    # linears: FP8 block (attention / shared expert) and FP4 (experts), N=K=4096
+    Nl, Kl = 4096, 4096
+    w = torch.randn(Nl, Kl, device=dev, generator=g) * 0.02
+    w8, s8 = quant_fp8_block(w)
+    w4, s4 = quant_fp4(w)
+    for M in ((32,) if quick else (1, 32, 64, 512)):
+        x = r(M, Kl)
+        yield f"linear fp8_block M={M} 4096x4096", "linear", (x, w8, s8, "fp8_block"), {}, _nb(w8, s8, x) + M * Nl * 2, 2 * M * Nl * Kl
+        yield f"linear fp4 M={M} 4096x4096", "linear", (x, w4, s4, "fp4"), {}, _nb(w4, s4, x) + M * Nl * 2, 2 * M * Nl * Kl
+        yield f"linear bf16 (cuBLAS) M={M} 4096x4096", "linear", (x, w.to(bf)), {}, Nl * Kl * 2 + 2 * _nb(x), 2 * M * Nl * Kl
+
+    # grouped expert GEMM (w1 of the routed experts): E experts [2048, 4096], rows = T * 6 routed
+    E, I = 64, 2048
+    we = torch.randn(E, I, Dm, device=dev, generator=g) * 0.02
+    we8, se8 = quant_fp8_block(we)
+    we4, se4 = quant_fp4(we)
+    web = we.to(bf)
+    del we
+    for T in ((32,) if quick else (1, 8, 32, 64, 512)):
+        rows = T * 6
+        ids = torch.stack([torch.randperm(E, device=dev, generator=g)[:6] for _ in range(T)]).view(-1)
+        ids = ids.sort().values
+        active = int(ids.unique().numel())
+        x = r(rows, Dm)
+        fl = 2 * rows * I * Dm
+        for fmt, wt, sc, bpw in (("dense", web, None, 2.0), ("fp8_block", we8, se8, 1.0 + 1 / 16384),
+                                 ("fp4", we4, se4, 0.5 + 1 / 32)):
+            byt = int(active * I * Dm * bpw) + _nb(x) + rows * I * 2
+            yield (f"grouped_matmul {fmt} T={T}x6 E={E} 2048x4096", "grouped_matmul", (x, wt, ids, sc, fmt), {},
+                   byt, fl)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    ap.add_argument("--quick", action="store_true", help="one shape per op")
+    ap.add_argument("--no-reference", action="store_true", help="skip timing the reference ops")
+    a = ap.parse_args()
+    dev = torch.device("cuda")
+    name = torch.cuda.get_device_name(dev)
+    ceil = ceilings(dev)
+    print(f"device: {name}; measured ceilings: HBM copy {ceil['hbm_Bps'] / 1e12:.2f} TB/s (read + write), "
+          f"bf16 cuBLAS 8192^3 {ceil['bf16_flops'] / 1e12:.0f} TFLOP/s", flush=True)
+    impl = {op: atb_ops.implementations(op) for op in atb_ops.OPS}
+    rows = []
+    hdr = "| op / shape | kernel ms | GB/s | % HBM | TFLOP/s | % TC | reference ms | speed-up | rel err |"
+    print(hdr + "\n|---|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)
+    for case_name, op, args, kw, byt, fl in cases(dev, a.quick):
+        cu = impl[op].get("cuda")
+        ref = impl[op]["reference"]
+        if cu is None:
+            print(f"| {case_name} | (no cuda kernel) |")
+            continue
+        try:
+            out = cu(*args, **kw)
+            want = ref(*args, **kw)
+            o1 = out[0] if isinstance(out, tuple) else out
+            o2 = want[0] if isinstance(want, tuple) else want
+            err = 0.0 if o1.dtype == torch.int64 and torch.equal(o1, o2) else rel(o1.float(), o2.float())
+            if o1.dtype == torch.int64 and not torch.equal(o1, o2):
+                err = float((o1 != o2).float().mean())  # fraction of differing selections
+            t = bench(lambda: cu(*args, **kw))
+            tr = float("nan") if a.no_reference else bench(lambda: ref(*args, **kw), 3, 20)
+        except torch.cuda.OutOfMemoryError:
+            print(f"| {case_name} | OOM |", flush=True)
+            torch.cuda.empty_cache()
+            continue
+        row = dict(case=case_name, op=op, ms=t, ref_ms=tr, bytes=byt, flops=fl, gbps=byt / t / 1e6,
+                   hbm_pct=100 * byt / (t * 1e-3) / ceil["hbm_Bps"], tflops=fl / t / 1e9,
+                   tc_pct=100 * fl / (t * 1e-3) / ceil["bf16_flops"], speedup=tr / t, rel_err=err)
+        rows.append(row)
+        print(f"| {case_name} | {t:.4f} | {row['gbps']:.0f} | {row['hbm_pct']:.1f} | {row['tflops']:.2f} | "
+              f"{row['tc_pct']:.1f} | {tr:.4f} | {row['speedup']:.1f}x | {err:.1e} |", flush=True)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(dict(device=name, ceilings=ceil, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

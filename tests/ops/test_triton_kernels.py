@@ -1,0 +1,313 @@
+"""The CUDA backend's Triton kernels against the reference ops, on random and edge-case inputs.
+
+Without a GPU the kernels run on CPU tensors through Triton's interpreter (tests/conftest.py sets
+TRITON_INTERPRET=1), at small shapes; on a GPU machine the same tests run on the device. Float32 inputs must
+match to ~1e-5 relative, bfloat16 inputs to the rounding of bf16 outputs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import atb_ops  # noqa: E402
+from quant.fp4 import quant_fp4  # noqa: E402
+from quant.fp8_block import quant_fp8_block  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def impls(op):
+    got = atb_ops.implementations(op)
+    assert "cuda" in got, f"no cuda kernel registered for {op}"
+    return got["cuda"], got["reference"]
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def rnd(*shape, g, dtype=torch.float32, scale=1.0):
+    return (torch.randn(*shape, generator=g) * scale).to(DEV, dtype)
+
+
+def rel(a, b):
+    a, b = a.double().cpu(), b.double().cpu()
+    assert not torch.isnan(a).any()
+    return float((a - b).norm() / b.norm().clamp(min=1e-30))
+
+
+def tol(dtype):
+    return 2e-5 if dtype == torch.float32 else 1e-2
+
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape,with_w", [((5, 96), True), ((2, 3, 64), False), ((1, 4096), True), ((0, 32), True)])
+def test_rms_norm(dtype, shape, with_w):
+    cu, ref = impls("rms_norm")
+    g = gen(0)
+    x = rnd(*shape, g=g, dtype=dtype, scale=3.0)
+    w = rnd(shape[-1], g=g) if with_w else None
+    a, b = cu(x, w, 1e-6), ref(x, w, 1e-6)
+    assert a.shape == b.shape and a.dtype == b.dtype
+    if x.numel():
+        assert rel(a, b) < tol(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inverse", [False, True])
+def test_apply_rope(dtype, inverse):
+    cu, ref = impls("apply_rope")
+    g = gen(1)
+    inv = atb_ops.rope_inv_freq(16, 10000.0, 4.0, 64)
+    for shape in [(6, 3, 40), (7, 16), (1, 5, 16)]:
+        x = rnd(*shape, g=g, dtype=dtype)
+        pos = torch.randint(0, 5000, (shape[0],), generator=g).to(DEV)
+        a, b = cu(x, pos, inv, inverse), ref(x, pos, inv, inverse)
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a[..., :-16], x[..., :-16])  # pass-through channels untouched
+        assert rel(a, b) < (1e-5 if dtype == torch.float32 else 1e-2)
+    # inverse undoes forward
+    x = rnd(4, 2, 32, g=g)
+    pos = torch.arange(4, device=DEV) * 97
+    torch.testing.assert_close(cu(cu(x, pos, inv), pos, inv, True), x, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("limit", [10.0, 0.0])
+def test_swiglu(limit):
+    cu, ref = impls("swiglu")
+    g = gen(2)
+    gt, up = rnd(3, 300, g=g, scale=8.0, dtype=torch.bfloat16), rnd(3, 300, g=g, scale=8.0, dtype=torch.bfloat16)
+    a, b = cu(gt, up, limit), ref(gt, up, limit)
+    assert a.dtype == torch.float32
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block", [128, 64])
+def test_fp8_act_round(dtype, block):
+    cu, ref = impls("fp8_act_round")
+    g = gen(3)
+    x = rnd(5, 2 * block, g=g, dtype=dtype, scale=20.0)
+    x[0, :block] = 0.0  # all-zero block: amax clamped to 1e-4
+    x[1, 3] = 1e6
+    assert torch.equal(cu(x, block), ref(x, block))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp4_act_round(dtype):
+    cu, ref = impls("fp4_act_round")
+    g = gen(4)
+    x = rnd(6, 128, g=g, dtype=dtype, scale=5.0)
+    # exact midpoints of the e2m1 grid (ties go to the even code) with a block max of 6 (scale 1)
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -2.5, -5.0, 6.0], dtype=torch.float32)
+    x[0, : mids.numel()] = mids.to(DEV, dtype)
+    x[0, mids.numel():32] = 0.1
+    x[1, :32] = 0.0
+    assert torch.equal(cu(x, 32), ref(x, 32))
+
+
+def _hc_inputs(g, t, n=4, d=64, dtype=torch.float32):
+    x = rnd(t, n, d, g=g, dtype=dtype)
+    fn = rnd((2 + n) * n, n * d, g=g, scale=0.05)
+    base = rnd((2 + n) * n, g=g, scale=0.5)
+    scale = rnd(3, g=g).abs() + 0.5
+    return x, fn, base, scale
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t", [0, 1, 19])
+def test_hc_pre_post_head(dtype, t):
+    g = gen(5)
+    x, fn, base, scale = _hc_inputs(g, t, dtype=dtype)
+    cu, ref = impls("hc_pre")
+    (u1, p1, c1), (u2, p2, c2) = cu(x, fn, base, scale, 20, 1e-6, 1e-6), ref(x, fn, base, scale, 20, 1e-6, 1e-6)
+    assert u1.shape == u2.shape and u1.dtype == u2.dtype and c1.shape == c2.shape
+    if t:
+        assert rel(u1, u2) < tol(dtype) and rel(p1, p2) < 1e-5 and rel(c1, c2) < 1e-5
+    cu, ref = impls("hc_post")
+    y = rnd(t, 64, g=g, dtype=dtype)
+    a, b = cu(y, x, p2, c2), ref(y, x, p2, c2)
+    assert a.shape == b.shape and a.dtype == b.dtype
+    if t:
+        assert rel(a, b) < tol(dtype)
+    cu, ref = impls("hc_head")
+    fn_h, base_h, scale_h = fn[:4], base[:4], scale[:1]
+    a, b = cu(x, fn_h, base_h, scale_h, 1e-6, 1e-6), ref(x, fn_h, base_h, scale_h, 1e-6, 1e-6)
+    assert a.shape == b.shape
+    if t:
+        assert rel(a, b) < tol(dtype)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_compressor_pool(overlap):
+    cu, ref = impls("compressor_pool")
+    g = gen(6)
+    r, c, s = 4, 48, 40
+    width = 2 * c if overlap else c
+    kv, sc = rnd(s, width, g=g), rnd(s, width, g=g, scale=2.0)
+    k = 2 * r if overlap else r
+    cand = torch.randint(0, s, (7, k), generator=g)
+    if overlap:
+        cand[0, :r] = -1  # entry 0: no previous block
+    cand[3, 1] = -1
+    cand = cand.to(DEV)
+    a, b = cu(kv, sc, cand, overlap), ref(kv, sc, cand, overlap)
+    assert a.shape == b.shape and a.dtype == torch.float32
+    assert rel(a, b) < 1e-5
+    assert cu(kv, sc, cand[:0], overlap).shape == (0, c)
+
+
+def _indexer_inputs(g, t, n, p=50, hi=4, di=32, dtype=torch.float32, integer=False):
+    if integer:  # small integers: exact float32 scores with many exact ties
+        q = torch.randint(-2, 3, (t, hi, di), generator=g).to(DEV, dtype)
+        keys = torch.randint(-2, 3, (p, di), generator=g).to(DEV, dtype)
+        w = torch.randint(-2, 3, (t, hi), generator=g).float().to(DEV)
+    else:
+        q, keys, w = rnd(t, hi, di, g=g, dtype=dtype), rnd(p, di, g=g, dtype=dtype), rnd(t, hi, g=g)
+    cand = torch.randint(0, p, (t, n), generator=g)
+    cand[torch.rand(t, n, generator=g) < 0.2] = -1
+    return q, w, keys, cand.to(DEV)
+
+
+@pytest.mark.parametrize("integer", [False, True])
+@pytest.mark.parametrize("t,n,topk", [(5, 70, 16), (3, 9, 16), (1, 1, 4), (0, 5, 3)])
+def test_indexer_topk(integer, t, n, topk):
+    cu, ref = impls("indexer_topk")
+    q, w, keys, cand = _indexer_inputs(gen(7), t, n, integer=integer)
+    if t > 1:
+        cand[1] = -1  # a token with no candidate
+    a, b = cu(q, w, keys, cand, topk), ref(q, w, keys, cand, topk)
+    assert a.shape == b.shape and a.dtype == torch.int64
+    assert torch.equal(a.cpu(), b.cpu())
+
+
+def _attn_inputs(g, t, h, d, p, k, dtype, neg=0.3):
+    q, kv = rnd(t, h, d, g=g, dtype=dtype), rnd(p, d, g=g, dtype=dtype)
+    idx = torch.randint(0, p, (t, k), generator=g)
+    idx[torch.rand(t, k, generator=g) < neg] = -1
+    return q, kv, idx.to(DEV), rnd(h, g=g)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,h,d,k,k2", [(4, 3, 64, 37, 0), (2, 20, 32, 70, 9), (1, 4, 64, 5, 100), (3, 2, 16, 0, 0)])
+def test_sparse_attention(dtype, t, h, d, k, k2):
+    cu, ref = impls("sparse_attention")
+    g = gen(8)
+    q, kv, idx, sink = _attn_inputs(g, t, h, d, 30, k, dtype)
+    kv[0] = float("nan")  # what a -1 slot would read if it were clamped: must not leak
+    idx[idx == 0] = 1
+    extra_kv = extra_idx = None
+    if k2:
+        extra_kv = rnd(25, d, g=g, dtype=dtype)
+        extra_idx = torch.randint(0, 25, (t, k2), generator=g)
+        extra_idx[:, ::3] = -1
+        extra_idx = extra_idx.to(DEV)
+    if t > 1 and k:
+        idx[1] = -1  # main set empty for one token
+    a = cu(q, kv, idx, sink, d**-0.5, extra_kv, extra_idx)
+    b = ref(q, kv, idx, sink, d**-0.5, extra_kv, extra_idx)
+    assert a.shape == b.shape and a.dtype == b.dtype
+    assert rel(a, b) < (2e-5 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mla_decode(dtype):
+    cu, ref = impls("mla_decode")
+    g = gen(9)
+    t, h, c, r, p = 3, 5, 64, 16, 40
+    qn, qp = rnd(t, h, c, g=g, dtype=dtype), rnd(t, h, r, g=g, dtype=dtype)
+    lat = rnd(p, c + r, g=g, dtype=dtype)
+    idx = torch.randint(0, p, (t, 50), generator=g)
+    idx[torch.rand(t, 50, generator=g) < 0.3] = -1
+    idx[2] = -1  # no valid key: output 0
+    idx = idx.to(DEV)
+    a, b = cu(qn, qp, lat, idx, 0.1), ref(qn, qp, lat, idx, 0.1)
+    assert a.shape == b.shape and a.dtype == b.dtype
+    assert rel(a, b) < (2e-5 if dtype == torch.float32 else 2e-2)
+    assert float(a[2].abs().max()) == 0.0
+
+
+@pytest.mark.parametrize("mode", ["v4", "hash", "v3_groups", "softmax"])
+def test_moe_gate(mode):
+    cu, ref = impls("moe_gate")
+    g = gen(10)
+    t, d, e, k = 21, 96, 32, 4
+    x, w = rnd(t, d, g=g), rnd(e, d, g=g, scale=0.2)
+    bias = rnd(e, g=g, scale=0.1)
+    kw = {}
+    if mode == "v4":
+        args = (x, w, bias, k, 1.5)
+    elif mode == "hash":
+        tid2eid = torch.randint(0, e, (50, k), generator=g).to(DEV)
+        tok = torch.randint(0, 50, (t,), generator=g).to(DEV)
+        args = (x, w, None, k, 1.5, tid2eid, tok)
+    elif mode == "v3_groups":
+        args = (x, w, bias, k, 2.5)
+        kw = dict(score_func="sigmoid", n_groups=8, topk_groups=3)
+    else:
+        args = (x, w, None, k, 1.0)
+        kw = dict(score_func="softmax", normalize=False)
+    (wa, ia), (wb, ib) = cu(*args, **kw), ref(*args, **kw)
+    assert torch.equal(ia.cpu(), ib.cpu())
+    torch.testing.assert_close(wa, wb, rtol=1e-5, atol=1e-6)
+    assert cu(x[:0], w, bias, k, 1.5)[1].shape == (0, k)
+
+
+def _weights(fmt, n, k, g, e=None):
+    lead = () if e is None else (e,)
+    w = torch.randn(*lead, n, k, generator=g) * 0.1
+    if fmt == "dense":
+        return w.to(DEV), None
+    if fmt == "fp8_block":
+        q, s = quant_fp8_block(w)
+        return q.to(DEV), s.to(DEV)
+    q, s = quant_fp4(w)
+    return q.to(DEV), s.to(DEV)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fmt", ["fp8_block", "fp4"])
+@pytest.mark.parametrize("m,n,k", [(3, 136, 160), (20, 64, 256), (0, 64, 128)])
+def test_linear_quantised(dtype, fmt, m, n, k):
+    cu, ref = impls("linear")
+    g = gen(11)
+    w, s = _weights(fmt, n, k, g)
+    x = rnd(m, k, g=g, dtype=dtype)
+    a, b = cu(x, w, s, fmt), ref(x, w, s, fmt)
+    assert a.shape == b.shape and a.dtype == b.dtype
+    if m:
+        assert rel(a, b) < (2e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fmt", ["dense", "fp8_block", "fp4"])
+def test_grouped_matmul(dtype, fmt):
+    cu, ref = impls("grouped_matmul")
+    g = gen(12)
+    e, n, k = 6, 72, 128
+    w, s = _weights(fmt, n, k, g, e=e)
+    if fmt == "dense":
+        w = w.to(dtype)
+    for m in (0, 1, 37):
+        x = rnd(m, k, g=g, dtype=dtype)
+        ids = torch.randint(0, e, (m,), generator=g)
+        if m > 5:
+            ids[:20] = 3  # one expert with more rows than a tile
+        ids = ids.to(DEV)
+        a, b = cu(x, w, ids, s, fmt), ref(x, w, ids, s, fmt)
+        assert a.shape == b.shape and a.dtype == b.dtype
+        if m:
+            assert rel(a, b) < (2e-5 if dtype == torch.float32 else 1e-2)
+
+
+def test_every_hot_op_has_a_cuda_kernel():
+    for op in ("rms_norm", "apply_rope", "hc_pre", "hc_post", "hc_head", "compressor_pool", "indexer_topk",
+               "sparse_attention", "moe_gate", "swiglu", "linear", "grouped_matmul", "fp8_act_round",
+               "fp4_act_round", "mla_decode"):
+        impls(op)
