@@ -2,16 +2,30 @@
 
 One public function per fused op (see :mod:`atb_ops.ops` for shapes and math). Backends: ``reference``
 (pure PyTorch, the specification), ``cuda`` (Triton), ``npu`` (torch_npu and custom ops). Dispatch is by
-the device of the inputs; force one with :func:`use_backend` or ``ATB_OPS_BACKEND``.
+the device of the inputs; force one with :func:`use_backend` or ``ATB_OPS_BACKEND``. :func:`batch_invariant`
+(or :func:`set_batch_invariant`, ``ATB_OPS_BATCH_INVARIANT=1``) switches every op to a variant whose per-token
+result is bitwise independent of the rest of the batch (see :mod:`atb_ops.invariant`).
 """
 
-from ._dispatch import BACKENDS, BackendError, device_available, implementations, register, selected_backend, use_backend
+from ._dispatch import (
+    BACKENDS,
+    BackendError,
+    batch_invariant,
+    device_available,
+    implementations,
+    is_batch_invariant,
+    register,
+    selected_backend,
+    set_batch_invariant,
+    use_backend,
+)
 from .ops import (
     apply_rope,
     compressor_pool,
     dequantize_weight,
     fp4_act_round,
     fp8_act_round,
+    group_linear,
     grouped_matmul,
     hadamard,
     hc_head,
@@ -29,13 +43,16 @@ from .ops import (
     swiglu,
 )
 from .reference.rope import rope_inv_freq
+from .invariant import enable_torch_ops as enable_batch_invariant_torch
 
 OPS = (
     "rms_norm", "apply_rope", "hc_pre", "hc_post", "hc_head", "compressor_pool", "indexer_topk",
     "sparse_attention", "moe_gate", "swiglu", "linear", "grouped_matmul", "fp8_act_round", "fp4_act_round", "hadamard",
-    "mla_decode", "mla_prefill", "dequantize_weight", "quant_linear", "quant_grouped_matmul",
+    "mla_decode", "mla_prefill", "dequantize_weight", "quant_linear", "quant_grouped_matmul", "group_linear",
 )
 
 __all__ = list(OPS) + [
-    "BACKENDS", "BackendError", "device_available", "implementations", "register", "rope_inv_freq", "selected_backend", "use_backend",
+    "BACKENDS", "BackendError", "batch_invariant", "device_available", "enable_batch_invariant_torch",
+    "implementations", "is_batch_invariant", "register", "rope_inv_freq", "selected_backend", "set_batch_invariant",
+    "use_backend",
 ]

@@ -10,6 +10,13 @@ Every public op is a plain function in :mod:`atb_ops.ops`. It resolves an implem
 
 A backend that has not registered the op falls back to the reference implementation on the same device
 and logs that once per (backend, op): numerics never change silently.
+
+Batch-invariant mode (:func:`batch_invariant` / :func:`set_batch_invariant` / ``ATB_OPS_BATCH_INVARIANT=1``)
+swaps every op for its batch-invariant variant (``register(op, backend, batch_invariant=True)``): a variant
+whose result for one token (row) is bitwise independent of the other rows of the batch. A backend without
+its own variant of an op uses the device-generic one registered under ``reference``, which builds on the
+primitives of :mod:`atb_ops.invariant.primitives` (fixed-strategy matmul and sums, dispatched by device);
+that fallback is logged once per (backend, op) too.
 """
 
 from __future__ import annotations
@@ -22,17 +29,55 @@ from typing import Callable, Iterator
 
 import torch
 
-from ._registry import BACKENDS, REGISTRY as _registry, BackendError, check as _check, register
+from ._registry import BACKENDS, BI_REGISTRY as _bi_registry, REGISTRY as _registry, BackendError, check as _check
+from ._registry import register
 
-__all__ = ["BACKENDS", "BackendError", "device_available", "implementations", "register", "resolve",
-           "selected_backend", "use_backend"]
+__all__ = ["BACKENDS", "BackendError", "batch_invariant", "device_available", "implementations", "is_batch_invariant",
+           "register", "resolve", "selected_backend", "set_batch_invariant", "use_backend"]
 
 _DEVICE_TO_BACKEND = {"cpu": "reference", "cuda": "cuda", "npu": "npu", "meta": "reference"}
 
 _override: contextvars.ContextVar[str | None] = contextvars.ContextVar("atb_ops_backend", default=None)
+_bi_mode: contextvars.ContextVar[bool | None] = contextvars.ContextVar("atb_ops_batch_invariant", default=None)
+_bi_default = False
 _warned: set[tuple[str, str]] = set()
 _loaded: set[str] = set()
 log = logging.getLogger("atb_ops")
+
+
+@contextlib.contextmanager
+def use_backend(name: str | None) -> Iterator[None]:
+    """Force a backend for every op called inside the block (``None`` = dispatch by device)."""
+    token = _override.set(None if name is None else _check(name))
+    try:
+        yield
+    finally:
+        _override.reset(token)
+
+
+def set_batch_invariant(enabled: bool) -> None:
+    """Process-wide default of batch-invariant mode (what ``LLM(batch_invariant=True)`` sets)."""
+    global _bi_default
+    _bi_default = bool(enabled)
+
+
+@contextlib.contextmanager
+def batch_invariant(enabled: bool = True) -> Iterator[None]:
+    """Run every op inside the block in its batch-invariant variant (``False``: the normal kernels)."""
+    token = _bi_mode.set(bool(enabled))
+    try:
+        yield
+    finally:
+        _bi_mode.reset(token)
+
+
+def is_batch_invariant() -> bool:
+    """Whether ops called now use their batch-invariant variants (context, else the process default, else
+    ``ATB_OPS_BATCH_INVARIANT``)."""
+    mode = _bi_mode.get()
+    if mode is not None:
+        return mode
+    return _bi_default or os.environ.get("ATB_OPS_BATCH_INVARIANT", "0") not in ("", "0")
 
 
 @contextlib.contextmanager
@@ -73,6 +118,8 @@ def selected_backend(*args) -> str:
 def resolve(op_name: str, *args) -> Callable:
     """The implementation of ``op_name`` for these arguments (see module docstring)."""
     backend = selected_backend(*args)
+    if is_batch_invariant():
+        return _resolve_invariant(op_name, backend)
     if backend != "reference":
         _load_backend(backend)
         fn = _registry[backend].get(op_name)
@@ -82,6 +129,21 @@ def resolve(op_name: str, *args) -> Callable:
             _warned.add((backend, op_name))
             log.info("atb_ops.%s: no %s kernel, using the reference implementation", op_name, backend)
     return _registry["reference"][op_name]
+
+
+def _resolve_invariant(op_name: str, backend: str) -> Callable:
+    from . import invariant  # noqa: F401  (registers the device-generic batch-invariant variants)
+
+    if backend != "reference":
+        _load_backend(backend)
+        fn = _bi_registry[backend].get(op_name)
+        if fn is not None:
+            return fn
+        if (backend, "bi:" + op_name) not in _warned:
+            _warned.add((backend, "bi:" + op_name))
+            log.info("atb_ops.%s: no batch-invariant %s kernel, using the device-generic batch-invariant variant",
+                     op_name, backend)
+    return _bi_registry["reference"][op_name]
 
 
 def implementations(op_name: str) -> dict[str, Callable]:

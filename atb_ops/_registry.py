@@ -12,6 +12,8 @@ BACKENDS = ("reference", "cuda", "npu", "ascendc_emu")
 
 #: backend -> op name -> implementation
 REGISTRY: dict[str, dict[str, Callable]] = {b: {} for b in BACKENDS}
+#: backend -> op name -> batch-invariant variant (see atb_ops._dispatch, "Batch-invariant mode")
+BI_REGISTRY: dict[str, dict[str, Callable]] = {b: {} for b in BACKENDS}
 
 
 class BackendError(ValueError):
@@ -24,12 +26,13 @@ def check(name: str) -> str:
     return name
 
 
-def register(op_name: str, backend: str) -> Callable[[Callable], Callable]:
-    """Decorator: register ``fn`` as ``backend``'s implementation of ``op_name``."""
+def register(op_name: str, backend: str, batch_invariant: bool = False) -> Callable[[Callable], Callable]:
+    """Decorator: register ``fn`` as ``backend``'s implementation of ``op_name`` (its batch-invariant variant
+    when ``batch_invariant``)."""
     check(backend)
 
     def deco(fn: Callable) -> Callable:
-        REGISTRY[backend][op_name] = fn
+        (BI_REGISTRY if batch_invariant else REGISTRY)[backend][op_name] = fn
         return fn
 
     return deco

@@ -140,6 +140,17 @@ def linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None = None
     return resolve("linear", x)(x, w, w_scale, fmt)
 
 
+def group_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Per-group (per-head) projection: out[t, g] = x[t, g] @ w[g]^T.
+
+    x: [T, G, K]; w: [G, N, K] (any strides: a transposed view of a [G, K, N] weight works). The DeepSeek-V4
+    grouped output projection ``wo_a`` (G = o_groups) and the DeepSeek-V3 absorbed-MLA ``W_UK`` / ``W_UV``
+    products (G = heads). Same dtypes: computed in that dtype with float32 accumulation; otherwise in float32.
+    Returns x.dtype [T, G, N].
+    """
+    return resolve("group_linear", x)(x, w)
+
+
 def dequantize_weight(w: torch.Tensor, w_scale: torch.Tensor | None = None, fmt: str = "dense") -> torch.Tensor:
     """The float32 matrix W of a weight stored as ``fmt`` (the formats and the math of :func:`linear`).
 

@@ -88,11 +88,12 @@ def build_model(model: str, cfg, dtype: torch.dtype, device: torch.device, numer
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, sizes: PoolSizes, device: torch.device | str = "cpu",
                  kv_dtype: torch.dtype | None = None, backend: str | None = None, quant_summary: dict | None = None,
-                 cuda_graphs: bool = False, max_graph_batch: int = 256):
+                 cuda_graphs: bool = False, max_graph_batch: int = 256, batch_invariant: bool = False):
         self.model = model
         self.cfg = model.cfg
         self.device = torch.device(device)
         self.backend = backend  # atb_ops backend forced for every step (None: by tensor device)
+        self.batch_invariant = batch_invariant  # every step in atb_ops' batch-invariant mode
         self.quant_summary = quant_summary
         self.pools = model.make_pools(sizes, kv_dtype or model.dtype, self.device)
         self.max_model_len: int | None = None  # limits the pools were sized for (set by create)
@@ -110,7 +111,7 @@ class ModelRunner:
     def create(cls, model: str, cfg, *, device: torch.device, dtype: torch.dtype, numerics: str = "exact",
                backend: str | None = None, block_size: int = 16, max_num_seqs: int = 8, max_model_len: int,
                max_num_batched_tokens: int = 512, gpu_memory_utilization: float | None = None,
-               cuda_graphs: bool = False, **load) -> "ModelRunner":
+               cuda_graphs: bool = False, batch_invariant: bool = False, **load) -> "ModelRunner":
         """Build and load the model (``load``: the keyword arguments of :func:`build_model`) and size its pools
         (``gpu_memory_utilization``: from the device's free memory, :mod:`.memory_sizing`); ``cuda_graphs``:
         capture decode steps on CUDA (``enforce_eager`` turns this off)."""
@@ -125,7 +126,7 @@ class ModelRunner:
             sizes = sized_for_memory(net, sizes, dtype, gpu_memory_utilization, torch.device(device), max_num_seqs,
                                      max_model_len)
         runner = cls(net, sizes, device, backend=backend, quant_summary=summary, cuda_graphs=cuda_graphs,
-                     max_graph_batch=max_num_seqs)
+                     max_graph_batch=max_num_seqs, batch_invariant=batch_invariant)
         runner.max_model_len, runner.max_num_batched_tokens = max_model_len, max_num_batched_tokens
         return runner
 
@@ -135,8 +136,13 @@ class ModelRunner:
         return bool(getattr(self.model, "mtp", None))
 
     def ops(self):
-        """The op-backend context every step runs under."""
-        return atb_ops.use_backend(self.backend) if self.backend else contextlib.nullcontext()
+        """The op-backend context every step runs under (and batch-invariant mode when asked)."""
+        stack = contextlib.ExitStack()
+        if self.backend:
+            stack.enter_context(atb_ops.use_backend(self.backend))
+        if self.batch_invariant:
+            stack.enter_context(atb_ops.batch_invariant())
+        return stack
 
     # ---- sequences -----------------------------------------------------------------------------------
     def new_sequence(self) -> SeqBlocks:

@@ -88,6 +88,8 @@ def _parser() -> argparse.ArgumentParser:
                         "from it (default: pools for --max-num-seqs sequences of --max-model-len); ignored on cpu")
     g.add_argument("--weights-seed", type=int, default=0, help="seed of the random weights of a preset")
     g.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode steps eagerly (no CUDA graph capture)")
+    g.add_argument("--batch-invariant", action="store_true",
+                   help="batch-invariant ops: output bitwise independent of the batch (slower)")
     _add_weight_check_arg(g)
     _add_parallel_args(g)
 
@@ -148,6 +150,9 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     s.add_argument("--numerics", default="exact", help="exact | reference (official FP8/FP4 activation rounding)")
     s.add_argument("--weights-seed", type=int, default=0, help="seed of the random weights of a preset")
+    s.add_argument("--batch-invariant", action="store_true",
+                   help="batch-invariant ops: each request's output bitwise independent of the other requests "
+                        "batched with it (slower)")
     _add_weight_check_arg(s)
     _add_parallel_args(s)
     s.add_argument("--uvicorn-log-level", default="info", help="critical | error | warning | info | debug")
@@ -236,7 +241,8 @@ def _generate(a: argparse.Namespace) -> int:
                             seed=a.seed)
     llm = LLM(model=a.model, backend=a.backend, dtype=a.dtype, numerics=a.numerics, device=a.device,
               seed=a.weights_seed, max_model_len=a.max_model_len, skip_weight_check=a.skip_weight_check,
-              gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager, **_parallel_kwargs(a))
+              gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager,
+              batch_invariant=a.batch_invariant, **_parallel_kwargs(a))
 
     tty = _isatty(sys.stdout)
 
@@ -290,7 +296,7 @@ def _serve_on(a: argparse.Namespace, sock, LLM, run_server) -> int:
               max_num_batched_tokens=a.max_num_batched_tokens, block_size=a.block_size,
               enable_prefix_caching=a.enable_prefix_caching, num_speculative_tokens=a.num_speculative_tokens,
               skip_weight_check=a.skip_weight_check, gpu_memory_utilization=a.gpu_memory_utilization,
-              enforce_eager=a.enforce_eager, **_parallel_kwargs(a))
+              enforce_eager=a.enforce_eager, batch_invariant=a.batch_invariant, **_parallel_kwargs(a))
     try:
         run_server(llm, host=a.host, port=a.port, api_key=a.api_key or os.environ.get("ASCEND_DSV4_API_KEY"),
                    served_model_name=a.served_model_name or served_name(a.model), max_queue=a.max_queue,

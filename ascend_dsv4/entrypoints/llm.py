@@ -110,13 +110,19 @@ class LLM:
         enable_expert_parallel: bool = False,
         distributed_executor_backend: str | None = None,
         enforce_eager: bool = False,
+        batch_invariant: bool = False,
     ):
         if numerics not in NUMERICS:
             raise ConfigError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
         if backend not in (None, "auto") and backend not in atb_ops.BACKENDS:
             raise ConfigError(f"backend must be 'auto' or one of {', '.join(atb_ops.BACKENDS)}, got {backend!r}")
         self.backend = None if backend in (None, "auto") else backend
+        # every op in its batch-invariant variant: a sequence's logits bitwise independent of the batch
+        self.batch_invariant = bool(batch_invariant)
         self.device = _resolve_device(device, self.backend)
+        if self.batch_invariant and self.device.type != "cpu":
+            # the MoE combine's scatter-add (outside atb_ops) takes its ordered path, process-wide
+            atb_ops.enable_batch_invariant_torch(self.device.type)
         cfg = load_config(model)
         if config_overrides:
             cfg = cfg.replace(**config_overrides)
@@ -147,6 +153,9 @@ class LLM:
             if gpu_memory_utilization is not None:
                 log.info("gpu_memory_utilization is not applied under tensor parallelism yet: the KV pools hold "
                          "max_num_seqs (%d) sequences of max_model_len (%d)", max_num_seqs, self.max_model_len)
+            if self.batch_invariant:
+                raise ConfigError("batch_invariant=True is not supported with tensor / expert parallelism yet "
+                                  "(the all-reduce order is not made batch-invariant); run it at world size 1")
             self.runner = self._start_parallel(model, folder, numerics, seed, dequantize, block_size,
                                                tensor_parallel_size, enable_expert_parallel,
                                                distributed_executor_backend,
@@ -160,8 +169,10 @@ class LLM:
                 max_num_batched_tokens=max_num_batched_tokens, seed=seed, dequantize=dequantize, progress=progress,
                 msmodelslim_path=msmodelslim_path, allow_float_mtp=allow_float_mtp,
                 msmodelslim_act_sim=msmodelslim_act_sim, check_weights=not skip_weight_check,
-                gpu_memory_utilization=gpu_memory_utilization,
-                cuda_graphs=not enforce_eager)  # CUDA-graph decode (vLLM's default); enforce_eager turns it off
+                gpu_memory_utilization=gpu_memory_utilization, batch_invariant=self.batch_invariant,
+                # CUDA-graph decode (vLLM's default); enforce_eager turns it off, and so does the batch-invariant
+                # mode (its variants are not capture-safe)
+                cuda_graphs=not (enforce_eager or self.batch_invariant))
         self.tokenizer = load_tokenizer(folder, cfg.bos_token_id, cfg.eos_token_id, cfg.vocab_size)
         self.engine = LLMEngine(self.runner, self.tokenizer, self.max_model_len, max_num_seqs, max_num_batched_tokens,
                                 enable_prefix_caching=enable_prefix_caching,

@@ -41,3 +41,10 @@ def grouped_matmul(x, w, expert_ids, w_scale=None, fmt="dense"):
         we = dequant_weight(w[e], None if w_scale is None else w_scale[e], fmt)
         out[rows] = (x[rows].float() @ we.t()).to(x.dtype)
     return out
+
+
+@register("group_linear", "reference")
+def group_linear(x, w):
+    if x.dtype == w.dtype:
+        return torch.einsum("tgk,gnk->tgn", x, w)
+    return torch.einsum("tgk,gnk->tgn", x.float(), w.float()).to(x.dtype)

@@ -67,9 +67,9 @@ class MLA(nn.Module):
         dec = (~ctx.prefill).nonzero(as_tuple=True)[0]
         pre = ctx.prefill.nonzero(as_tuple=True)[0]
         if len(dec):
-            q_abs = torch.einsum("thd,hdc->thc", q_nope[dec], w[:, : self.Dn])
+            q_abs = atb_ops.group_linear(q_nope[dec], w[:, : self.Dn].transpose(1, 2))
             o_lat = atb_ops.mla_decode(q_abs, q_pe[dec], pool, ctx.context[dec], self.scale)
-            out[dec] = torch.einsum("thc,hvc->thv", o_lat, w[:, self.Dn:]).to(out.dtype)
+            out[dec] = atb_ops.group_linear(o_lat, w[:, self.Dn:]).to(out.dtype)
         if len(pre):
             idx = ctx.context[pre]
             slots = torch.unique(idx[idx >= 0])  # the latents these prefill tokens read, decompressed once

@@ -155,5 +155,5 @@ class Attention(nn.Module):
         # grouped low-rank output: group g of heads -> o_lora_rank, then wo_b over all groups
         o = o.reshape(T, self.o_groups, -1)
         wo_a = self.wo_a.weight.view(self.o_groups, self.o_lora_rank, -1)
-        z = torch.einsum("tgk,grk->tgr", o, wo_a)
+        z = atb_ops.group_linear(o, wo_a)
         return self.wo_b(z.flatten(1))
