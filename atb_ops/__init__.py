@@ -7,6 +7,7 @@ the device of the inputs; force one with :func:`use_backend` or ``ATB_OPS_BACKEN
 
 from ._dispatch import BACKENDS, BackendError, device_available, implementations, register, selected_backend, use_backend
 from .ops import (
+    add_rms_norm,
     apply_rope,
     compressor_pool,
     dequantize_weight,
@@ -18,6 +19,7 @@ from .ops import (
     hc_post,
     hc_pre,
     indexer_topk,
+    kv_quant,
     linear,
     mla_decode,
     mla_prefill,
@@ -33,7 +35,8 @@ from .reference.rope import rope_inv_freq
 OPS = (
     "rms_norm", "apply_rope", "hc_pre", "hc_post", "hc_head", "compressor_pool", "indexer_topk",
     "sparse_attention", "moe_gate", "swiglu", "linear", "grouped_matmul", "fp8_act_round", "fp4_act_round", "hadamard",
-    "mla_decode", "mla_prefill", "dequantize_weight", "quant_linear", "quant_grouped_matmul",
+    "mla_decode", "mla_prefill", "dequantize_weight", "quant_linear", "quant_grouped_matmul", "add_rms_norm",
+    "kv_quant",
 )
 
 __all__ = list(OPS) + [

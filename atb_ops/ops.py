@@ -20,6 +20,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return resolve("rms_norm", x)(x, weight, eps)
 
 
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add then RMSNorm: ``h = x + residual`` (in x's dtype, as the unfused ``x + r`` rounds it), returns
+    ``(rms_norm(h, weight, eps), h)``.
+
+    x, residual: [..., n] same float dtype; weight: [n] float32 or None. Outputs: both [..., n] in x.dtype.
+    """
+    return resolve("add_rms_norm", x)(x, residual, weight, eps)
+
+
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """Interleaved RoPE on the LAST ``R = 2 * len(inv_freq)`` channels of x; other channels pass through.
 
@@ -254,3 +264,14 @@ def quant_grouped_matmul(x: torch.Tensor, weight: torch.Tensor, expert_ids: torc
     [E, N]. Returns [M, N] in x.dtype.
     """
     return resolve("quant_grouped_matmul", x)(x, weight, expert_ids, scale)
+
+
+def kv_quant(x: torch.Tensor, inv_scale: torch.Tensor, offset: torch.Tensor | None = None) -> torch.Tensor:
+    """C8 KV-cache quantisation per channel: ``q = clamp(round(x * inv_scale + offset), -128, 127)`` int8
+    (msModelSlim's ``kv_cache_scale`` s and ``kv_cache_offset`` o with ``inv_scale = 1 / s``: the quantiser
+    multiplies by the reciprocal, as vllm-ascend ``_quantize_kv_to_int8`` does; ``round`` is half to even).
+    The cache reads back ``(q - o) * s``.
+
+    x: [..., C] float; inv_scale, offset: float32 [C] (offset integral, None = symmetric). Returns int8 [..., C].
+    """
+    return resolve("kv_quant", x)(x, inv_scale, offset)

@@ -20,7 +20,7 @@ from torch import nn
 from parallel.linear import Linear
 
 from ...kv.latent_pool import MLAKVPools, MLAStepContext
-from ...layers.norm import RMSNorm
+from ...layers.norm import RMSNorm, add_norm
 from .attention import MLA
 from .moe import MLP, MoE
 from .names import canonical_name
@@ -35,8 +35,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MoE(cfg, dtype) if cfg.is_moe_layer(layer_id) else MLP(cfg.dim, cfg.inter_dim, dtype)
 
     def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), ctx)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        normed, h = add_norm(self.post_attention_layernorm, x, self.self_attn(self.input_layernorm(x), ctx))
+        return h + self.mlp(normed)
 
 
 class SharedHead(nn.Module):
