@@ -22,6 +22,7 @@ from .ops import (
     kv_quant,
     linear,
     mla_decode,
+    mla_decode_split,
     mla_prefill,
     moe_gate,
     quant_grouped_matmul,
@@ -30,15 +31,17 @@ from .ops import (
     sparse_attention,
     swiglu,
 )
+from .layout import KVLayout, kv_layout, register_kv_layout
 from .reference.rope import rope_inv_freq
 
 OPS = (
     "rms_norm", "apply_rope", "hc_pre", "hc_post", "hc_head", "compressor_pool", "indexer_topk",
     "sparse_attention", "moe_gate", "swiglu", "linear", "grouped_matmul", "fp8_act_round", "fp4_act_round", "hadamard",
     "mla_decode", "mla_prefill", "dequantize_weight", "quant_linear", "quant_grouped_matmul", "add_rms_norm",
-    "kv_quant",
+    "kv_quant", "mla_decode_split",
 )
 
 __all__ = list(OPS) + [
+    "KVLayout", "kv_layout", "register_kv_layout",
     "BACKENDS", "BackendError", "device_available", "implementations", "register", "rope_inv_freq", "selected_backend", "use_backend",
 ]

@@ -215,6 +215,16 @@ def mla_decode(q_nope_absorbed: torch.Tensor, q_pe: torch.Tensor, latent: torch.
     return resolve("mla_decode", q_nope_absorbed)(q_nope_absorbed, q_pe, latent, idx, scale)
 
 
+def mla_decode_split(q_nope_absorbed: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
+                     idx: torch.Tensor, scale: float) -> torch.Tensor:
+    """:func:`mla_decode` over a latent pool kept as two caches (the layout ``npu_fused_infer_attention_score``'s
+    paged MLA form reads: ``atb_ops.layout.KVLayout.mla_split_rope``): ``c_kv`` [P, C] and ``k_pe`` [P, R] with
+    row p of both = pool row p. The math is exactly ``mla_decode(q_nope_absorbed, q_pe, cat([c_kv, k_pe], -1),
+    idx, scale)``; shapes and dtypes as there. Returns [T, H, C] in q_nope_absorbed.dtype.
+    """
+    return resolve("mla_decode_split", q_nope_absorbed)(q_nope_absorbed, q_pe, c_kv, k_pe, idx, scale)
+
+
 def mla_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor, v: torch.Tensor,
                 idx: torch.Tensor, scale: float) -> torch.Tensor:
     """Multi-head Latent Attention, decompressed form ("CacheDecompressed" MLA, e.g. prefill).

@@ -76,8 +76,9 @@ class DeepseekV3Model(nn.Module):
         """Module name of a checkpoint tensor (the loader's name map for V3)."""
         return canonical_name(checkpoint_name, self.cfg.n_layers)
 
-    def make_pools(self, sizes, dtype: torch.dtype, device) -> MLAKVPools:
-        return MLAKVPools(self.cfg, sizes, dtype, device)
+    def make_pools(self, sizes, dtype: torch.dtype, device, layout=None) -> MLAKVPools:
+        """``layout``: the ``atb_ops.KVLayout`` the op backend asks for (None: the reference layout)."""
+        return MLAKVPools(self.cfg, sizes, dtype, device, split_rope=bool(layout and layout.mla_split_rope))
 
     def forward(self, input_ids: torch.Tensor, ctx: MLAStepContext) -> torch.Tensor:
         """input_ids [T] -> hidden [T, dim] after the last layer (before the final norm)."""
