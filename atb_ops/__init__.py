@@ -25,6 +25,8 @@ from .ops import (
     mla_decode_split,
     mla_prefill,
     moe_gate,
+    moe_permute,
+    moe_unpermute,
     quant_grouped_matmul,
     quant_linear,
     rms_norm,
@@ -38,7 +40,7 @@ OPS = (
     "rms_norm", "apply_rope", "hc_pre", "hc_post", "hc_head", "compressor_pool", "indexer_topk",
     "sparse_attention", "moe_gate", "swiglu", "linear", "grouped_matmul", "fp8_act_round", "fp4_act_round", "hadamard",
     "mla_decode", "mla_prefill", "dequantize_weight", "quant_linear", "quant_grouped_matmul", "add_rms_norm",
-    "kv_quant", "mla_decode_split",
+    "kv_quant", "mla_decode_split", "moe_permute", "moe_unpermute",
 )
 
 __all__ = list(OPS) + [

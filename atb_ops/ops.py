@@ -285,3 +285,23 @@ def kv_quant(x: torch.Tensor, inv_scale: torch.Tensor, offset: torch.Tensor | No
     x: [..., C] float; inv_scale, offset: float32 [C] (offset integral, None = symmetric). Returns int8 [..., C].
     """
     return resolve("kv_quant", x)(x, inv_scale, offset)
+
+
+def moe_permute(x: torch.Tensor, ids: torch.Tensor,
+                num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group the routed (token, slot) rows by expert: ``order = stable_argsort(ids.flatten())`` (flat index
+    ``t * k + j``), returns ``(x[order // k], ids.flatten()[order], order)``.
+
+    x: [T, d]; ids: [T, k] integer expert ids in [0, num_experts). Outputs: [T * k, d] in x.dtype, int64
+    [T * k] ascending, int64 [T * k].
+    """
+    return resolve("moe_permute", x)(x, ids, num_experts)
+
+
+def moe_unpermute(y: torch.Tensor, order: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """Sum the expert rows back per token: ``out[order[i] // k] += y[i]`` with ``k = len(order) / num_tokens``
+    (the inverse of :func:`moe_permute`'s grouping; routing weights are applied by the caller).
+
+    y: [T * k, d] float; order: int64 [T * k] from :func:`moe_permute`. Returns float32 [num_tokens, d].
+    """
+    return resolve("moe_unpermute", y)(y, order, num_tokens)

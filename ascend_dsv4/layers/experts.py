@@ -33,12 +33,8 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, d]; weights, ids [T, k] -> sum_j weights[t, j] * expert_{ids[t, j]}(x_t), float32 [T, d]."""
-        T, k = ids.shape
-        flat_ids = ids.reshape(-1)
-        order = torch.argsort(flat_ids, stable=True)  # group rows by expert
-        tok = order // k
-        e = flat_ids[order]
-        xs = x[tok]
+        T = ids.shape[0]
+        xs, e, order = atb_ops.moe_permute(x, ids, self.w1.shape[0])  # rows grouped by expert
         if self.reference:
             xs = atb_ops.fp8_act_round(xs, 128)
         f = self.fmt
@@ -49,4 +45,4 @@ class Experts(nn.Module):
         if self.reference:
             h = atb_ops.fp8_act_round(h, 128)
         y = atb_ops.grouped_matmul(h, self.w2, e, self.w2_scale, f).float()
-        return torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device).index_add_(0, tok, y)
+        return atb_ops.moe_unpermute(y, order, T)

@@ -19,7 +19,7 @@ import logging
 import sys
 import types
 
-from .emu import attention, hc, moe, norm_rope, quant
+from .emu import attention, hc, moe, norm_rope, quant, routing
 from .emu import custom as custom_ops
 
 log = logging.getLogger("atb_ops")
@@ -41,6 +41,8 @@ OPS = {
     "npu_format_cast": quant.npu_format_cast,
     "npu_moe_gating_top_k": moe.npu_moe_gating_top_k,
     "npu_grouped_matmul": moe.npu_grouped_matmul,
+    "npu_moe_init_routing_v2": routing.npu_moe_init_routing_v2,
+    "npu_moe_finalize_routing": routing.npu_moe_finalize_routing,
     "npu_fused_infer_attention_score": attention.npu_fused_infer_attention_score,
     "npu_lightning_indexer": attention.npu_lightning_indexer,
     "npu_mhc_pre": hc.npu_mhc_pre,
