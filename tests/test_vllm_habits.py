@@ -85,7 +85,7 @@ def test_gpu_memory_utilization_is_ignored_on_cpu():
 
 def test_pools_sized_from_device_memory():
     llm = LLM(model="toy-v4")
-    base = llm.runner.pools.sizes  # the default sizing (max_num_seqs x max_model_len)
+    base = llm.runner.pools.sizes
     per = pool_bytes(llm.model, base, torch.float32)
     gib = 2**30
     total, free = 64 * gib, 60 * gib  # 4 GiB in use (weights, other processes)

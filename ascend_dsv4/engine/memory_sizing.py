@@ -4,9 +4,9 @@
 activations). After the weights have loaded, ``in_use = total - free`` (this process's weights and whatever
 else holds the device) is subtracted, and so is an activation reserve (``ACTIVATION_RESERVE`` of the total: the
 step's activations and logits are not profiled yet); what is left is the KV budget. The three page counts of the
-default sizing (:meth:`LLM._pool_sizes`) are scaled by one factor so that the pools' bytes fill the budget (pool
-bytes are linear in the page counts; they are measured by building the pools on the ``meta`` device, so no memory
-is touched).
+default sizing (:func:`~.model_runner.plan_pool_sizes`) are scaled by one factor so that the pools' bytes fill
+the budget (pool bytes are linear in the page counts; they are measured by building the pools on the ``meta``
+device, so no memory is touched).
 
 CPU has no such budget: the flag is validated and ignored there (the pools keep their default sizing).
 """
@@ -22,7 +22,8 @@ from ..errors import ConfigError
 
 log = logging.getLogger("ascend_dsv4")
 
-__all__ = ["ACTIVATION_RESERVE", "check_utilization", "device_memory", "pool_bytes", "size_pools_for_memory"]
+__all__ = ["ACTIVATION_RESERVE", "check_utilization", "device_memory", "pool_bytes", "size_pools_for_memory",
+           "sized_for_memory"]
 
 ACTIVATION_RESERVE = 0.05
 
@@ -74,3 +75,16 @@ def size_pools_for_memory(model, base, dtype: torch.dtype, util: float, free: in
              "%.2f GiB activation reserve): %d token / %d c4 / %d c128 pages", util, budget / gib, requested / gib,
              in_use / gib, reserve / gib, out.num_blocks, out.num_c4_blocks, out.num_c128_blocks)
     return out
+
+
+def sized_for_memory(model, base, dtype: torch.dtype, util: float, device: torch.device, max_num_seqs: int,
+                     max_model_len: int):
+    """``base`` sized for ``util`` of ``device``'s memory (cuda / npu); ``base`` itself on a device without a
+    memory budget (CPU), with a note."""
+    util = check_utilization(util)
+    mem = device_memory(device)
+    if mem is None:
+        log.info("gpu_memory_utilization is ignored on %s: the KV pools hold max_num_seqs (%d) sequences of "
+                 "max_model_len (%d)", device, max_num_seqs, max_model_len)
+        return base
+    return size_pools_for_memory(model, base, dtype, util, *mem)

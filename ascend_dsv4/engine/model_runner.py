@@ -27,7 +27,6 @@ are wanted. What comes out: float32 logits ``[rows, vocab]`` on the CPU (from ra
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 from typing import Sequence
 
@@ -38,8 +37,6 @@ import atb_ops
 from ..errors import ConfigError
 from ..kv.blocks import PoolSizes, SeqBlocks
 from ..models import family_of
-
-log = logging.getLogger("ascend_dsv4")
 
 
 def plan_pool_sizes(cfg, block_size: int, max_num_seqs: int, max_model_len: int,
@@ -112,21 +109,17 @@ class ModelRunner:
                max_num_batched_tokens: int = 512, gpu_memory_utilization: float | None = None,
                **load) -> "ModelRunner":
         """Build and load the model (``load``: the keyword arguments of :func:`build_model`) and size its pools
-        (scaled to ``gpu_memory_utilization`` of the device's memory on cuda / npu, see
-        :mod:`ascend_dsv4.engine.memory_sizing`)."""
-        from .memory_sizing import device_memory, size_pools_for_memory
-
+        (``gpu_memory_utilization``: from the device's free memory, :mod:`.memory_sizing`)."""
         runner_ops = atb_ops.use_backend(backend) if backend else contextlib.nullcontext()
         npu = backend == "npu" or (backend is None and torch.device(device).type == "npu")
         with runner_ops:
             net, summary = build_model(model, cfg, dtype, device, numerics, npu=npu, **load)
         sizes = plan_pool_sizes(cfg, block_size, max_num_seqs, max_model_len, max_num_batched_tokens)
-        mem = device_memory(torch.device(device)) if gpu_memory_utilization is not None else None
-        if mem is not None:
-            sizes = size_pools_for_memory(net, sizes, dtype, gpu_memory_utilization, *mem)
-        elif gpu_memory_utilization is not None:
-            log.info("gpu_memory_utilization is ignored on %s: the KV pools hold max_num_seqs (%d) sequences of "
-                     "max_model_len (%d)", device, max_num_seqs, max_model_len)
+        if gpu_memory_utilization is not None:
+            from .memory_sizing import sized_for_memory
+
+            sizes = sized_for_memory(net, sizes, dtype, gpu_memory_utilization, torch.device(device), max_num_seqs,
+                                     max_model_len)
         runner = cls(net, sizes, device, backend=backend, quant_summary=summary)
         runner.max_model_len, runner.max_num_batched_tokens = max_model_len, max_num_batched_tokens
         return runner

@@ -100,11 +100,10 @@ class RequestOutput:
 
     @property
     def outputs(self) -> list[CompletionOutput]:
-        first = CompletionOutput(0, self.text, self.token_ids, self.finish_reason, self.logprobs,
-                                 _cumulative(self.logprobs))
-        return [first] + self.more_outputs
+        return [self.as_completion(0)] + self.more_outputs
 
     def as_completion(self, index: int) -> CompletionOutput:
+        """This output's own completion, numbered ``index``."""
         return CompletionOutput(index, self.text, self.token_ids, self.finish_reason, self.logprobs,
                                 _cumulative(self.logprobs))
 

@@ -175,17 +175,6 @@ class _State:
                            "model", "model_not_found")
         return m
 
-    def check_prompt(self, ids: list, param: str) -> list[int]:
-        """The prompt's ids (engine's validator), or a 400 naming ``param`` (OpenAI's wording for length)."""
-        try:
-            return check_prompt_ids(ids, self.vocab_size, self.max_model_len, param)
-        except PromptError as e:
-            if e.code == "context_length_exceeded":
-                raise _bad(f"This model's maximum context length is {self.max_model_len} tokens. However, your "
-                           f"{param} has {len(ids)} tokens (it must leave room for at least one generated token).",
-                           param, "context_length_exceeded") from None
-            raise _bad(str(e), param) from None
-
     def check_max_tokens(self, ids: list[int], max_tokens: int | None, param: str) -> int | None:
         """``max_tokens`` must fit the context left after the prompt (vLLM's rule: a 400 naming both numbers, not
         a request that runs to the limit). Returns the context left."""
@@ -196,6 +185,17 @@ class _State:
                        f"total of {len(ids) + max_tokens} tokens: {param} must be at most {left}, the context left.",
                        param, "context_length_exceeded")
         return left
+
+    def check_prompt(self, ids: list, param: str) -> list[int]:
+        """The prompt's ids (engine's validator), or a 400 naming ``param`` (OpenAI's wording for length)."""
+        try:
+            return check_prompt_ids(ids, self.vocab_size, self.max_model_len, param)
+        except PromptError as e:
+            if e.code == "context_length_exceeded":
+                raise _bad(f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                           f"{param} has {len(ids)} tokens (it must leave room for at least one generated token).",
+                           param, "context_length_exceeded") from None
+            raise _bad(str(e), param) from None
 
     def completion_prompts(self, p: Any) -> list[_Prompt]:
         if p is None:

@@ -217,7 +217,7 @@ def test_sigterm_drains():
     a request after SIGTERM gets 503; the process exits 0."""
     import threading
 
-    p, url, _ = _start_server("--shutdown-timeout", "3")
+    p, url, _ = _start_server("--shutdown-timeout", "5")
     results = {}
 
     def stream(name, max_tokens, started):

@@ -86,11 +86,11 @@ def test_official_fp8_fp4_checkpoint_matches_reference(tmp_path, calls):
 
 
 def test_v3_fp8_checkpoint_mla_decode_matches_reference(tmp_path, calls):
-    from ascend_dsv4.weights.random_checkpoint import write_checkpoint_v3
+    from ascend_dsv4.weights.random_checkpoint import write_checkpoint
 
     cfg = preset("toy-v3").replace(n_layers=2, n_dense_layers=1, n_routed_experts=4, n_expert_groups=1,
                                    n_limited_groups=1)
-    write_checkpoint_v3(cfg, str(tmp_path), seed=2, progress=False)  # DeepSeek's HF format, FP8 128x128 blocks
+    write_checkpoint(cfg, str(tmp_path), seed=2, progress=False)  # DeepSeek's HF format, FP8 128x128 blocks
     ids = [i % 1000 + 3 for i in IDS[:60]]
     ref = LLM(model=str(tmp_path), device="cpu", dtype="float32", progress=False)
     emu = LLM(model=str(tmp_path), backend="ascendc_emu", dtype="float32", progress=False)

@@ -15,7 +15,6 @@ from safetensors.torch import load_file, save_file
 from ascend_dsv4 import LLM
 from ascend_dsv4.models import preset
 from ascend_dsv4.models.deepseek_v4.config import from_hf_dict, from_official_dict
-
 from ascend_dsv4.entrypoints.cli import main
 from ascend_dsv4.errors import CheckpointError, ConfigError
 from ascend_dsv4.weights import weight_check
@@ -186,9 +185,7 @@ def test_missing_required_official_field_is_named(field):
 
 @pytest.mark.parametrize("field", ["hidden_size", "num_hidden_layers", "num_attention_heads"])
 def test_missing_required_hf_field_is_named(field):
-    cfg = preset("toy-v4")
-
-    d = cfg.to_hf_dict()
+    d = preset("toy-v4").to_hf_dict()
     d.pop(field)
     with pytest.raises(ConfigError, match=f"'{field}' missing"):
         from_hf_dict(d)
@@ -199,3 +196,20 @@ def test_bos_token_id_out_of_range_names_bos():
         from_official_dict(_official(bos_token_id=5000))
     with pytest.raises(ConfigError, match="'eos_token_id'"):
         from_official_dict(_official(eos_token_id=-1))
+
+
+def test_msmodelslim_float_tensor_nan_is_a_checkpoint_error(tmp_path):
+    src = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "msmodelslim", "dsv3_w8a8_dynamic_v0")
+    d = tmp_path / "msm"
+    shutil.copytree(src, d)
+    p = d / "quant_model_weight_w8a8_dynamic.safetensors"
+    t = load_file(str(p))
+    name = "model.layers.0.post_attention_layernorm.weight"
+    x = t[name].clone()
+    x[3] = math.inf
+    t[name] = x
+    save_file(t, str(p))
+    with pytest.raises(CheckpointError) as e:
+        LLM(model=str(d), device="cpu", progress=False)
+    assert f"quant_model_weight_w8a8_dynamic.safetensors: {name}: 1 non-finite" in str(e.value)
+    LLM(model=str(d), device="cpu", progress=False, skip_weight_check=True)
