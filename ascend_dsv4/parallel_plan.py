@@ -63,10 +63,14 @@ def split_rule(name: str, cfg) -> tuple[str, int]:
 
 
 def validate_layout(cfg, tensor_parallel_size: int, enable_expert_parallel: bool = False,
-                    visible_devices: int | None = None, device: str = "", device_memory: int | None = None) -> None:
+                    visible_devices: int | None = None, device: str = "", device_memory: int | None = None,
+                    quantized_checkpoint: bool = True, numerics: str = "exact") -> None:
     """Raise :class:`ConfigError` naming the field and the rule when the layout cannot work (before any weight is
     read). ``visible_devices``: devices of this node the ranks would use (None = not limited, e.g. CPU ranks);
-    ``device_memory``: bytes per device when known (checked against :func:`rank_weight_bytes`)."""
+    ``device_memory``: bytes per device when known (checked against :func:`rank_weight_bytes`);
+    ``quantized_checkpoint=False`` (random-weight presets) skips the FP8 / FP4 scale-block rules;
+    ``numerics="reference"`` (V4) adds the rule that a split input of an activation-rounded linear keeps whole
+    128-wide rounding blocks on every rank (``wo_b``, w2 of the shared and of TP-split routed experts)."""
     tp = tensor_parallel_size
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise ConfigError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
@@ -82,7 +86,7 @@ def validate_layout(cfg, tensor_parallel_size: int, enable_expert_parallel: bool
         _divisible("moe_inter_dim", cfg.moe_inter_dim, tp, "tensor_parallel_size (experts split inside)")
     if cfg.n_shared_experts:
         _divisible("moe_inter_dim (shared experts)", fam.shared_expert_inter(cfg), tp, "tensor_parallel_size")
-    fam.validate_tp(cfg, tp, ep)
+    fam.validate_tp(cfg, tp, ep, quantized_checkpoint, numerics)
     if device_memory is not None:
         need = rank_weight_bytes(cfg, tp, enable_expert_parallel)
         usable = int(device_memory * DEFAULT_MEMORY_UTILIZATION)

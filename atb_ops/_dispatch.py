@@ -22,35 +22,17 @@ from typing import Callable, Iterator
 
 import torch
 
-BACKENDS = ("reference", "cuda", "npu", "ascendc_emu")
+from ._registry import BACKENDS, REGISTRY as _registry, BackendError, check as _check, register
+
+__all__ = ["BACKENDS", "BackendError", "device_available", "implementations", "register", "resolve",
+           "selected_backend", "use_backend"]
+
 _DEVICE_TO_BACKEND = {"cpu": "reference", "cuda": "cuda", "npu": "npu", "meta": "reference"}
 
-_registry: dict[str, dict[str, Callable]] = {b: {} for b in BACKENDS}
 _override: contextvars.ContextVar[str | None] = contextvars.ContextVar("atb_ops_backend", default=None)
 _warned: set[tuple[str, str]] = set()
 _loaded: set[str] = set()
 log = logging.getLogger("atb_ops")
-
-
-class BackendError(ValueError):
-    """An unknown backend name was requested."""
-
-
-def _check(name: str) -> str:
-    if name not in BACKENDS:
-        raise BackendError(f"unknown atb_ops backend {name!r}; expected one of {', '.join(BACKENDS)}")
-    return name
-
-
-def register(op_name: str, backend: str) -> Callable[[Callable], Callable]:
-    """Decorator: register ``fn`` as ``backend``'s implementation of ``op_name``."""
-    _check(backend)
-
-    def deco(fn: Callable) -> Callable:
-        _registry[backend][op_name] = fn
-        return fn
-
-    return deco
 
 
 @contextlib.contextmanager

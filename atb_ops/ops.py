@@ -42,7 +42,7 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
 
 
 def hc_pre(x, fn, base, scale, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
-    """mHC collapse (spec §2.2 steps 1-3).
+    """mHC collapse (ascend_dsv4/models/deepseek_v4/README.md §2.2 steps 1-3).
 
     x: [T, N, d] streams; fn: [(2+N)N, N*d] fp32; base: [(2+N)N]; scale: [3].
     m = (flat(x) @ fn^T) * rsqrt(mean(flat(x)^2) + norm_eps)        (fp32)
@@ -63,7 +63,8 @@ def hc_post(y, x, post, comb):
 
 
 def hc_head(x, fn, base, scale, hc_eps: float, norm_eps: float):
-    """Final stream collapse (spec §2.5): pre = sigmoid(m * scale + base) + hc_eps with
+    """Final stream collapse (ascend_dsv4/models/deepseek_v4/README.md §2.5): pre = sigmoid(m * scale + base) +
+    hc_eps with
     m = (flat(x) @ fn^T) * rsqrt(mean(flat(x)^2) + norm_eps); returns sum_j pre_j x_j ([T, d], x.dtype).
 
     x: [T, N, d]; fn: [N, N*d]; base: [N]; scale: [1].
@@ -72,7 +73,8 @@ def hc_head(x, fn, base, scale, hc_eps: float, norm_eps: float):
 
 
 def compressor_pool(kv_state: torch.Tensor, score_state: torch.Tensor, cand: torch.Tensor, overlap: bool) -> torch.Tensor:
-    """Pool compressed KV entries from per-token compressor rows (spec §2.3 "Compressor").
+    """Pool compressed KV entries from per-token compressor rows (ascend_dsv4/models/deepseek_v4/README.md §2.3
+    "Compressor").
 
     kv_state, score_state: [S, W] float32 rows, one per token (a = wkv x_t; z = wgate x_t + ape[t mod r]).
     cand: [M, K] int64 row indices of each entry's candidate tokens in token order, -1 = absent.
@@ -86,7 +88,7 @@ def compressor_pool(kv_state: torch.Tensor, score_state: torch.Tensor, cand: tor
 
 
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, cand: torch.Tensor, topk: int) -> torch.Tensor:
-    """Lightning-indexer selection (spec §2.3 "CSA Indexer").
+    """Lightning-indexer selection (ascend_dsv4/models/deepseek_v4/README.md §2.3 "CSA Indexer").
 
     q: [T, Hi, Di]; weights: [T, Hi] (already scaled by Di^-1/2 Hi^-1/2); k_cache: [P, Di] rows;
     cand: [T, N] int64 rows of k_cache that token t may see (causal entries), -1 = padding.
@@ -99,7 +101,8 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, 
 
 
 def sparse_attention(q, kv, idx, sink, scale: float, extra_kv=None, extra_idx=None):
-    """One-softmax attention over gathered K=V rows plus a per-head sink (spec §2.3).
+    """One-softmax attention over gathered K=V rows plus a per-head sink (ascend_dsv4/models/deepseek_v4/README.md
+    §2.3).
 
     q: [T, H, D]; kv: [P, D] rows (K = V); idx: [T, K] int64 rows of kv, -1 ignored;
     optional extra_kv: [P2, D] with extra_idx: [T, K2] (the compressed entries; same softmax).
@@ -111,7 +114,7 @@ def sparse_attention(q, kv, idx, sink, scale: float, extra_kv=None, extra_idx=No
 
 def moe_gate(x, weight, bias, topk: int, route_scale: float, tid2eid=None, token_ids=None,
              score_func: str = "sqrtsoftplus", n_groups: int = 1, topk_groups: int = 1, normalize: bool = True):
-    """DeepSeek router (V4 spec §2.4; V3 group-limited routing).
+    """DeepSeek router (V4 ascend_dsv4/models/deepseek_v4/README.md §2.4; V3 group-limited routing).
 
     x: [T, d]; weight: [E, d]; bias: [E] or None (aux-loss-free correction, used only for selection);
     tid2eid: [V, k] int table for hash layers with token_ids: [T].

@@ -153,10 +153,11 @@ def local_state(tp_size: int, tp_rank: int, enable_expert_parallel: bool = False
 
 def init_parallel(tensor_parallel_size: int, rank: int, init_method: str, *, device: str | torch.device = "cpu",
                   enable_expert_parallel: bool = False, backend: str | None = None,
-                  timeout_s: float | None = None, hccl_buffer_mb_: int | None = None) -> ParallelState:
+                  timeout_s: float | None = None, hccl_buffer_mb_: int | None = None, store=None) -> ParallelState:
     """Initialise torch.distributed for this rank (world = ``tensor_parallel_size``) and build its groups.
 
-    ``init_method``: a ``tcp://host:port`` or ``file://`` rendezvous shared by all ranks. Raises
+    ``init_method``: a ``tcp://host:port`` or ``file://`` rendezvous shared by all ranks (or ``store``: a
+    torch.distributed Store the caller already connected, see :func:`rendezvous_store`). Raises
     :class:`ParallelError` naming the backend when the rendezvous or a group fails.
     """
     be = backend_for_device(device, backend)
@@ -168,7 +169,11 @@ def init_parallel(tensor_parallel_size: int, rank: int, init_method: str, *, dev
     if be == "hccl":
         kwargs["pg_options"] = hccl_group_options("world", hccl_buffer_mb_)
     try:
-        dist.init_process_group(be, init_method=init_method, world_size=world, rank=rank, timeout=timeout, **kwargs)
+        if store is not None:
+            kwargs["store"] = store
+        else:
+            kwargs["init_method"] = init_method
+        dist.init_process_group(be, world_size=world, rank=rank, timeout=timeout, **kwargs)
     except Exception as e:  # noqa: BLE001 - re-raised with the backend named
         raise ParallelError(f"backend {be}: rank {rank} of {world} could not join the process group at "
                             f"{init_method}: {e}") from e
@@ -192,3 +197,37 @@ def init_parallel(tensor_parallel_size: int, rank: int, init_method: str, *, dev
 def destroy_parallel() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def set_rank_device(device: torch.device) -> None:
+    """Make ``device`` (``cuda:i`` / ``npu:i``) this process's current device before its groups are built."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    elif device.type == "npu":
+        import torch_npu  # noqa: F401
+
+        torch.npu.set_device(device)
+
+
+def visible_devices(device_type: str) -> int | None:
+    """Devices of ``device_type`` this process can see (None for CPU: ranks are processes, not devices)."""
+    if device_type == "cuda":
+        return torch.cuda.device_count()
+    if device_type == "npu":
+        try:
+            import torch_npu  # noqa: F401
+        except ImportError:
+            return 0
+        return torch.npu.device_count()
+    return None
+
+
+def rendezvous_store(host: str, port: int, world: int, rank: int, timeout_s: float):
+    """A TCP store for ``init_parallel(store=...)``: rank 0 serves it without waiting for the others (so that it
+    can watch its workers while they come up), the other ranks connect to it and announce themselves
+    (key ``alive/<rank>``)."""
+    store = dist.TCPStore(host, port, world, rank == 0, timeout=datetime.timedelta(seconds=timeout_s),
+                          wait_for_workers=False)
+    if rank:
+        store.set(f"alive/{rank}", "1")
+    return store

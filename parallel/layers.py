@@ -8,7 +8,8 @@ reads ``weight[rank * n / size : (rank + 1) * n / size]`` along that dimension a
 - :class:`ColumnParallelLinear`: W [N, K] split on N; y_r = x @ W_r^T is this rank's N/size outputs (no
   communication; ``gather_output`` concatenates them).
 - :class:`RowParallelLinear`: W [N, K] split on K; y = sum_r x_r @ W_r^T by all-reduce, then ``+ b`` once
-  (the bias is not split and not added per rank).
+  (the bias is not split and not added per rank); ``reduce=False`` returns the partial sum x_r @ W_r^T for a
+  caller that reduces several partial sums at once.
 - :class:`VocabParallelEmbedding`: table [V, D] split on V; ids outside the rank's range give zeros, the
   all-reduce sums the one rank that owns each id.
 - :class:`ParallelLMHead`: column-parallel [V, D] over the vocabulary + all-gather of the logits shards.
@@ -54,13 +55,15 @@ class RowParallelLinear(Linear):
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, group=None,
                  input_is_parallel: bool = True, bias: bool = False, fp8_input: bool = False,
-                 compute_fp32: bool = False, reduce_fp32: bool = False):
+                 compute_fp32: bool = False, reduce_fp32: bool = False, reduce: bool = True):
         self.tp = resolve_group(group)
         local = split_size(in_features, self.tp, "in_features")
         super().__init__(local, out_features, dtype, fp8_input, compute_fp32)
         self.in_features = in_features
         self.input_is_parallel = input_is_parallel
-        self.reduce_fp32 = reduce_fp32
+        self.reduce_fp32, self.reduce = reduce_fp32, reduce
+        if bias and not reduce:
+            raise ParallelError("RowParallelLinear: a bias needs reduce=True (it is added once, after the reduction)")
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=self.weight.dtype), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -68,6 +71,8 @@ class RowParallelLinear(Linear):
             k = x.shape[-1] // self.tp.size
             x = x[..., self.tp.rank * k:(self.tp.rank + 1) * k]
         y = super().forward(x)
+        if not self.reduce:  # the caller reduces this partial sum (fused with other partial sums)
+            return y
         if self.reduce_fp32 and self.tp.size > 1:
             y = all_reduce(y.float(), self.tp).to(y.dtype)
         else:

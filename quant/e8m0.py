@@ -1,6 +1,6 @@
 """E8M0 (unsigned exponent-only) scale codec.
 
-Format (spec §3.2): one byte ``b`` holds the power of two ``2^(b-127)``;
+Format (ascend_dsv4/models/deepseek_v4/README.md §3.2): one byte ``b`` holds the power of two ``2^(b-127)``;
 ``b = 255`` is NaN and is rejected here. There is no sign, no mantissa and no
 zero: the smallest value is ``2^-127`` (byte 0), the largest ``2^127`` (byte 254).
 

@@ -1,4 +1,5 @@
-"""FP4-e2m1 weights with one E8M0 scale per 32 inputs (DeepSeek-V4 routed experts, spec §3.2).
+"""FP4-e2m1 weights with one E8M0 scale per 32 inputs (DeepSeek-V4 routed experts,
+ascend_dsv4/models/deepseek_v4/README.md §3.2).
 
 Code ``n`` (0..15) of a 4-bit element::
 
@@ -170,7 +171,8 @@ def quant_fp4(w: torch.Tensor, block: int = FP4_BLOCK, name: str = "") -> tuple[
     Returns:
         ``(packed int8 [..., in/2], scale uint8 E8M0 [..., ceil(in/block)])``.
 
-    Rule (same as the reference ``fp4_act_quant``, spec §2.0), per block of ``block`` inputs
+    Rule (same as the reference ``fp4_act_quant``, ascend_dsv4/models/deepseek_v4/README.md §2.0), per block of
+    ``block`` inputs
     (a partial last block uses its real elements only):
 
     * ``amax = max(max |w|, 6 * 2^-126)`` - the floor keeps zero blocks valid: they get scale

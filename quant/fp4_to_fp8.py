@@ -1,4 +1,5 @@
-"""Lossless FP4 -> FP8 expert conversion (spec §3.2, ``convert.py --expert-dtype fp8``).
+"""Lossless FP4 -> FP8 expert conversion (ascend_dsv4/models/deepseek_v4/README.md §3.2, ``convert.py --expert-dtype
+fp8``).
 
 For hardware without FP4 support, FP4 experts (``int8 [..., out, in/2]`` packed e2m1 plus E8M0
 scales ``[..., out, in/32]``) are rewritten as FP8-e4m3 ``[..., out, in]`` with one E8M0 scale per

@@ -1,6 +1,6 @@
 """FP8-e4m3 weights with one scale per 128x128 block (DeepSeek-V3 / V4 ``weight_block_size`` [128, 128]).
 
-Layout (spec §3.2, DeepSeek-V3 weight format notes)::
+Layout (ascend_dsv4/models/deepseek_v4/README.md §3.2, DeepSeek-V3 weight format notes)::
 
     Wq    : torch.float8_e4m3fn  [..., out, in]
     S     : float32 ("weight_scale_inv")  or  E8M0 (uint8 / torch.float8_e8m0fnu, V4 ".scale")

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """MLA decode-step benchmark: four implementations of one DeepSeek-V2/V3 MLA attention layer.
 
-Reproduces the comparison of the "optimizing MLA" study (shared/seeds/optimizing_mla.md):
+Compares the cache layouts of MLA (DeepSeek-V2 paper, §2.1; the weight absorption of its appendix):
 
 - ``CacheDecompressed``: cache the full per-head K [H, Dn+R] and V [H, Dv] of every token (the released
   HF code); a step decompresses only the new token, then standard MHA with concatenated q/k;

@@ -31,7 +31,7 @@ One OpenAI endpoint serves the whole cluster. T x D must not exceed N x NPUs per
   --model DIR                    model folder; every node must read it at the same path
   --tensor-parallel-size T       default: 8 (TP inside a node, over HCCS; DeepSeek-V4's 8 output groups
                                  allow at most TP 8)
-  --data-parallel-size D         default: N x NPUs per node / T (attention replicas)
+  --data-parallel-size D         default: N x NPUs per node / T (attention replicas); passed on when > 1
   --enable-expert-parallel       MoE experts spread over all T x D ranks (DeepSeek layouts)
   --ray-address ADDR:PORT        the cluster (default: this node's IP:6379)
   --wait-timeout S               seconds to wait for the nodes (default 600)
@@ -78,7 +78,8 @@ apply_ascend_env
 set_var_detected RAY_ADDRESS "$RAY_ADDR" "the Ray cluster started by ray_head.sh; the Ray executor connects to it"
 ray_wait --address "$RAY_ADDR" --nodes "$NODES" --npus-per-node "$NPUS" --timeout "$WAIT_TIMEOUT"
 CMD=("$ASCEND_DSV4" serve --model "$MODEL" --device npu --distributed-executor-backend ray
-    --tensor-parallel-size "$TP" --data-parallel-size "$DP")
+    --tensor-parallel-size "$TP")
+((DP > 1)) && CMD+=(--data-parallel-size "$DP")
 ((EP)) && CMD+=(--enable-expert-parallel)
 CMD+=(--host "$SERVE_HOST" --port "$SERVE_PORT")
 run_exec "${CMD[@]}" "${EXTRA[@]}"

@@ -23,7 +23,7 @@ def test_generate_streams_text(capsys):
 def test_info_reports_sizes(capsys):
     assert main(["info", "--model", "deepseek-v4-flash", "--context-len", "65536", "--batch", "4"]) == 0
     out = capsys.readouterr().out
-    assert "3514" in out.replace(",", "") or "3,514" in out  # production KV bytes per token (spec §4.2)
+    assert "3514" in out.replace(",", "") or "3,514" in out  # production KV bytes per token (ascend_dsv4/models/deepseek_v4/README.md §4.2)
     assert "csa" in out.lower() and "hca" in out.lower()
 
 

@@ -1,4 +1,5 @@
-"""ModelConfig: presets (spec §1, §5.1), parsing of official / HF / transformers config dicts, §5.2 rules."""
+"""ModelConfig: presets (ascend_dsv4/models/deepseek_v4/README.md §1, §5.1), parsing of official / HF / transformers
+config dicts, §5.2 rules."""
 
 from __future__ import annotations
 
@@ -102,7 +103,8 @@ def test_official_round_trip(name, tmp_path):
 
 
 def _published_hf_flash() -> dict:
-    """Shape of DeepSeek's published HF config.json for V4-Flash (current revision, spec §1.1)."""
+    """Shape of DeepSeek's published HF config.json for V4-Flash (current revision,
+    ascend_dsv4/models/deepseek_v4/README.md §1.1)."""
     return {
         "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "vocab_size": 129280,
         "hidden_size": 4096, "moe_intermediate_size": 2048, "num_hidden_layers": 43,

@@ -46,6 +46,13 @@ def test_fp4_experts_split_needs_32_wide_blocks():
     validate_layout(cfg, 8, enable_expert_parallel=True)  # whole experts per rank: no split inside
 
 
+def test_reference_numerics_needs_whole_rounding_blocks():
+    cfg = preset("toy-v4")  # moe_inter_dim 128: 64 per rank at TP 2
+    validate_layout(cfg, 2, quantized_checkpoint=False)
+    with pytest.raises(ConfigError, match=r"shared expert w2 input\), reference numerics.*64"):
+        validate_layout(cfg, 2, quantized_checkpoint=False, numerics="reference")
+
+
 def test_devices_and_memory():
     with pytest.raises(ConfigError, match=r"needs 8 npu.*4 are visible"):
         validate_layout(V4, 8, True, visible_devices=4, device="npu")

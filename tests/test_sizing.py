@@ -1,4 +1,5 @@
-"""sizing: parameter counts (spec §1.3), checkpoint inventory (§3.1), KV bytes per token (§4.2), pool sizes."""
+"""sizing: parameter counts (ascend_dsv4/models/deepseek_v4/README.md §1.3), checkpoint inventory (§3.1), KV bytes
+per token (§4.2), pool sizes."""
 
 from __future__ import annotations
 
@@ -236,7 +237,7 @@ def test_memory_plan_flash():
     assert p["total_bytes"] == p["weights_bytes"] + p["kv_bytes"]
     assert p["kv_production_bytes"] == batch * (round(ctx * 3514.25) + 44 * 128 * 584)
     assert p["weights_dequantized_bytes"] > 2 * sizing.param_count(FLASH)
-    # spec §4.2: about 3.4 GiB per 1M-token sequence in the production layout
+    # ascend_dsv4/models/deepseek_v4/README.md §4.2: about 3.4 GiB per 1M-token sequence in the production layout
     p1m = sizing.memory_plan(FLASH, 1 << 20, 1)
     assert 3.3 < p1m["kv_production_bytes"] / 2**30 < 3.5
 

@@ -1,5 +1,7 @@
-"""Prefix (radix) cache for hybrid full / sliding-window state (seed ``deepseek_v4_sglang_notes_zh.md``,
-section "Shadow Radix Cache"; pain point (e)7 of ``ascend_deployment_notes.md``).
+"""Prefix (radix) cache for hybrid full / sliding-window state (the design of SGLang's sliding-window radix cache,
+``python/sglang/srt/mem_cache/swa_radix_cache.py``: window tombstones, two LRU lists).
+About 640 lines for one data structure: the tree, its two eviction lists and the ownership contract below must
+change together, so they stay in one module.
 
 Pure Python, page size 1: every cached token owns
 

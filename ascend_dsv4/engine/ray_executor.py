@@ -28,7 +28,7 @@ import logging
 import os
 import socket
 import time
-from typing import Any
+from typing import Any, Callable
 
 from ..errors import AscendDSV4Error
 from .ray_placement import (RESOURCE_BY_DEVICE, PlacementError, RankSlot, capacity_problem, describe_bundles,
@@ -124,23 +124,36 @@ class RankWorker:
 
 
 class RayExecutor:
-    """Drive ``world_size`` ranks on a Ray cluster (see the module docstring)."""
+    """Drive ``world_size`` ranks on a Ray cluster (see the module docstring).
+
+    ``local_rank0``: rank 0 runs in this process (the engine's, as in the ``mp`` executor): its bundle is pinned
+    to this node (``node:<ip>`` resource) and held by an idle actor so that Ray reserves its device; the actors run
+    ranks 1..N-1, and ``local_rank0(master, device_index)`` is called once their initialisation has been sent
+    (it must join the same process groups); the executor then waits for the actors' initialisation.
+    """
 
     def __init__(self, world_size: int, worker_cls: str, worker_kwargs: dict | None = None, *, device: str = "npu",
                  address: str | None = None, enable_expert_parallel: bool = False, backend: str | None = None,
                  cpus_per_rank: float = 1.0, start_timeout_s: float = 600.0, call_timeout_s: float = 600.0,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, local_rank0: Callable[[tuple[str, int], int | None], None] | None
+                 = None) -> None:
         self.world_size, self.worker_cls, self.worker_kwargs = world_size, worker_cls, dict(worker_kwargs or {})
         self.device, self.address = device, address or os.environ.get("RAY_ADDRESS")
         self.enable_expert_parallel, self.backend = enable_expert_parallel, backend
         self.cpus_per_rank, self.start_timeout_s, self.call_timeout_s = cpus_per_rank, start_timeout_s, call_timeout_s
         self.env = propagated_env(env)
         self.bundles = rank_bundles(world_size, device, cpus_per_rank)
-        self.workers: list[Any] = []
-        self.slots: list[RankSlot] = []
+        self.local_rank0 = local_rank0
+        self.workers: list[Any] = []  # actors running ranks, in rank order (from rank 1 with local_rank0)
+        self.slots: list[RankSlot] = []  # every rank's place, rank order
         self.error: str | None = None
+        self._holder = None
         self._pg = None
         self._owns_ray = False
+
+    @property
+    def first_actor_rank(self) -> int:
+        return 1 if self.local_rank0 else 0
 
     # ---- start-up -------------------------------------------------------------------------------------
 
@@ -160,22 +173,26 @@ class RayExecutor:
         if not ray.is_initialized():
             self._owns_ray = True
             ray.init(address=self.address, logging_level=logging.WARNING, log_to_driver=False)
-        problem = capacity_problem(self.bundles, ray.nodes(), ray.available_resources())
+        my_ip, my_node = ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id()
+        bundles = [dict(b) for b in self.bundles]
+        if self.local_rank0:
+            bundles[0][f"node:{my_ip}"] = 0.001  # rank 0's device must be on this node
+        problem = capacity_problem(bundles, ray.nodes(), ray.available_resources())
         if problem:
             raise PlacementError(f"cannot place {self.world_size} rank(s) on the Ray cluster: {problem}; start more "
                                  "nodes (scripts/ray_worker.sh) or lower --tensor-parallel-size / --data-parallel-size")
-        self._pg = placement_group(self.bundles, strategy="PACK")
+        self._pg = placement_group(bundles, strategy="PACK")
         ready, _ = ray.wait([self._pg.ready()], timeout=self.start_timeout_s)
         if not ready:
             remove_placement_group(self._pg)
             self._pg = None
-            problem = capacity_problem(self.bundles, ray.nodes(), ray.available_resources())
+            problem = capacity_problem(bundles, ray.nodes(), ray.available_resources())
             raise PlacementError(f"the placement group for {describe_bundles(self.bundles)} was not satisfied within "
                                  f"{self.start_timeout_s:g} s: {problem or 'the bundles fit in total but not as packed'}")
         res = RESOURCE_BY_DEVICE[self.device]
         remote = ray.remote(RankWorker)
         actors = []
-        for i, b in enumerate(self.bundles):
+        for i, b in enumerate(bundles):
             opts: dict[str, Any] = {"num_cpus": b.get("CPU", 0.0),
                                     "scheduling_strategy": PlacementGroupSchedulingStrategy(
                                         self._pg, placement_group_bundle_index=i),
@@ -189,18 +206,37 @@ class RayExecutor:
         infos = self._get([a.node_info.remote() for a in actors], self.start_timeout_s, "start the rank actors")
         slots = [RankSlot(i, inf["node_id"], inf["ip"], tuple(inf["accelerator_ids"].get(res, ())))
                  for i, inf in enumerate(infos)]
-        order = order_ranks(slots, ray.get_runtime_context().get_node_id())
-        self.workers = [actors[s.bundle] for _, _, s in order]
-        self.slots = [s for _, _, s in order]
         vis_var = {"NPU": "ASCEND_RT_VISIBLE_DEVICES", "GPU": "CUDA_VISIBLE_DEVICES"}.get(res)
-        port = self._get([self.workers[0].free_port.remote()], self.start_timeout_s, "pick a port on rank 0")[0]
-        master = (self.slots[0].ip, port)
+        if self.local_rank0:
+            self._holder = actors[0]  # keeps rank 0's device reserved; rank 0 itself runs here
+            home = slots[0].node_id  # where rank 0's device is reserved: this node
+            order = [(0, 0, slots[0])] + [(r + 1, local + (s.node_id == home), s)
+                                          for r, local, s in order_ranks(slots[1:], home)]
+        else:
+            order = order_ranks(slots, my_node)
+        self.slots = [s for _, _, s in order]
+        self.workers = [actors[s.bundle] for r, _, s in order if r >= self.first_actor_rank]
+        if self.local_rank0:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                sock.bind(("", 0))
+                master = (my_ip, sock.getsockname()[1])
+        else:
+            port = self._get([self.workers[0].free_port.remote()], self.start_timeout_s, "pick a port on rank 0")[0]
+            master = (self.slots[0].ip, port)
         calls = []
         for rank, local, s in order:
+            if rank < self.first_actor_rank:
+                continue
             dev = local_device_index(s.accelerator_ids, infos[s.bundle]["visible"].get(vis_var) if vis_var else None)
             calls.append(actors[s.bundle].init_rank.remote(
                 rank, self.world_size, local, dev, s.ip, master, self.device, self.enable_expert_parallel,
                 self.backend, self.start_timeout_s, self.worker_cls, self.worker_kwargs))
+        if self.local_rank0:
+            dev0 = local_device_index(slots[0].accelerator_ids, os.environ.get(vis_var) if vis_var else None)
+            try:
+                self.local_rank0(master, dev0)
+            except Exception as e:  # a peer's own report is the clearer account
+                self.first_failure(calls, "initialise rank 0 and join the process groups", e)
         self._get(calls, self.start_timeout_s, "initialise the process groups and workers")
         log.info("ray executor: %d ranks on %d node(s), rank 0 at %s:%d", self.world_size,
                  len({s.node_id for s in self.slots}), *master)
@@ -209,20 +245,35 @@ class RayExecutor:
     # ---- calls --------------------------------------------------------------------------------------------
 
     def collective_rpc(self, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
-        """``worker.method(*args, **kwargs)`` on every rank; the results in rank order."""
+        """``worker.method(*args, **kwargs)`` on every actor rank; the results in rank order."""
+        return self._get(self.submit(method, *args, **kwargs), self.call_timeout_s if timeout is None else timeout,
+                         method)
+
+    def submit(self, method: str, *args: Any, **kwargs: Any) -> list:
+        """Start ``method`` on every actor rank; the object refs (wait with :meth:`wait`)."""
         if self.error:
             raise ExecutorError(self.error)
-        if not self.workers:
+        if not self.workers and self.world_size > self.first_actor_rank:
             raise ExecutorError("the Ray executor is not started")
-        refs = [w.execute.remote(method, args, kwargs) for w in self.workers]
-        return self._get(refs, self.call_timeout_s if timeout is None else timeout, method)
+        return [w.execute.remote(method, args, kwargs) for w in self.workers]
+
+    def wait(self, refs: list, what: str, timeout: float | None = None) -> list[Any]:
+        return self._get(refs, self.call_timeout_s if timeout is None else timeout, what)
 
     def _where(self, i: int) -> str:
-        if i < len(self.slots):
-            return f"rank {i} (node {self.slots[i].ip})"
+        rank = i + self.first_actor_rank
+        if rank < len(self.slots):
+            return f"rank {rank} (node {self.slots[rank].ip})"
         return f"rank actor {i}"
 
-    def _get(self, refs: list, timeout: float, what: str) -> list[Any]:
+    def first_failure(self, refs: list, what: str, exc: BaseException) -> None:
+        """Rank 0 (this process) failed inside ``what``: raise the clearest account, a peer's own failure if one
+        shows up within a few seconds (a dead peer makes rank 0's collective fail), else rank 0's."""
+        if refs:
+            self._get(refs, 5.0, what, on_timeout=lambda late: None)
+        self._fail(f"{what}: rank 0 failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+
+    def _get(self, refs: list, timeout: float, what: str, on_timeout=None) -> list[Any]:
         """Wait for all ``refs``; the first error ends the wait at once; nothing waits past ``timeout``."""
         import ray
         from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
@@ -234,6 +285,8 @@ class RayExecutor:
             ready, pending = ray.wait(pending, num_returns=1, timeout=max(left, 0.0))
             if not ready:
                 late = ", ".join(self._where(index[r]) for r in pending)
+                if on_timeout is not None:
+                    return on_timeout(late)
                 self._fail(f"{what}: {late} did not answer within {timeout:g} s (a peer may have died inside a "
                            f"collective; HCCL_EXEC_TIMEOUT bounds that on Ascend)")
             for r in ready:
@@ -256,7 +309,7 @@ class RayExecutor:
         raise ExecutorError(self.error)
 
     def is_healthy(self) -> bool:
-        return self.error is None and bool(self.workers)
+        return self.error is None and (bool(self.workers) or self.world_size <= self.first_actor_rank)
 
     # ---- shutdown -----------------------------------------------------------------------------------------
 
@@ -267,12 +320,12 @@ class RayExecutor:
 
         if not ray.is_initialized():
             return
-        for w in self.workers:
+        for w in self.workers + ([self._holder] if self._holder is not None else []):
             try:
                 ray.kill(w, no_restart=True)
             except Exception:  # noqa: BLE001 - already dead
                 pass
-        self.workers = []
+        self.workers, self._holder = [], None
         if self._pg is not None:
             remove_placement_group(self._pg)
             self._pg = None

@@ -23,12 +23,12 @@ import json
 import os
 import socket
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 from . import env_probes as ep
+from .check_env_plan import NPUS_PER_NODE, Check, Plan, Probe  # noqa: F401  (NPUS_PER_NODE: re-exported)
 
 VERDICTS = ("OK", "WARN", "FAIL", "SKIP")
-NPUS_PER_NODE = {"a2": 8, "a3": 16}
 HBM_BUSY_FRACTION = 0.10  # more HBM than this in use on an idle chip: another process holds it
 
 # Fused DeepSeek-V4 ops the NPU backend resolves from custom-op packages (vllm-ascend `_C_ascend`,
@@ -45,54 +45,6 @@ WANTED_CUSTOM_OPS = {
 RECIPE_VARS = ("HCCL_CONNECT_TIMEOUT", "HCCL_BUFFSIZE", "PYTORCH_NPU_ALLOC_CONF", "TASK_QUEUE_ENABLE")
 NIC_VARS = ("HCCL_IF_IP", "HCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
 ENV_FIX = "generate the environment with scripts/ascend_env.sh and source it (or start nodes with scripts/ray_*.sh)"
-
-
-@dataclass
-class Check:
-    """One row of the table."""
-
-    name: str
-    verdict: str
-    detail: str
-    fix: str = ""
-
-
-@dataclass
-class Plan:
-    """What the user intends to run (check-env's arguments, defaults resolved)."""
-
-    device: str = "npu"
-    platform: str | None = None
-    npus_per_node: int | None = None
-    nodes: int = 1
-    backend: str = "mp"
-    ray_address: str | None = None
-    model: str | None = None
-    tp: int = 1
-    dp: int = 1
-    ep: bool = False
-    max_model_len: int = 32768
-    max_num_seqs: int = 8
-    memory_utilization: float = 0.9
-    ascend_root: str = "/usr/local/Ascend"
-    check_collectives: bool = False
-    env: dict = field(default_factory=lambda: dict(os.environ))
-
-    @property
-    def multi_node(self) -> bool:
-        return self.nodes > 1 or self.backend == "ray"
-
-    def expected_npus(self) -> int | None:
-        if self.npus_per_node:
-            return self.npus_per_node
-        return NPUS_PER_NODE.get(self.platform or "")
-
-
-@dataclass
-class Probe:
-    """Facts gathered by one check and used by a later one (the chips seen by ``npu-smi``)."""
-
-    chips: list[ep.Chip] | None = None
 
 
 # ---- node checks ------------------------------------------------------------------------------------------
@@ -207,8 +159,11 @@ def check_torch(plan: Plan, versions: dict | None = None) -> Check:
 def check_custom_ops(plan: Plan, model_type: str | None) -> Check:
     if plan.device != "npu":
         return Check("custom-ops", "SKIP", f"not needed for --device {plan.device}")
-    if model_type == "deepseek_v3":
-        return Check("custom-ops", "SKIP", "DeepSeek-V3/R1 runs on torch_npu's built-in ops")
+    from ..models import FAMILIES
+
+    family = FAMILIES.get(model_type or "")
+    if family is not None and not family.needs_custom_ops:
+        return Check("custom-ops", "SKIP", f"{family.title} runs on torch_npu's built-in ops")
     roots = [p for p in plan.env.get("ASCEND_CUSTOM_OPP_PATH", "").split(":") if p]
     missing_roots = [p for p in roots if not os.path.isdir(p)]
     if plan.env.get("ASCEND_OPP_PATH"):

@@ -15,7 +15,7 @@ import subprocess
 import sys
 
 from ..errors import AscendDSV4Error
-from .check_env import Check, Plan, Probe
+from .check_env_plan import Check, Plan, Probe
 from .ray_cluster import NodeInfo, check_cluster, summarize_nodes
 
 RAY_PROBE_TIMEOUT_S = 90.0

@@ -55,6 +55,11 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
                    help="how ranks run: mp = one worker process per rank on this node (default with -tp > 1)")
 
 
+def _parallel_kwargs(a: argparse.Namespace) -> dict:
+    return {"tensor_parallel_size": a.tensor_parallel_size, "enable_expert_parallel": a.enable_expert_parallel,
+            "distributed_executor_backend": a.distributed_executor_backend}
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ascend-dsv4", description="DeepSeek-V4 / V3 serving for Ascend NPUs")
     from .. import __version__
@@ -82,6 +87,7 @@ def _parser() -> argparse.ArgumentParser:
                         "from it (default: pools for --max-num-seqs sequences of --max-model-len); ignored on cpu")
     g.add_argument("--weights-seed", type=int, default=0, help="seed of the random weights of a preset")
     _add_weight_check_arg(g)
+    _add_parallel_args(g)
 
     i = sub.add_parser("info", help="print the config, parameter count, KV bytes per token and memory needs")
     _add_model_args(i)
@@ -140,6 +146,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--numerics", default="exact", help="exact | reference (official FP8/FP4 activation rounding)")
     s.add_argument("--weights-seed", type=int, default=0, help="seed of the random weights of a preset")
     _add_weight_check_arg(s)
+    _add_parallel_args(s)
     s.add_argument("--uvicorn-log-level", default="info", help="critical | error | warning | info | debug")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM: seconds requests in flight get to finish (new ones get 503) before they are "
@@ -226,7 +233,7 @@ def _generate(a: argparse.Namespace) -> int:
                             seed=a.seed)
     llm = LLM(model=a.model, backend=a.backend, dtype=a.dtype, numerics=a.numerics, device=a.device,
               seed=a.weights_seed, max_model_len=a.max_model_len, skip_weight_check=a.skip_weight_check,
-              gpu_memory_utilization=a.gpu_memory_utilization)
+              gpu_memory_utilization=a.gpu_memory_utilization, **_parallel_kwargs(a))
 
     tty = _isatty(sys.stdout)
 
@@ -234,7 +241,10 @@ def _generate(a: argparse.Namespace) -> int:
         sys.stdout.write(escape_controls(text) if tty else text)
         sys.stdout.flush()
 
-    out = llm.generate(a.prompt, params, on_text=emit, use_tqdm=False)[0]
+    try:
+        out = llm.generate(a.prompt, params, on_text=emit, use_tqdm=False)[0]
+    finally:
+        llm.shutdown()
     sys.stdout.write("\n")
     print(f"[{len(out.prompt_token_ids)} prompt tokens, {len(out.token_ids)} generated, "
           f"finish_reason={out.finish_reason}]", file=sys.stderr)
@@ -276,11 +286,15 @@ def _serve_on(a: argparse.Namespace, sock, LLM, run_server) -> int:
               seed=a.weights_seed, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
               max_num_batched_tokens=a.max_num_batched_tokens, block_size=a.block_size,
               enable_prefix_caching=a.enable_prefix_caching, num_speculative_tokens=a.num_speculative_tokens,
-              skip_weight_check=a.skip_weight_check, gpu_memory_utilization=a.gpu_memory_utilization)
-    run_server(llm, host=a.host, port=a.port, api_key=a.api_key or os.environ.get("ASCEND_DSV4_API_KEY"),
-               served_model_name=a.served_model_name or served_name(a.model), max_queue=a.max_queue,
-               model_dir=a.model if os.path.isdir(a.model) else None, chat_template=a.chat_template,
-               log_level=a.uvicorn_log_level, sock=sock, shutdown_timeout=a.shutdown_timeout)
+              skip_weight_check=a.skip_weight_check, gpu_memory_utilization=a.gpu_memory_utilization,
+              **_parallel_kwargs(a))
+    try:
+        run_server(llm, host=a.host, port=a.port, api_key=a.api_key or os.environ.get("ASCEND_DSV4_API_KEY"),
+                   served_model_name=a.served_model_name or served_name(a.model), max_queue=a.max_queue,
+                   model_dir=a.model if os.path.isdir(a.model) else None, chat_template=a.chat_template,
+                   log_level=a.uvicorn_log_level, sock=sock, shutdown_timeout=a.shutdown_timeout)
+    finally:
+        llm.shutdown()
     return 0
 
 

@@ -106,6 +106,9 @@ class LLM:
         msmodelslim_act_sim: str | None = None,
         skip_weight_check: bool = False,
         gpu_memory_utilization: float | None = None,
+        tensor_parallel_size: int = 1,
+        enable_expert_parallel: bool = False,
+        distributed_executor_backend: str | None = None,
     ):
         if numerics not in NUMERICS:
             raise ConfigError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
@@ -136,18 +139,63 @@ class LLM:
             raise ConfigError("max_num_batched_tokens, max_num_seqs and block_size must be positive")
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
 
-        self.runner = ModelRunner.create(
-            model, cfg, device=self.device, dtype=self.dtype, numerics=numerics, backend=self.backend,
-            block_size=block_size, max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
-            max_num_batched_tokens=max_num_batched_tokens, seed=seed, dequantize=dequantize, progress=progress,
-            msmodelslim_path=msmodelslim_path, allow_float_mtp=allow_float_mtp, msmodelslim_act_sim=msmodelslim_act_sim,
-            check_weights=not skip_weight_check, gpu_memory_utilization=gpu_memory_utilization)
         folder = model if os.path.isdir(model) else (os.path.dirname(model) if os.path.isfile(model) else None)
         self.folder = folder
+        self.executor = None
+        if tensor_parallel_size != 1 or enable_expert_parallel or distributed_executor_backend is not None:
+            if gpu_memory_utilization is not None:
+                log.info("gpu_memory_utilization is not applied under tensor parallelism yet: the KV pools hold "
+                         "max_num_seqs (%d) sequences of max_model_len (%d)", max_num_seqs, self.max_model_len)
+            self.runner = self._start_parallel(model, folder, numerics, seed, dequantize, block_size,
+                                               tensor_parallel_size, enable_expert_parallel,
+                                               distributed_executor_backend,
+                                               dict(msmodelslim_path=msmodelslim_path, allow_float_mtp=allow_float_mtp,
+                                                    msmodelslim_act_sim=msmodelslim_act_sim,
+                                                    check_weights=not skip_weight_check))
+        else:
+            self.runner = ModelRunner.create(
+                model, cfg, device=self.device, dtype=self.dtype, numerics=numerics, backend=self.backend,
+                block_size=block_size, max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
+                max_num_batched_tokens=max_num_batched_tokens, seed=seed, dequantize=dequantize, progress=progress,
+                msmodelslim_path=msmodelslim_path, allow_float_mtp=allow_float_mtp,
+                msmodelslim_act_sim=msmodelslim_act_sim, check_weights=not skip_weight_check,
+                gpu_memory_utilization=gpu_memory_utilization)
         self.tokenizer = load_tokenizer(folder, cfg.bos_token_id, cfg.eos_token_id, cfg.vocab_size)
         self.engine = LLMEngine(self.runner, self.tokenizer, self.max_model_len, max_num_seqs, max_num_batched_tokens,
                                 enable_prefix_caching=enable_prefix_caching,
                                 num_speculative_tokens=num_speculative_tokens)
+
+    def _start_parallel(self, model, folder, numerics, seed, dequantize, block_size, tp, ep, executor, msm: dict):
+        """Validate the layout (before any weight is read), then start the ``mp`` executor (rank 0 in this
+        process, one worker process per other rank); returns rank 0's runner."""
+        from parallel.groups import visible_devices
+
+        from ..engine import model_runner
+        from ..engine.executor import RankSpec
+        from ..engine.executor_mp import MPExecutor
+        from ..parallel_plan import validate_layout
+
+        if executor not in (None, "mp"):
+            raise ConfigError(f"distributed_executor_backend must be 'mp' (one process per rank on this node), got "
+                              f"{executor!r}")
+        validate_layout(self.cfg, tp, ep, visible_devices=visible_devices(self.device.type), device=self.device.type,
+                        quantized_checkpoint=folder is not None, numerics=numerics)
+        sizes = model_runner.plan_pool_sizes(self.cfg, block_size, self.max_num_seqs, self.max_model_len,
+                                             self.max_num_batched_tokens)
+        spec = RankSpec(model=folder or model, cfg=self.cfg, dtype=self.dtype, numerics=numerics,
+                        device_type=self.device.type, seed=seed, pool_sizes=sizes, tensor_parallel_size=tp,
+                        enable_expert_parallel=ep, backend=self.backend, dequantize=dequantize, **msm,
+                        timeout_s=float(os.environ.get("ASCEND_DSV4_MP_TIMEOUT", "300")),
+                        env={k: v for k, v in os.environ.items() if k.startswith(("ASCEND_DSV4_", "ATB_OPS_", "HCCL_"))})
+        self.executor = MPExecutor(spec).start()
+        runner = self.executor.runner
+        runner.max_model_len, runner.max_num_batched_tokens = self.max_model_len, self.max_num_batched_tokens
+        return runner
+
+    def shutdown(self) -> None:
+        """Stop the worker processes of a tensor-parallel LLM (no-op at world size 1; idempotent)."""
+        if self.executor is not None:
+            self.executor.shutdown()
 
     @property
     def model(self) -> torch.nn.Module:

@@ -1,4 +1,5 @@
-"""Paged KV pools for DeepSeek-V4 (spec §4, seed ``deepseek_v4_sglang_notes_zh.md``).
+"""Paged KV pools for DeepSeek-V4 (the state of ``ascend_dsv4/models/deepseek_v4/README.md`` §4; SGLang's
+``mem_cache/deepseek_v4_memory_pool.py`` keeps the same parts).
 
 Three page spaces, each with its own allocator and one block table per sequence:
 

@@ -1,4 +1,4 @@
-"""Paged latent pool for DeepSeek-V3 MLA (seed ``optimizing_mla.md``: "CacheCompressed").
+"""Paged latent pool for DeepSeek-V3 MLA (the compressed latent of the DeepSeek-V2 paper, §2.1).
 
 One pool of token pages, ``block_size`` tokens each; per layer (backbone + MTP) and token it holds only the
 compressed latent ``[c_kv (kv_lora_rank, after kv_a_layernorm) | k_pe (qk_rope_head_dim, RoPE applied)]``:

@@ -1,22 +1,54 @@
-"""The routed experts of one MoE layer, stacked (both families; the loaders fill them in checkpoint format)."""
+"""The routed experts of one MoE layer, stacked (both families; the loaders fill them in checkpoint format).
+
+Under tensor parallelism (a :class:`parallel.groups.ParallelState`) the routed experts are either split inside
+every expert (TP: w1 / w3 on N, w2 on K, i.e. the math of ``parallel.MoeColumnParallelLinear`` +
+``parallel.MoeRowParallelLinear`` over stacked weights in any checkpoint format, with the reduction deferred to
+the MoE) or partitioned whole over the expert-parallel ranks (EP). Every rank holds the same tokens (attention
+is TP), so EP either computes its experts' share for all tokens and all-reduces (``allreduce``) or splits the
+tokens over the ranks, sends each (token, expert) row to the expert's rank and back (``alltoall``: dispatch /
+combine) and all-gathers the combined rows. ``ASCEND_DSV4_EP_COMM`` picks one (default ``alltoall``).
+"""
 
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import nn
 
 import atb_ops
+from parallel.comm import all_gather, all_reduce, all_to_all, exchange_counts
+from parallel.groups import Group
+
+EP_COMM = ("alltoall", "allreduce")
 
 
 class Experts(nn.Module):
-    """All routed experts stacked: ``w1``, ``w3`` [E, inter, dim] and ``w2`` [E, dim, inter] (dense), or kept in
+    """Routed experts stacked: ``w1``, ``w3`` [E, inter, dim] and ``w2`` [E, dim, inter] (dense), or kept in
     the checkpoint format (``fmt`` 'fp4': int8 [E, out, in/2] with E8M0 ``w*_scale`` [E, out, in/32];
-    'fp8_block': e4m3 [E, out, in] with ``w*_scale`` [E, out/128, in/128]) after :meth:`set_weights`."""
+    'fp8_block': e4m3 [E, out, in] with ``w*_scale`` [E, out/128, in/128]) after :meth:`set_weights`.
 
-    def __init__(self, n_experts: int, inter: int, dim: int, limit: float, dtype: torch.dtype, reference: bool):
+    Parallel: ``tp`` (size > 1) splits every expert (``inter`` is this rank's inter / tp; forward returns partial
+    sums to reduce over ``tp``); ``ep`` (size > 1) holds experts ``first_expert .. first_expert + E - 1`` of
+    ``n_total`` (forward returns partial sums over ``ep`` with ``ep_comm='allreduce'``, complete rows with
+    ``'alltoall'``). ``shard`` names the split per weight for the loader: ``{name: dim of the [E, out, in]
+    stack}``."""
+
+    def __init__(self, n_experts: int, inter: int, dim: int, limit: float, dtype: torch.dtype, reference: bool,
+                 tp: Group | None = None, ep: Group | None = None, n_total: int | None = None):
         super().__init__()
-        E, I, d = n_experts, inter, dim
+        self.tp, self.ep = tp or Group(), ep or Group()
+        if self.tp.size > 1 and self.ep.size > 1:
+            raise ValueError("experts are split either inside (tp) or over the ranks (ep), not both")
+        E, d = n_experts, dim
+        I = inter // self.tp.size
+        self.n_total = n_total or E
+        self.first_expert = self.ep.rank * E
         self.limit, self.reference = limit, reference
+        self.ep_comm = os.environ.get("ASCEND_DSV4_EP_COMM", "alltoall")
+        if self.ep_comm not in EP_COMM:
+            raise ValueError(f"ASCEND_DSV4_EP_COMM must be one of {EP_COMM}, got {self.ep_comm!r}")
+        self.shard = {"w1": 1, "w3": 1, "w2": 2} if self.tp.size > 1 else {}
         self.fmt = "dense"
         self.w1 = nn.Parameter(torch.empty(E, I, d, dtype=dtype), requires_grad=False)
         self.w3 = nn.Parameter(torch.empty(E, I, d, dtype=dtype), requires_grad=False)
@@ -31,18 +63,84 @@ class Experts(nn.Module):
             t = tensors.get(n)
             setattr(self, n, None if t is None else nn.Parameter(t, requires_grad=False))
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """x [T, d]; weights, ids [T, k] -> sum_j weights[t, j] * expert_{ids[t, j]}(x_t), float32 [T, d]."""
-        T = ids.shape[0]
-        xs, e, order = atb_ops.moe_permute(x, ids, self.w1.shape[0])  # rows grouped by expert
+    def _rows(self, xs: torch.Tensor, e: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows xs [n, d] of local experts e [n] (sorted), routing weights w [n] -> float32 [n, d]."""
         if self.reference:
             xs = atb_ops.fp8_act_round(xs, 128)
         f = self.fmt
         g = atb_ops.grouped_matmul(xs, self.w1, e, self.w1_scale, f)
         u = atb_ops.grouped_matmul(xs, self.w3, e, self.w3_scale, f)
         h = atb_ops.swiglu(g, u, self.limit)
-        h = (h * weights.reshape(-1)[order].unsqueeze(-1)).to(x.dtype)  # routing weight before w2
+        h = (h * w.unsqueeze(-1)).to(dtype)  # routing weight before w2
         if self.reference:
             h = atb_ops.fp8_act_round(h, 128)
-        y = atb_ops.grouped_matmul(h, self.w2, e, self.w2_scale, f).float()
-        return atb_ops.moe_unpermute(y, order, T)
+        return atb_ops.grouped_matmul(h, self.w2, e, self.w2_scale, f).float()
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [T, d]; weights, ids [T, k] (global expert ids) -> sum_j weights[t, j] * expert_{ids[t, j]}(x_t),
+        float32 [T, d] (partial over ``tp`` / over ``ep`` with 'allreduce'; see the class docstring)."""
+        if self.ep.size > 1 and self.ep_comm == "alltoall":
+            return self._forward_alltoall(x, weights, ids)
+        T, k = ids.shape
+        if self.ep.size == 1:  # all experts here: permute / unpermute as ops (npu_moe_init_routing_v2 / finalize)
+            xs, e, order = atb_ops.moe_permute(x, ids, self.w1.shape[0])
+            y = self._rows(xs, e, weights.reshape(-1)[order], x.dtype)
+            return atb_ops.moe_unpermute(y, order, T)
+        flat_ids = ids.reshape(-1)
+        flat_w = weights.reshape(-1)
+        if self.ep.size > 1:  # only the pairs routed to this rank's experts
+            E = self.w1.shape[0]
+            mine = ((flat_ids >= self.first_expert) & (flat_ids < self.first_expert + E)).nonzero(as_tuple=True)[0]
+            order = mine[torch.argsort(flat_ids[mine], stable=True)]
+        else:
+            order = torch.argsort(flat_ids, stable=True)  # group rows by expert
+        tok = order // k
+        y = self._rows(x[tok], flat_ids[order] - self.first_expert, flat_w[order], x.dtype)
+        return torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device).index_add_(0, tok, y)
+
+    def _forward_alltoall(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """EP dispatch / combine: rank r takes the r-th chunk of the (replicated) tokens, sends each of its
+        (token, expert) rows to the expert's rank, gets the weighted expert outputs back, sums them per token,
+        and the chunks are all-gathered so that every rank ends with all T rows (complete, not partial)."""
+        g, T, k, d = self.ep, ids.shape[0], ids.shape[1], x.shape[1]
+        E = self.w1.shape[0]
+        per = -(-T // g.size)
+        lo, hi = min(g.rank * per, T), min((g.rank + 1) * per, T)
+        flat_ids, flat_w = ids[lo:hi].reshape(-1), weights[lo:hi].reshape(-1).float()
+        dest = flat_ids // E
+        order = torch.argsort(flat_ids, stable=True)  # by expert, hence by destination rank
+        send_counts = torch.bincount(dest, minlength=g.size)
+        recv_counts = exchange_counts(send_counts.cpu(), g)
+        sc, rc = send_counts.tolist(), recv_counts.tolist()
+        tok = order // k
+        r_x = all_to_all(x[lo:hi][tok], sc, rc, g)
+        r_e = all_to_all(flat_ids[order], sc, rc, g)
+        r_w = all_to_all(flat_w[order], sc, rc, g)
+        local = r_e - self.first_expert
+        o = torch.argsort(local, stable=True)  # rows from several sources: regroup by expert
+        y = torch.empty(r_x.shape[0], d, dtype=torch.float32, device=x.device)
+        y[o] = self._rows(r_x[o], local[o], r_w[o], x.dtype)
+        back = all_to_all(y, rc, sc, g)  # the rows this rank sent, in the order it sent them
+        out = torch.zeros(per, d, dtype=torch.float32, device=x.device)
+        out.index_add_(0, tok, back)
+        return all_gather(out, g, 0)[:T]
+
+
+def routed_experts(cfg, inter: int, limit: float, dtype: torch.dtype, reference: bool, parallel) -> Experts:
+    """The routed experts of one layer for a rank: split inside (TP) or partitioned (EP) per ``parallel``."""
+    E = cfg.n_routed_experts
+    if parallel is None or parallel.world_size == 1:
+        return Experts(E, inter, cfg.dim, limit, dtype, reference)
+    if parallel.ep.size > 1:
+        return Experts(E // parallel.ep.size, inter, cfg.dim, limit, dtype, reference, ep=parallel.ep, n_total=E)
+    return Experts(E, inter, cfg.dim, limit, dtype, reference, tp=parallel.tp)
+
+
+def reduce_moe(routed: torch.Tensor, shared: torch.Tensor | None, experts: Experts, tp: Group) -> torch.Tensor:
+    """Sum of the routed and shared outputs (float32 [T, d]) with one all-reduce of the partial sums."""
+    ep = getattr(experts, "ep", None)  # msModelSlim's QuantExperts replace Experts at world size 1
+    complete = ep is not None and ep.size > 1 and getattr(experts, "ep_comm", "") == "alltoall"
+    if complete:
+        return routed if shared is None else routed + all_reduce(shared.float(), tp)
+    y = routed if shared is None else routed + shared.float()
+    return all_reduce(y, tp)

@@ -34,7 +34,8 @@ class QuantExperts(nn.Module):
     def __init__(self, experts: list[tuple[nn.Module, nn.Module, nn.Module]], limit: float,
                  weight_after_w2: bool = False):
         super().__init__()
-        # where the routing weight multiplies: before w2 (DeepSeek-V4, spec §2.4) or after (DeepSeek-V3); it
+        # where the routing weight multiplies: before w2 (DeepSeek-V4, ascend_dsv4/models/deepseek_v4/README.md §2.4)
+        # or after (DeepSeek-V3); it
         # matters once w2 quantises its input
         self.weight_after_w2 = weight_after_w2
         self.w1 = nn.ModuleList(e[0] for e in experts)

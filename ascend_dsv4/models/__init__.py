@@ -16,6 +16,7 @@ __all__ = ["ALL_PRESETS", "FAMILIES", "ModelFamily", "build_model", "family", "f
            "load_config", "preset"]
 
 
-def build_model(cfg, dtype: torch.dtype, numerics: str = "exact") -> torch.nn.Module:
-    """The model of ``cfg``'s family with uninitialised weights (build under ``torch.device("meta")`` to load)."""
-    return family_of(cfg).build_model(cfg, dtype, numerics)
+def build_model(cfg, dtype: torch.dtype, numerics: str = "exact", parallel=None) -> torch.nn.Module:
+    """The model of ``cfg``'s family with uninitialised weights (build under ``torch.device("meta")`` to load);
+    ``parallel`` (a :class:`parallel.groups.ParallelState`): one rank's share, None: the whole model."""
+    return family_of(cfg).build_model(cfg, dtype, numerics, parallel)

@@ -47,18 +47,21 @@ class ModelFamily:
     weights_bytes: Callable[[Any], int]
     kv_pool_bytes_per_token: Callable[[Any, int], float]
     memory_plan: Callable[[Any, int, int], dict]
+    needs_custom_ops: bool  # on NPU: needs custom-op packages beyond torch_npu's built-in ops (V4's sparse attention)
     # tensor parallel (ascend_dsv4.parallel_plan): checkpoint names split on dim 0 / dim 1 (others replicated,
     # routed experts by the expert rule), the family's own layout rules (cfg, tp, ep), the shared experts' width
     tp_split_dim0: re.Pattern
     tp_split_dim1: re.Pattern
-    validate_tp: Callable[[Any, int, int], None]
+    validate_tp: Callable[..., None]  # (cfg, tp, ep, quantized_checkpoint=True, numerics="exact")
     shared_expert_inter: Callable[[Any], int]
 
     def model_class(self) -> type:
         return getattr(importlib.import_module(self.model_module), self.model_class_name)
 
-    def build_model(self, cfg, dtype: torch.dtype, numerics: str = "exact") -> torch.nn.Module:
-        return self.model_class()(cfg, dtype, numerics)
+    def build_model(self, cfg, dtype: torch.dtype, numerics: str = "exact", parallel=None) -> torch.nn.Module:
+        if parallel is None:
+            return self.model_class()(cfg, dtype, numerics)
+        return self.model_class()(cfg, dtype, numerics, parallel)
 
     def owns(self, cfg) -> bool:
         return isinstance(cfg, self.config_class)

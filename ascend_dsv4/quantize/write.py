@@ -42,7 +42,7 @@ def _config_dict(cfg, model_dtype: torch.dtype, qtype: str) -> dict:
     d = cfg.dense().to_hf_dict()
     d.pop("quantization_config", None)
     d["torch_dtype"] = name
-    if qtype == "w4a8_dynamic":  # what msModelSlim's DeepSeek adapter adds for W4A8 (notes §4, DeepSeek)
+    if qtype == "w4a8_dynamic":  # what msModelSlim's DeepSeek adapter adds for W4A8 (quant/msmodelslim/README.md §4, DeepSeek)
         d.update(quantize="w8a8_dynamic", moe_quantize="w4a8_dynamic", mla_quantize="w8a8_dynamic",
                  mtp_quantize="w8a8_dynamic")
     return d

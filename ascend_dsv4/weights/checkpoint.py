@@ -1,13 +1,15 @@
 """Load a DeepSeek-V4 checkpoint folder into a model: validated first, then streamed tensor by tensor.
 
-Formats (spec §3): official names (FP8 e4m3 weights with E8M0 ``.scale`` per 128x128 block, routed experts
+Formats (ascend_dsv4/models/deepseek_v4/README.md §3): official names (FP8 e4m3 weights with E8M0 ``.scale`` per
+128x128 block, routed experts
 packed FP4 with an E8M0 scale per 32 inputs, ``tid2eid`` int64, ``mtp.0.*``), transformers' names (module
 names, or what ``save_pretrained`` writes), DeepSeek's HF names (``mlp.experts.e.gate_proj``,
 ``weight_scale_inv`` float32 scales), and BF16/FP16/FP32 checkpoints of all of them.
 
 Quantised linears stay in their checkpoint format (the ops dequantise per call; a kernel backend uses them
 directly) unless ``dequantize=True``; ``wo_a`` and the float32-compute layers are always dequantised at load
-(spec §3.3). Every problem found — missing / unexpected tensors, shapes, dtypes, scale grids, NaN scales,
+(ascend_dsv4/models/deepseek_v4/README.md §3.3). Every problem found — missing / unexpected tensors, shapes, dtypes,
+scale grids, NaN scales,
 tid2eid out of range, mixed expert formats — is collected and reported at once in a :class:`CheckpointError`
 naming shard, tensor, expected and found. Header problems are found before any tensor data is read.
 """
@@ -27,6 +29,7 @@ from ..errors import CheckpointError
 from ..layers.experts import Experts
 from ..models import family_of
 from ..models.deepseek_v4.names import expert_key
+from .tp_shards import Shard, expert_modules, expert_shard, foreign_expert, module_shard
 
 log = logging.getLogger("ascend_dsv4")
 
@@ -44,6 +47,7 @@ class Target:
     linear: bool = False  # may come quantised, with a `.scale` sibling
     keep_quant: bool = False  # the module can hold the quantised format
     index: bool = False  # integer table (tid2eid)
+    shard: "Shard | None" = None  # tensor-parallel rank: the split of the global tensor this rank reads
 
 
 @dataclass
@@ -59,29 +63,37 @@ class Plan:
     found: dict[str, Found]
     fused: dict[str, tuple[str, str, TensorInfo]] = field(default_factory=dict)  # transformers gate_up_proj
     skip_mtp: bool = False
+    bytes_read: int = 0  # set by the loader: checkpoint bytes this rank read
 
 
 def model_targets(model: nn.Module) -> dict[str, Target]:
-    """Official checkpoint names of every weight the model needs."""
+    """Official checkpoint names of every weight the model needs, with GLOBAL shapes (a tensor-parallel rank's
+    split parameters carry the :class:`Shard` it reads; routed experts of other EP ranks are not targets)."""
     out: dict[str, Target] = {}
     linear_params: set[str] = set()
-    for mod_name, mod in model.named_modules():
+    mods = dict(model.named_modules())
+    for mod_name, mod in mods.items():
         if isinstance(mod, Linear):
             keep = mod.keep_checkpoint_format
             out[f"{mod_name}.weight"] = Target(f"{mod_name}.weight", (mod.out_features, mod.in_features),
-                                               linear=True, keep_quant=keep)
+                                               linear=True, keep_quant=keep, shard=module_shard(mod, "weight"))
             linear_params.update({f"{mod_name}.weight", f"{mod_name}.scale"})
         elif isinstance(mod, Experts):
             for w in ("w1", "w2", "w3"):
                 p = getattr(mod, w)
+                sh = expert_shard(mod, w)
+                shape = sh.global_shape(tuple(p.shape[1:])) if sh else tuple(p.shape[1:])
                 for e in range(p.shape[0]):
-                    out[f"{mod_name}.{e}.{w}.weight"] = Target(f"{mod_name}.{w}", tuple(p.shape[1:]), expert=e,
-                                                               linear=True, keep_quant=True)
+                    out[f"{mod_name}.{mod.first_expert + e}.{w}.weight"] = Target(
+                        f"{mod_name}.{w}", shape, expert=e, linear=True, keep_quant=True, shard=sh)
                 linear_params.update({f"{mod_name}.{w}", f"{mod_name}.{w}_scale"})
     for name, p in list(model.named_parameters()) + list(model.named_buffers()):
         if name in linear_params or name.endswith("inv_freq"):
             continue
-        out[name] = Target(name, tuple(p.shape), index=name.endswith("tid2eid"))
+        mod_name, leaf = name.rsplit(".", 1) if "." in name else ("", name)
+        sh = module_shard(mods[mod_name], leaf)
+        shape = sh.global_shape(tuple(p.shape)) if sh else tuple(p.shape)
+        out[name] = Target(name, shape, index=name.endswith("tid2eid"), shard=sh)
     return out
 
 
@@ -116,6 +128,8 @@ def plan_load(model: nn.Module, folder: str) -> Plan:
     found: dict[str, Found] = {}
     fused: dict[str, tuple[str, str, TensorInfo]] = {}
     problems: list[str] = []
+    experts = expert_modules(model)
+    parallel = any(t.shard is not None for t in targets.values()) or any(m.ep.size > 1 for m in experts.values())
 
     def where(shard: str, name: str) -> str:
         return f"{os.path.basename(shard)}: {name}"
@@ -128,8 +142,14 @@ def plan_load(model: nn.Module, folder: str) -> Plan:
             problems.append(f"{where(shard, ck_name)}: unknown tensor name")
             continue
         if off.endswith((".experts.gate_up_proj", ".experts.w2")) and expert_key(off) is None:
+            if parallel:
+                problems.append(f"{where(shard, ck_name)}: transformers' fused experts cannot be loaded per rank "
+                                f"yet (tensor / expert parallelism); convert the folder to official names")
+                continue
             fused[off] = (shard, ck_name, info)  # transformers' fused experts [E, 2I, d] / [E, d, I]
             continue
+        if foreign_expert(off, experts):
+            continue  # another expert-parallel rank's expert: not read here
         is_scale = off.endswith(".scale") and off[: -len(".scale")] + ".weight" in targets
         key = off[: -len(".scale")] + ".weight" if is_scale else off
         if key not in targets or (is_scale and not targets[key].linear):

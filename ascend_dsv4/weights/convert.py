@@ -3,7 +3,7 @@
 - names: ``official`` <-> ``hf`` (see :mod:`ascend_dsv4.models.deepseek_v4.random_weights` for the two layouts);
 - ``dequantize``: FP8 block and packed-FP4 weights -> BF16 (their scales dropped);
 - ``experts_fp8``: packed-FP4 routed experts -> FP8 e4m3 with one E8M0 scale per 128x128 block (lossless,
-  spec §3.2: "convert.py --expert-dtype fp8").
+  ascend_dsv4/models/deepseek_v4/README.md §3.2: "convert.py --expert-dtype fp8").
 A weight and its scale may sit in different shards: whichever comes first waits (one tensor) for the other.
 """
 

@@ -10,6 +10,7 @@ collected during the stream and reported together before the model is returned.
 from __future__ import annotations
 
 import logging
+import math
 import os
 
 import torch
@@ -37,6 +38,21 @@ def _as_storable(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == torch.float8_e8m0fnu else t
 
 
+def _read_part(h, info, dim: int, start: int, stop: int) -> torch.Tensor:
+    """Rows / columns ``start:stop`` of dimension ``dim`` of one stored tensor, read through a memory map (only
+    the pages holding the part are touched; a dim-0 part is one contiguous range)."""
+    import numpy as np
+
+    shape = tuple(info.shape)
+    es = info.nbytes // max(1, math.prod(shape))
+    outer, inner = math.prod(shape[:dim]), math.prod(shape[dim + 1:]) * es
+    mm = np.memmap(h.path, dtype=np.uint8, mode="r", offset=h.data_start + info.begin, shape=(info.nbytes,))
+    part = np.array(mm.reshape(outer, shape[dim], inner)[:, start:stop, :], copy=True, order="C")
+    del mm
+    t = torch.from_numpy(part).view(info.torch_dtype if info.torch_dtype != torch.float8_e8m0fnu else torch.uint8)
+    return t.reshape(shape[:dim] + (stop - start,) + shape[dim + 1:])
+
+
 def _check_scale(t: torch.Tensor, where: str, problems: list[str]) -> None:
     if t.dtype == torch.uint8:
         bad = int((t == 255).sum())
@@ -56,6 +72,8 @@ class _Loader:
         self.routes: dict[str, list[tuple]] = {}  # checkpoint name -> [(kind, target key)]
         self.pending: dict[str, dict[str, torch.Tensor]] = {}  # dequant-at-load pairs waiting for a partner
         self.storage: dict[str, torch.Tensor] = {}
+        self.slices: dict[str, tuple[int, int, int]] = {}  # checkpoint name -> (dim, start, stop) this rank reads
+        self.bytes_read = 0
 
     def empty(self, shape, dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device=self.device)
@@ -80,7 +98,9 @@ class _Loader:
             else:
                 old = getattr(mod, leaf)
                 dtype = torch.long if t0.index else old.dtype
-                st = self.empty(t0.shape, dtype)
+                st = self.empty(tuple(old.shape) if t0.shard else t0.shape, dtype)
+                if t0.shard:
+                    self._slice(f0.weight, t0.shard)
                 if leaf in mod._parameters:
                     mod._parameters[leaf] = nn.Parameter(st, requires_grad=False)
                 else:
@@ -94,17 +114,37 @@ class _Loader:
     def _route(self, ck_name: str, action: tuple) -> None:
         self.routes.setdefault(ck_name, []).append(action)
 
+    def _slice(self, found_entry, shard) -> tuple[int, ...]:
+        """Record that this rank reads only its part of a checkpoint tensor (split proportionally on
+        ``shard.dim``: also right for packed FP4 columns and 128-block / 32-group scale grids, whose splits the
+        layout validation checked); returns the stored shape of that part."""
+        _shard_file, ck, info = found_entry
+        shape = tuple(info.shape)
+        try:
+            a, b = shard.bounds(shape[shard.dim], ck)
+        except ValueError as e:
+            raise CheckpointError(f"{os.path.basename(_shard_file)}: {e} (tensor-parallel size {shard.size})") from e
+        self.slices[ck] = (shard.dim, a, b)
+        return shape[: shard.dim] + (b - a,) + shape[shard.dim + 1:]
+
     def _alloc_linear(self, mod: Linear, key: str, t, f) -> None:
         keep = f.fmt != "dense" and t.keep_quant and not self.deq
+        if t.shard:
+            w_shape = self._slice(f.weight, t.shard)
+            s_shape = self._slice(f.scale, t.shard) if f.scale is not None else None
+        else:
+            w_shape = tuple(f.weight[2].shape)
+            s_shape = tuple(f.scale[2].shape) if f.scale is not None else None
         if keep:
-            w = self.empty(tuple(f.weight[2].shape), f.weight[2].torch_dtype)
-            s = self.empty(tuple(f.scale[2].shape), _scale_storage_dtype(f.scale[2].dtype_str))
+            w = self.empty(w_shape, f.weight[2].torch_dtype)
+            s = self.empty(s_shape, _scale_storage_dtype(f.scale[2].dtype_str))
             mod.set_weight(w, s, f.fmt)
             self.storage[key], self.storage[key + "#scale"] = w, s
             self._route(f.weight[1], ("copy", key))
             self._route(f.scale[1], ("copy_scale", key + "#scale"))
         else:
-            w = self.empty(t.shape, torch.float32 if mod.compute_fp32 else mod.weight.dtype)
+            shape = tuple(mod.weight.shape) if t.shard else t.shape
+            w = self.empty(shape, torch.float32 if mod.compute_fp32 else mod.weight.dtype)
             mod.set_weight(w)
             self.storage[key] = w
             if f.fmt == "dense":
@@ -114,27 +154,33 @@ class _Loader:
                 self._route(f.scale[1], ("deq_s", key))
 
     def _alloc_experts(self, mod_name: str, mod: Experts) -> None:
-        found, E = self.plan.found, mod.w1.shape[0]
-        fmt = found[f"{mod_name}.0.w1.weight"].fmt
+        found, E, first = self.plan.found, mod.w1.shape[0], mod.first_expert
+        fmt = found[f"{mod_name}.{first}.w1.weight"].fmt
         if fmt == "fused":
             fmt = "dense"
         keep = fmt != "dense" and not self.deq
         tensors = {}
         for w in ("w1", "w2", "w3"):
-            f0 = found[f"{mod_name}.0.{w}.weight"]
+            key0 = f"{mod_name}.{first}.{w}.weight"
+            f0, sh = found[key0], self.plan.targets[key0].shard
             logical = tuple(getattr(mod, w).shape)
             if keep:
-                tensors[w] = self.empty((E,) + tuple(f0.weight[2].shape), f0.weight[2].torch_dtype)
-                tensors[w + "_scale"] = self.empty((E,) + tuple(f0.scale[2].shape),
-                                                   _scale_storage_dtype(f0.scale[2].dtype_str))
+                w_shape = self._slice(f0.weight, sh) if sh else tuple(f0.weight[2].shape)
+                s_shape = self._slice(f0.scale, sh) if sh else tuple(f0.scale[2].shape)
+                tensors[w] = self.empty((E,) + w_shape, f0.weight[2].torch_dtype)
+                tensors[w + "_scale"] = self.empty((E,) + s_shape, _scale_storage_dtype(f0.scale[2].dtype_str))
             else:
                 tensors[w] = self.empty(logical, getattr(mod, w).dtype)
             for e in range(E):
-                key = f"{mod_name}.{e}.{w}.weight"
+                key = f"{mod_name}.{first + e}.{w}.weight"
                 f = found[key]
                 self.storage[key] = tensors[w][e]
                 if f.fmt == "fused":
                     continue
+                if sh:
+                    self._slice(f.weight, sh)
+                    if f.scale is not None:
+                        self._slice(f.scale, sh)
                 if keep or f.fmt == "dense":
                     self._route(f.weight[1], ("copy", key))
                     if keep:
@@ -201,6 +247,13 @@ class _Loader:
         items, futures = [], []
         for info in batch:
             actions = self.routes[info.name]
+            if info.name in self.slices:  # this rank's part only, applied at once (no batch of temporaries)
+                t = _read_part(h, info, *self.slices[info.name])
+                self.bytes_read += t.numel() * t.element_size()
+                self._apply(actions, _as_storable(t), f"{os.path.basename(h.path)}: {info.name}", fmts, False)
+                bar.update(info.nbytes)
+                continue
+            self.bytes_read += info.nbytes
             direct = self._direct_target(actions, info)
             dst = direct if direct is not None else torch.empty(info.shape, dtype=info.torch_dtype)
             items.append((info, actions, dst, direct is not None))
@@ -297,6 +350,7 @@ def load_weights(model: nn.Module, folder: str, device: str | torch.device = "cp
     ld = _Loader(model, plan, getattr(model, "dtype", torch.bfloat16), device, dequantize, check_weights)
     ld.allocate()
     ld.fill(folder, progress)
+    plan.bytes_read = ld.bytes_read
     if ld.pending:
         ld.problems += [f"{k}: weight or scale never arrived" for k in ld.pending]
     if ld.problems:

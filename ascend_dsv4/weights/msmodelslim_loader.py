@@ -28,6 +28,8 @@ from ..layers.quantized import QuantExperts, QuantLinearAdapter, SmoothedRMSNorm
 from ..models import family_of
 from .weight_check import count_nonfinite, nonfinite_flag
 from .msm_npu import to_npu_experts, to_npu_linear
+from .msmodelslim_tp import ParallelQuantExperts, linear_kind, quant_linear
+from .tp_shards import Shard, module_shard
 
 log = logging.getLogger("ascend_dsv4")
 
@@ -111,15 +113,21 @@ def load_msmodelslim(model: nn.Module, folder: str, path: str = "int", allow_flo
             elif qtype == "FLOAT":
                 t = tensor(key + ".weight")
                 if t is not None:
-                    mod.set_weight(t.to(torch.float32 if mod.compute_fp32 else dtype))
+                    sh = module_shard(mod, "weight")  # tensor parallel: this rank's part
+                    mod.set_weight((sh.take(t, key) if sh else t).to(torch.float32 if mod.compute_fp32 else dtype))
+            elif linear_kind(mod) is not None:
+                setattr(parent, leaf, quant_linear(ck, key, linear_kind(mod), mod.tp, path, kw, dtype,
+                                                   getattr(mod, "reduce", True)))
+                replaced.add(name)
+                n_quant += 1
             else:
                 setattr(parent, leaf, QuantLinearAdapter(qlinear(key), dtype))
                 replaced.add(name)
                 n_quant += 1
             done.update({f"{name}.weight", f"{name}.scale"})
         elif isinstance(mod, Experts):
-            E = mod.w1.shape[0]
-            keys = {(e, w): _expert_name(cfg, name, e, w) for e in range(E) for w in ("w1", "w2", "w3")}
+            E, first = mod.w1.shape[0], getattr(mod, "first_expert", 0)  # EP: this rank's experts only
+            keys = {(e, w): _expert_name(cfg, name, first + e, w) for e in range(E) for w in ("w1", "w2", "w3")}
             kinds = {types.get(k + ".weight") for k in keys.values()}
             if None in kinds:
                 problems.append(f"{name}: experts not (all) described in {folder}")
@@ -127,7 +135,18 @@ def load_msmodelslim(model: nn.Module, folder: str, path: str = "int", allow_flo
                 for w in ("w1", "w2", "w3"):
                     ts = [tensor(keys[(e, w)] + ".weight") for e in range(E)]
                     if all(t is not None for t in ts):
-                        _set(mod, w, torch.stack(ts).to(dtype))
+                        st = torch.stack(ts)
+                        if getattr(mod, "shard", None):  # TP: every expert split
+                            st = Shard(mod.shard[w], mod.tp.rank, mod.tp.size).take(st, f"{name}.{w}")
+                        _set(mod, w, st.to(dtype))
+            elif getattr(mod, "shard", None) or mod.ep.size > 1:
+                kinds_tp = {"w1": "column", "w3": "column", "w2": "row"} if mod.shard else {}
+                triples = [tuple(quant_linear(ck, keys[(e, w)], kinds_tp.get(w), mod.tp, path, kw, dtype, reduce=False)
+                                 for w in ("w1", "w3", "w2")) for e in range(E)]
+                setattr(parent, leaf, ParallelQuantExperts(triples, mod.limit, fam.experts_weight_after_w2, first,
+                                                           mod.ep, mod.tp))
+                replaced.add(name)
+                n_quant += 3 * E
             else:
                 triples = [tuple(QuantLinearAdapter(qlinear(keys[(e, w)]), dtype) for w in ("w1", "w3", "w2"))
                            for e in range(E)]
@@ -153,6 +172,10 @@ def load_msmodelslim(model: nn.Module, folder: str, path: str = "int", allow_flo
         t = tensor(_ck_name(cfg, pname))
         if t is None:
             continue
+        owner_name, _, owner_leaf = pname.rpartition(".")
+        sh = module_shard(model.get_submodule(owner_name) if owner_name else model, owner_leaf)
+        if sh is not None:  # tensor parallel: this rank's part (embedding, head, attn_sink)
+            t = sh.take(t, pname)
         if tuple(t.shape) != tuple(p.shape):
             problems.append(f"{_ck_name(cfg, pname)}: shape {list(t.shape)}, expected {list(p.shape)}")
             continue

@@ -1,6 +1,7 @@
 """Per-rank loading of a DeepSeek-V4 checkpoint (official names): read only the slices of a checkpoint that one tensor-/expert-parallel rank needs.
 
-Sharding rules (the official ``convert.py``, spec §3.3): ``embed``, ``head``, ``attn.wq_b``, ``attn.wo_a``,
+Sharding rules (the official ``convert.py``, ascend_dsv4/models/deepseek_v4/README.md §3.3): ``embed``, ``head``,
+``attn.wq_b``, ``attn.wo_a``,
 ``attn.attn_sink``, ``attn.indexer.wq_b`` and ``attn.indexer.weights_proj`` split on dim 0 (vocab, heads, output
 groups, index heads) across the ``tp`` ranks; ``attn.wo_b`` splits on dim 1; routed experts go whole to the
 expert-parallel rank that owns their index (``E / ep`` consecutive experts per rank); everything else is

@@ -108,7 +108,7 @@ def register_npu_kernels() -> bool:
     """Register our kernels as the ``npu`` implementations of their ops when the library loads (else no-op)."""
     if not load_ascendc_ops():
         return False
-    from .._dispatch import register
+    from .._registry import register
 
     for name, fn in npu_impls().items():
         register(name, "npu")(fn)

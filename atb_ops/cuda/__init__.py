@@ -1,6 +1,6 @@
 """CUDA backend (Triton kernels).
 
-Importing this package registers the Triton kernels with ``atb_ops._dispatch.register(op, "cuda")``; one
+Importing this package registers the Triton kernels with ``atb_ops._registry.register(op, "cuda")``; one
 module per op family. Ops without a kernel here (``hadamard``, ``mla_prefill``) run the reference
 implementation on the GPU, and the dispatcher logs that once per op.
 

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._dispatch import register
+from .._registry import register
 from ._util import mma, dot_precision, pow2, sm_count
 
 LOG2E = 1.4426950408889634

@@ -1,4 +1,5 @@
-"""Triton compressor pooling (spec §2.3 "Compressor"), as :func:`atb_ops.compressor_pool`.
+"""Triton compressor pooling (ascend_dsv4/models/deepseek_v4/README.md §2.3 "Compressor"), as
+:func:`atb_ops.compressor_pool`.
 
 One program per (entry, block of BC channels): the entry's K candidate rows are gathered as one [BK, BC] tile
 (with overlap, candidates 0..r-1 read the A half [:c] and r..2r-1 the B half [c:] of their rows), absent
@@ -11,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._dispatch import register
+from .._registry import register
 from ._util import pow2
 
 

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._dispatch import register
+from .._registry import register
 from ._util import mma, dot_precision, pow2, tl_dtype
 
 _FUNCS = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._dispatch import register
+from .._registry import register
 from ._util import mma, dot_precision, pow2, tl_dtype
 
 _FMT = {"dense": 0, "fp8_block": 1, "fp4": 2}

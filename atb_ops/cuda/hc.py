@@ -1,4 +1,5 @@
-"""Triton manifold-constrained hyper-connections: hc_pre (with Sinkhorn), hc_post, hc_head (spec §2.2, §2.5).
+"""Triton manifold-constrained hyper-connections: hc_pre (with Sinkhorn), hc_post, hc_head
+(ascend_dsv4/models/deepseek_v4/README.md §2.2, §2.5).
 
 Two kernels per collapse: ``_mixes_kernel`` computes m = (flat(x) @ fn^T) * rsqrt(mean(flat(x)^2) + eps) for a
 tile of tokens (float32 products, so the mixes match the reference's float32 matmul); ``_split_kernel`` turns
@@ -11,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._dispatch import register
+from .._registry import register
 from ._util import pow2
 
 

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._dispatch import register
+from .._registry import register
 from ._util import mma, dot_precision, pow2
 
 KEY_ABSENT = -(2**63)

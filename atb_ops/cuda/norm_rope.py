@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._dispatch import register
+from .._registry import register
 from ._util import pow2
 
 

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._dispatch import register
+from .._registry import register
 
 FP8_MAX = 448.0
 FP4_MAX = 6.0

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 
-from .._dispatch import register
+from .._registry import register
 # importing the implementation modules registers their candidates
 from . import impl_attn, impl_custom, impl_dense, impl_moe, impl_numerics, impl_quant  # noqa: F401
 from .optable import HOT_PATH, candidate, format_table, hot_path_fallbacks, reset, run, table  # noqa: F401

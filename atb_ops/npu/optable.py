@@ -128,7 +128,7 @@ def _order(c: Candidate) -> int:
 def resolve() -> dict[str, Entry]:
     """Build the table for every atb_ops op (does not log)."""
     from .. import OPS
-    from .._dispatch import _registry
+    from .._registry import REGISTRY as _registry
 
     ops = list(OPS) + [o for o in _candidates if o not in OPS]
     out: dict[str, Entry] = {}

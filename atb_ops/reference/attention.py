@@ -1,10 +1,11 @@
-"""Sparse attention over gathered K=V rows with a per-head sink (spec §2.3 "Combined attention")."""
+"""Sparse attention over gathered K=V rows with a per-head sink (ascend_dsv4/models/deepseek_v4/README.md §2.3
+"Combined attention")."""
 
 from __future__ import annotations
 
 import torch
 
-from .._dispatch import register
+from .._registry import register
 
 
 def _scores(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, scale: float):

@@ -1,10 +1,11 @@
-"""Compressor pooling (spec §2.3 "Compressor"): softmax-gated per-channel pooling of token rows."""
+"""Compressor pooling (ascend_dsv4/models/deepseek_v4/README.md §2.3 "Compressor"): softmax-gated per-channel pooling
+of token rows."""
 
 from __future__ import annotations
 
 import torch
 
-from .._dispatch import register
+from .._registry import register
 
 
 @register("compressor_pool", "reference")

@@ -1,10 +1,11 @@
-"""Manifold-constrained hyper-connections: hc_pre (with Sinkhorn), hc_post, hc_head (spec §2.2, §2.5)."""
+"""Manifold-constrained hyper-connections: hc_pre (with Sinkhorn), hc_post, hc_head
+(ascend_dsv4/models/deepseek_v4/README.md §2.2, §2.5)."""
 
 from __future__ import annotations
 
 import torch
 
-from .._dispatch import register
+from .._registry import register
 
 
 def _mixes(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
@@ -14,7 +15,8 @@ def _mixes(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
 
 
 def sinkhorn_split(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, n: int, iters: int, eps: float):
-    """mixes [T, (2+n)n] fp32 -> pre [T,n], post [T,n], comb [T,n,n] (spec §2.2 step 2)."""
+    """mixes [T, (2+n)n] fp32 -> pre [T,n], post [T,n], comb [T,n,n] (ascend_dsv4/models/deepseek_v4/README.md §2.2
+    step 2)."""
     scale = scale.float()
     base = base.float()
     pre = torch.sigmoid(mixes[:, :n] * scale[0] + base[:n]) + eps

@@ -1,10 +1,10 @@
-"""Lightning-indexer scores and causal top-k (spec §2.3 "CSA Indexer")."""
+"""Lightning-indexer scores and causal top-k (ascend_dsv4/models/deepseek_v4/README.md §2.3 "CSA Indexer")."""
 
 from __future__ import annotations
 
 import torch
 
-from .._dispatch import register
+from .._registry import register
 
 
 @register("indexer_topk", "reference")

@@ -1,10 +1,11 @@
-"""Linear and grouped (per-expert) matmuls over dense, FP8-block and packed-FP4 weights (spec §2.0, §3.2)."""
+"""Linear and grouped (per-expert) matmuls over dense, FP8-block and packed-FP4 weights
+(ascend_dsv4/models/deepseek_v4/README.md §2.0, §3.2)."""
 
 from __future__ import annotations
 
 import torch
 
-from .._dispatch import register
+from .._registry import register
 
 FORMATS = ("dense", "fp8_block", "fp4")
 

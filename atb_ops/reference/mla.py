@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from .._dispatch import register
+from .._registry import register
 
 
 def _gather(x: torch.Tensor, idx: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:

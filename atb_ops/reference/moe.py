@@ -1,11 +1,11 @@
-"""MoE routing, clamped SwiGLU and the grouped expert matmul (spec §2.4)."""
+"""MoE routing, clamped SwiGLU and the grouped expert matmul (ascend_dsv4/models/deepseek_v4/README.md §2.4)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from .._dispatch import register
+from .._registry import register
 
 
 @register("moe_gate", "reference")

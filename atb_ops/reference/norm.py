@@ -1,10 +1,10 @@
-"""RMSNorm (spec §2.0)."""
+"""RMSNorm (ascend_dsv4/models/deepseek_v4/README.md §2.0)."""
 
 from __future__ import annotations
 
 import torch
 
-from .._dispatch import register
+from .._registry import register
 
 
 @register("rms_norm", "reference")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .._dispatch import register
+from .._registry import register
 
 QUANT_MODES = ("dynamic", "static", "weight_only")
 

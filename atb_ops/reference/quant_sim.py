@@ -1,10 +1,11 @@
-"""Activation fake-quantisation exactly as the official DeepSeek-V4 kernels do it (spec §2.0, §6.2)."""
+"""Activation fake-quantisation exactly as the official DeepSeek-V4 kernels do it
+(ascend_dsv4/models/deepseek_v4/README.md §2.0, §6.2)."""
 
 from __future__ import annotations
 
 import torch
 
-from .._dispatch import register
+from .._registry import register
 
 FP8_MAX = 448.0
 FP4_MAX = 6.0

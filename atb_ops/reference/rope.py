@@ -1,4 +1,5 @@
-"""Interleaved partial RoPE with optional YaRN frequency interpolation (spec §2.0)."""
+"""Interleaved partial RoPE with optional YaRN frequency interpolation (ascend_dsv4/models/deepseek_v4/README.md
+§2.0)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import math
 
 import torch
 
-from .._dispatch import register
+from .._registry import register
 
 
 def rope_inv_freq(

@@ -20,7 +20,7 @@ Modules:
   TP quant_bias rule, N > 65535 split);
 * :mod:`.validate`    -- description vs weights, per-linear layouts, fused-module types, the MTP layer.
 
-Facts and formulas: /work/shared/docs/msmodelslim_notes.md (§3-§7) and ascend_deployment_notes.md (c).
+Facts and formulas: ``quant/msmodelslim/README.md`` (§3-§7).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The msModelSlim description JSON: which quantisation type each checkpoint tensor has.
 
-msModelSlim writes, next to the weights, a flat JSON object (msmodelslim_notes.md §3):
+msModelSlim writes, next to the weights, a flat JSON object (README.md §3):
 
 * ``quant_model_description.json`` (v1 ``AscendV1Saver`` and v0 ``save_type=["ascendV1"]``), or
 * ``quant_model_description_<type>.json`` (v0 ``save_type=["safe_tensor"]``, e.g. ``_w8a8.json``).
@@ -21,7 +21,7 @@ A key is a *global* when it is one of :data:`KNOWN_GLOBALS`, when it has no ``.`
 :data:`KNOWN_TYPES`; anything else is a :class:`~quant.errors.QuantFormatError` naming the key, the value and the
 known types. ``model_quant_type`` is *not* checked against that list: msModelSlim writes the highest-priority type
 of ``AscendV1Saver.QUANT_TYPE_PRIORITY`` and, since ``W4A8_DYNAMIC`` is absent from that list, a pure W4A8 model
-gets ``"FLOAT"`` or ``"Unknown"`` (notes §3).
+gets ``"FLOAT"`` or ``"Unknown"`` (README.md §3).
 """
 
 from __future__ import annotations

@@ -60,7 +60,7 @@ def w4a8_dynamic_tensors(w: torch.Tensor, scale_bias_chunks: int = 1) -> dict[st
 
 
 def activation_qparams(x_min: float, x_max: float, model_dtype: torch.dtype = torch.float32) -> tuple[float, float]:
-    """Asymmetric per-tensor int8 activation parameters (notes §6): ``(input_scale, input_offset)``.
+    """Asymmetric per-tensor int8 activation parameters (README.md §6): ``(input_scale, input_offset)``.
 
     ``input_scale = (max(x_max,0) - min(x_min,0)) / 255`` rounded to ``model_dtype`` (the runtime quantises with the
     params-dtype scale), ``input_offset = round(-min(x_min,0) / input_scale) - 128`` (integral, additive zero point).
@@ -83,7 +83,7 @@ def w8a8_static_tensors(w: torch.Tensor, x_min: float, x_max: float, model_dtype
 def w8a8_static_tensors_from_qparams(w: torch.Tensor, input_scale: float, input_offset: float,
                                      model_dtype: torch.dtype = torch.bfloat16,
                                      bias: Optional[torch.Tensor] = None) -> dict[str, torch.Tensor]:
-    """Static W8A8 tensors of one linear (v1 layout, notes §4/§6) for given activation parameters.
+    """Static W8A8 tensors of one linear (v1 layout, README.md §4/§6) for given activation parameters.
 
     ``deq_scale = input_scale * weight_scale`` (float32); ``quant_bias = round(bias/deq - input_offset * sum_k q_w)``
     int32; ``deq_scale`` is stored as msModelSlim's int64 (float32 bits) unless ``model_dtype`` is bf16 (float32).

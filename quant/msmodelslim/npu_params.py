@@ -1,18 +1,18 @@
 """What an Ascend NPU op needs from an msModelSlim linear: pure tensor functions, testable on CPU.
 
 Everything here is a plain function of tensors (no torch_npu). The tests check each against an emulation of the
-NPU op as documented in torch_npu_ops.md, and against the reference integer path of :mod:`.schemes`.
+NPU op written from the torch_npu API documentation, and against the reference integer path of :mod:`.schemes`.
 
 **Weight layout.** msModelSlim stores ``weight [N, K]`` (out, in); ``npu_quant_matmul`` /
-``npu_weight_quant_batchmatmul`` take ``x2 [K, N]`` (ascend_deployment_notes c.2 step 2, c.3 step 1):
+``npu_weight_quant_batchmatmul`` take ``x2 [K, N]`` (vllm-ascend transposes at load, ``quantization/methods``):
 :func:`weight_to_npu_layout`. (The NZ re-tiling ``npu_format_cast(w, 29)`` keeps logical shape and values,
-torch_npu_ops.md §3.4, so it has no CPU counterpart.)
+per the torch_npu documentation of ``npu_format_cast``, so it has no CPU counterpart.)
 
-**Offset sign** (deployment notes c.6, seed "Dequantization Formula"). The checkpoint stores a *subtractive*
+**Offset sign** (msModelSlim's dequantisation formula, README.md §4). The checkpoint stores a *subtractive*
 zero point, ``W = (w - zp) * scale``; the NPU antiquant *adds* its offset, ``W = (w + antiquant_offset) * scale``
-(torch_npu_ops.md §3.3). Hence :func:`npu_antiquant_offset` ``(zp) = -zp``, applied exactly once.
+(torch_npu documentation of ``npu_weight_quant_batchmatmul``). Hence :func:`npu_antiquant_offset` ``(zp) = -zp``, applied exactly once.
 
-**deq_scale encodings** (msmodelslim_notes §5, deployment notes c.5). Three encodings of one float32 ``d``:
+**deq_scale encodings** (README.md §5). Three encodings of one float32 ``d``:
 
 =====================  ==========================================================================  =============
 name                   int64 / float value                                                         who writes it
@@ -27,16 +27,16 @@ name                   int64 / float value                                      
 
 Both int64 layouts decode with ``bits & 0xFFFFFFFF`` viewed as float32 (the TransQuantParam one yields the
 19-bit-truncated value). :func:`detect_deq_scale_encoding` tells them apart element by element and refuses a
-tensor that mixes them ("never mix them", deployment notes c.5).
+tensor that mixes them.
 
-**TP rule for quant_bias** (deployment notes c.2): the zero-point correction and the float bias are folded into
+**TP rule for quant_bias** (as vllm-ascend applies it): the zero-point correction and the float bias are folded into
 ``quant_bias``, so a row-parallel layer (K split across ranks, partial outputs summed) adds it on rank 0 only;
 a column-parallel layer adds its own slice on every rank: :func:`quant_bias_for_rank`.
 
-**N > 65535** (deployment notes c.3 step 4, torch_npu_ops.md §5.11 "k,n <= 65535"): :func:`split_output_dim`.
+**N > 65535** (``npu_quant_matmul`` documents ``k, n <= 65535``): :func:`split_output_dim`.
 
-**C8 KV cache** (notes §4): the cache write's reciprocal scale and the attention read's negated antiquant offset,
-:func:`npu_kv_cache_params`.
+**C8 KV cache** (msModelSlim ``kv_cache_scale`` / ``kv_cache_offset``): the cache write's reciprocal scale and the
+attention read's negated antiquant offset, :func:`npu_kv_cache_params`.
 """
 
 from __future__ import annotations
@@ -102,14 +102,13 @@ def decode_deq_scale_msmodelslim(t: torch.Tensor) -> torch.Tensor:
 def encode_deq_scale_trans_quant_param(
     scale: torch.Tensor, offset: Optional[torch.Tensor] = None, round_mode: int = 0
 ) -> torch.Tensor:
-    """``npu_trans_quant_param(scale, offset, round_mode=0)`` (torch_npu_ops.md §5.13).
+    """``npu_trans_quant_param(scale, offset, round_mode=0)`` (torch_npu documentation; README.md §5).
 
     ``out = (bits(scale) & 0xFFFFE000) | 1 << 46``; with an offset,
     ``o = clamp(round(offset), -256, 255)`` and ``out = (out & 0x4000FFFFFFFF) | ((o & 0x1FF) << 37)``.
     ``scale`` float ``[N]`` / ``[1, N]``; ``offset`` broadcastable to it. Returns int64.
 
-    ``round_mode=1`` (rounding to FP19 instead of truncating) is refused: its exact rounding is not documented
-    (torch_npu_ops.md §7 item 8).
+    ``round_mode=1`` (rounding to FP19 instead of truncating) is refused: its exact rounding is not documented.
     """
     if round_mode != 0:
         raise ValueError("npu_trans_quant_param round_mode=1 is not emulated (its FP19 rounding is undocumented)")
@@ -275,7 +274,7 @@ def npu_kv_cache_params(scale: torch.Tensor, offset: Optional[torch.Tensor] = No
     forms the NPU ops take, all float32 ``[C]``:
 
     * ``quant_scale = 1 / s``, ``quant_offset = o``: the cache write ``npu_quantize(k, 1/s, o, qint8,
-      div_mode=False)`` = ``round(k * (1/s) + o)`` (vllm-ascend ``_quantize_kv_to_int8``, notes §4);
+      div_mode=False)`` = ``round(k * (1/s) + o)`` (vllm-ascend ``_quantize_kv_to_int8``);
     * ``antiquant_scale = s``, ``antiquant_offset = -o``: the attention read, ``(k_int8 + antiquant_offset) *
       antiquant_scale`` = ``(k_int8 - o) * s`` (the antiquant ops add their offset: same negation as weights,
       :func:`npu_antiquant_offset`). ``quant_offset`` / ``antiquant_offset`` are None when o is None.

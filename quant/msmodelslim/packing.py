@@ -1,14 +1,14 @@
 """int4 packing: msModelSlim's byte packing along the output dim, and the NPU's 8-per-int32 packing.
 
 **msModelSlim (W4A8_DYNAMIC / W4A16 ascendV1 output)** -- ``w4a8_pack_int4`` (``modelslim_v1/save/utils/pack.py``;
-msmodelslim_notes.md §4 "W4A8_DYNAMIC", verified there by unpacking real output)::
+README.md §4 "W4A8_DYNAMIC", verified there by unpacking real output)::
 
     packed[i, j] = (q[2i+1, j] << 4) | (q[2i, j] & 0xF)          # q: int4 values [n, k] -> packed int8 [n/2, k]
 
 Two consecutive **output rows** share a byte: the even row in the low nibble, the odd row in the high nibble.
 Nibbles are two's complement (-8..7). Works on ``[n, k]`` and on stacked experts ``[E, n, k]``.
 
-**NPU int4 (``npu_grouped_matmul`` / ``npu_quant_matmul`` int4 weights)** -- torch_npu_ops.md §3.3: 8 signed
+**NPU int4 (``npu_grouped_matmul`` / ``npu_quant_matmul`` int4 weights)** -- per the torch_npu documentation: 8 signed
 nibbles per int32, **LSB first** (element 0 in bits 0-3), along the last dim::
 
     word[..., j] = sum_{i<8} (q[..., 8j+i] & 0xF) << 4i        # q [..., N] -> int32 [..., N/8]

@@ -1,6 +1,6 @@
 """Find and lazily read the safetensors files of an msModelSlim output folder.
 
-What msModelSlim writes (msmodelslim_notes.md §3; ``modelslim_v1/save/utils/safetensors.py``):
+What msModelSlim writes (README.md §3; ``modelslim_v1/save/utils/safetensors.py``):
 
 * v0 ``safe_tensor`` / ``ascendV1``: one ``quant_model_weight_<type>.safetensors`` (or
   ``quant_model_weight.safetensors`` when ``safetensors_name=`` is passed);

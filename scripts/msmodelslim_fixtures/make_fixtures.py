@@ -1,6 +1,9 @@
 #!/usr/bin/env python3
 """Generate msModelSlim fixtures with the REAL msModelSlim tool on CPU.
 
+(One script of about 650 lines on purpose: it runs in msModelSlim's isolated environment, which cannot import this
+package, so the case table, the source-model builder and the runner live together.)
+
 Run with the isolated environment made by ``setup_venv.sh`` (never the project env)::
 
     bash scripts/msmodelslim_fixtures/setup_venv.sh
@@ -492,7 +495,7 @@ def run_case(name: str, out_dir: Path, ref_dir: Path):
             orig(self)
             m = self.model
             if dtype_name != "float32":
-                m = m.float()  # CPU fake-quant forward fails in fp16/bf16 (notes §2)
+                m = m.float()  # CPU fake-quant forward fails in fp16/bf16 (quant/msmodelslim/README.md §2)
             m.eval()
             captured["logits"] = _logits(m, input_ids)
             captured["logits2"] = _logits(m, input_ids)

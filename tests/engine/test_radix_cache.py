@@ -1,4 +1,4 @@
-"""Shadow radix cache (seed ``deepseek_v4_sglang_notes_zh.md`` "Shadow Radix Cache"; vllm-ascend #16270)."""
+"""Shadow radix cache (SGLang's hybrid sliding-window radix cache, ``mem_cache/swa_radix_cache.py``; vllm-ascend #16270)."""
 
 from collections import Counter
 

@@ -113,6 +113,10 @@ def test_one_a3_node_over_ray_and_single_node():
     # default TP 8 (DeepSeek-V4's o_groups = 8 caps TP), the node's 16 NPUs as DP 2
     assert serve[-1].endswith("--distributed-executor-backend ray --tensor-parallel-size 8 "
                               "--data-parallel-size 2 --host 127.0.0.1 --port 8000")
+    tp16 = dry("serve_multinode.sh", "--platform", "a2", "--nodes", "2", "--model", "/m", "--nic", "eth0",
+               "--ip", "10.1.0.1", "--tensor-parallel-size", "16")  # V3/R1: TP across both nodes, no DP flag
+    assert tp16[-1].endswith("--distributed-executor-backend ray --tensor-parallel-size 16 --host 127.0.0.1 "
+                             "--port 8000")
 
     single = dry("serve_single_node.sh", "--platform", "a3", "--model", "/m", "--enable-expert-parallel")
     senv = exports(single)

@@ -87,3 +87,34 @@ def test_two_node_executor(ray_cluster, monkeypatch):
         RayExecutor(17, "ascend_dsv4.engine.ray_executor.GroupCheckWorker", device="npu",
                     address=c.address).start()
     assert not ray.is_initialized()  # a failed start disconnects again
+
+
+@pytest.mark.distributed
+def test_rank0_in_this_process(ray_cluster):
+    """local_rank0: rank 0 joins the groups from the driver (as the engine's process does), rank 1 is an actor on
+    the other node; a collective spans both."""
+    import ray
+
+    from ascend_dsv4.engine.ray_executor import GroupCheckWorker, RayExecutor
+    from parallel import destroy_parallel, init_parallel
+
+    c, _, _ = ray_cluster
+    here = {}
+
+    def rank0(master, device_index):
+        here["state"] = init_parallel(2, 0, f"tcp://{master[0]}:{master[1]}", device="cpu", timeout_s=60)
+        here["device_index"] = device_index
+
+    ex = RayExecutor(2, "ascend_dsv4.engine.ray_executor.GroupCheckWorker", device="cpu", address=c.address,
+                     start_timeout_s=120, call_timeout_s=60, local_rank0=rank0)
+    try:
+        ex.start()
+        assert len(ex.workers) == 1 and here["device_index"] is None
+        assert ex.slots[0].ip == ray.util.get_node_ip_address()
+        refs = ex.submit("all_reduce_ranks")
+        mine = GroupCheckWorker(0, 0, None, here["state"]).all_reduce_ranks()
+        assert mine == ex.wait(refs, "all_reduce_ranks")[0] == {"world": 1.0, "tp": 1.0, "ep": 0.0}
+        assert ex.wait(ex.submit("where"), "where")[0]["rank"] == 1
+    finally:
+        ex.shutdown()
+        destroy_parallel()

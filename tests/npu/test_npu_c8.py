@@ -16,7 +16,7 @@ here, the same HF-Llama math) twice:
   ``actual_seq_lengths_kv`` = its position + 1: the causal read of a decode step).
 
 Logits: NPU vs reference tight <= 1e-5 (the same integers; float32 model), and the v1 cases (whose fake-quant
-applies C8, notes §7.4) vs msModelSlim's own fake-quant logits within the int-path tolerance
+applies C8) vs msModelSlim's own fake-quant logits within the int-path tolerance
 tests/quant/test_msm_fixture_logits.py uses (tight <= 1e-5).
 """
 
@@ -139,7 +139,7 @@ def test_c8_fixture_on_npu(case, emu, checker):
         with atb_ops.use_backend("npu"):
             y_npu = llama_logits(ck, cfg, ids, npu=True, tn=emu)
     assert _tight(y_npu, y_ref) <= TIGHT, (case, _tight(y_npu, y_ref))
-    if case.endswith("_v1"):  # v1's fake-quant applies C8 (notes §7.4); v0's single prefill does not
+    if case.endswith("_v1"):  # v1's fake-quant applies C8; v0's single prefill does not
         assert _tight(y_npu, ref["fakequant_logits"]) <= TIGHT, (case, _tight(y_npu, ref["fakequant_logits"]))
     assert not checker.violations, checker.violations
     for op in ("npu_quantize", "npu_quant_matmul", "npu_fused_infer_attention_score"):

@@ -1,4 +1,5 @@
-"""sparse_attention against a naive per-token, per-head softmax with a sink (spec §2.3 "Combined attention")."""
+"""sparse_attention against a naive per-token, per-head softmax with a sink (ascend_dsv4/models/deepseek_v4/README.md
+§2.3 "Combined attention")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""compressor_pool against a per-entry, per-channel loop transcription of spec §2.3 "Compressor"."""
+"""compressor_pool against a per-entry, per-channel loop transcription of ascend_dsv4/models/deepseek_v4/README.md
+§2.3 "Compressor"."""
 
 from __future__ import annotations
 

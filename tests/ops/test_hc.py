@@ -1,4 +1,5 @@
-"""hc_pre (with Sinkhorn), hc_post and hc_head against loop transcriptions of spec §2.2 and §2.5."""
+"""hc_pre (with Sinkhorn), hc_post and hc_head against loop transcriptions of
+ascend_dsv4/models/deepseek_v4/README.md §2.2 and §2.5."""
 
 from __future__ import annotations
 

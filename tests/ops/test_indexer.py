@@ -1,4 +1,5 @@
-"""indexer_topk against a naive score loop (spec §2.3 "CSA Indexer"); rows are compared as sets."""
+"""indexer_topk against a naive score loop (ascend_dsv4/models/deepseek_v4/README.md §2.3 "CSA Indexer"); rows are
+compared as sets."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""moe_gate, swiglu and grouped_matmul against naive transcriptions of spec §2.4."""
+"""moe_gate, swiglu and grouped_matmul against naive transcriptions of ascend_dsv4/models/deepseek_v4/README.md §2.4."""
 
 from __future__ import annotations
 

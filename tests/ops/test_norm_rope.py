@@ -1,4 +1,5 @@
-"""rms_norm, apply_rope and rope_inv_freq against naive transcriptions of spec §2.0."""
+"""rms_norm, apply_rope and rope_inv_freq against naive transcriptions of ascend_dsv4/models/deepseek_v4/README.md
+§2.0."""
 
 from __future__ import annotations
 

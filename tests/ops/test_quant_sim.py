@@ -1,4 +1,5 @@
-"""fp8_act_round, fp4_act_round and hadamard against explicit transcriptions of spec §2.0 / §6.2."""
+"""fp8_act_round, fp4_act_round and hadamard against explicit transcriptions of
+ascend_dsv4/models/deepseek_v4/README.md §2.0 / §6.2."""
 
 from __future__ import annotations
 

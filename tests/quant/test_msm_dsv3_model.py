@@ -40,9 +40,11 @@ def test_float_source_model_matches_transformers_4_51():
 
 
 # v0 cases: msModelSlim's v0 simulation (asymmetric per-token activation fake-quant for dynamic linears, the
-# static formula chain of notes §6) is reproduced exactly in fp32 -> 1e-5 relative (measured ~3e-7).
+# static formula chain of quant/msmodelslim/README.md §6) is reproduced exactly in fp32 -> 1e-5 relative (measured
+# ~3e-7).
 # v1 mixed W8A8/W4A8: v1 takes dynamic activation statistics per input channel over the batch's tokens
-# (notes §7.2, fixtures README); with the same two sequences in one batch we measure ~0.7% (the remaining gap
+# (quant/msmodelslim/README.md §7.2, fixtures README); with the same two sequences in one batch we measure ~0.7% (the
+# remaining gap
 # comes from how v1 groups tokens for routed experts), so 2% is the bound.
 CASES = [("dsv3_w8a8_dynamic_v0", "msmodelslim_v0", 1e-5), ("dsv3_w8a8_static_v0", "msmodelslim_v0", 1e-5),
          ("dsv3_mix_w8a8_w4a8_v1", "msmodelslim_v1", 2e-2)]

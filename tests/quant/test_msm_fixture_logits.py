@@ -17,7 +17,8 @@ Metrics: "tight" = max|ours - ref| / max|ref| (logits are O(3.6) here); "rel" = 
 
 Tolerances, per kind of case (measured values in brackets, this machine):
 
-* fp32, float path with the activation simulation msModelSlim used (notes §7): tight <= 1e-5. The notes measured
+* fp32, float path with the activation simulation msModelSlim used (quant/msmodelslim/README.md §7): tight <= 1e-5.
+The notes measured
   <= 1.8e-7 max-abs for a reference written from the §6 formulas; our forward computes RoPE / softmax slightly
   differently from transformers (float32 rounding only) [all fp32 Llama cases <= 2.4e-6 abs, <= 6.6e-7 tight;
   DeepseekV3 <= 1.7e-6 abs]. Which simulation: static / weight-only types have none; v0 W8A8_DYNAMIC simulates

@@ -121,7 +121,7 @@ def test_quantizers_match_msmodelslim_bit_exactly():
 def test_activation_qparams_match_msmodelslim_v1(case):
     """Layer 0's q/k/v see the un-quantised input_layernorm output of the calibration ids, so the fixture's
     input_scale / input_offset follow from its min/max alone (later linears see msModelSlim's partly quantised
-    model): notes §6 formula, bit-exact."""
+    model): quant/msmodelslim/README.md §6 formula, bit-exact."""
     src = load_file(os.path.join(FIX, "_source_models", "llama_fp32", "model.safetensors"))
     ids = _fixture(case, "reference.safetensors")["calib_input_ids"]
     q = _fixture(case, "quant_model_weights.safetensors")

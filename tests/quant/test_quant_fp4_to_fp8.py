@@ -1,4 +1,5 @@
-"""Lossless FP4 -> FP8 block conversion (spec §3.2): exactness, block scale rule, large-spread edge cases."""
+"""Lossless FP4 -> FP8 block conversion (ascend_dsv4/models/deepseek_v4/README.md §3.2): exactness, block scale rule,
+large-spread edge cases."""
 
 import pytest
 import torch

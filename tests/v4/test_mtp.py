@@ -1,4 +1,5 @@
-"""MTP module (spec §2.6): draft logits against a transformers decoder layer, prefill vs decode, batching."""
+"""MTP module (ascend_dsv4/models/deepseek_v4/README.md §2.6): draft logits against a transformers decoder layer,
+prefill vs decode, batching."""
 
 from __future__ import annotations
 

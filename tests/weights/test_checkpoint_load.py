@@ -47,7 +47,7 @@ def test_official_checkpoint_keeps_quantised_formats(official):
     layer = llm.model.layers[2]
     assert layer.attn.wq_a.fmt == "fp8_block" and layer.attn.wq_a.weight.dtype == torch.float8_e4m3fn
     assert layer.ffn.experts.fmt == "fp4" and layer.ffn.experts.w1.dtype == torch.int8
-    assert layer.attn.wo_a.fmt == "dense"  # dequantised at load (spec §3.3)
+    assert layer.attn.wo_a.fmt == "dense"  # dequantised at load (ascend_dsv4/models/deepseek_v4/README.md §3.3)
     assert layer.attn.compressor.wkv.weight.dtype == torch.float32
     assert layer.ffn.gate.tid2eid.dtype == torch.long
 

@@ -34,6 +34,7 @@ FAMILY = ModelFamily(
     weights_bytes=sizing.weights_bytes,
     kv_pool_bytes_per_token=lambda cfg, b: float(sizing.kv_bytes_per_token(cfg, b)["latent_total"]),
     memory_plan=sizing.memory_plan,
+    needs_custom_ops=False,
     tp_split_dim0=tp_rules.SPLIT_DIM0,
     tp_split_dim1=tp_rules.SPLIT_DIM1,
     validate_tp=tp_rules.validate,

@@ -12,6 +12,8 @@ import torch
 from torch import nn
 
 import atb_ops
+from parallel.groups import Group
+from parallel.layers import ColumnParallelLinear, RowParallelLinear
 from parallel.linear import Linear
 
 from ...kv.latent_pool import MLAStepContext
@@ -19,23 +21,27 @@ from ...layers.norm import RMSNorm
 
 
 class MLA(nn.Module):
-    def __init__(self, cfg, layer_id: int, dtype: torch.dtype):
+    """Under tensor parallelism (``tp``) the heads are split (``q_b_proj`` / ``q_proj``, ``kv_b_proj`` column-,
+    ``o_proj`` row-parallel); ``q_a_proj`` and ``kv_a_proj_with_mqa`` are replicated and so is the latent cache."""
+
+    def __init__(self, cfg, layer_id: int, dtype: torch.dtype, tp: Group | None = None):
         super().__init__()
+        tp = tp or Group()
         self.layer_id = layer_id
         H, C, R = cfg.n_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
-        self.H, self.C, self.R, self.Dn, self.Dv = H, C, R, cfg.qk_nope_head_dim, cfg.v_head_dim
+        self.H, self.C, self.R, self.Dn, self.Dv = H // tp.size, C, R, cfg.qk_nope_head_dim, cfg.v_head_dim
         qk = cfg.qk_nope_head_dim + R
         if cfg.q_lora_rank:
             self.q_a_proj = Linear(cfg.dim, cfg.q_lora_rank, dtype)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
-            self.q_b_proj = Linear(cfg.q_lora_rank, H * qk, dtype)
+            self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, H * qk, dtype, tp)
         else:
-            self.q_proj = Linear(cfg.dim, H * qk, dtype)
+            self.q_proj = ColumnParallelLinear(cfg.dim, H * qk, dtype, tp)
         self.kv_a_proj_with_mqa = Linear(cfg.dim, C + R, dtype)
         self.kv_a_layernorm = RMSNorm(C, cfg.norm_eps)
-        self.kv_b_proj = Linear(C, H * (self.Dn + self.Dv), dtype)
+        self.kv_b_proj = ColumnParallelLinear(C, H * (self.Dn + self.Dv), dtype, tp)
         self.kv_b_proj.keep_checkpoint_format = False  # split into W_UK / W_UV for the absorbed decode
-        self.o_proj = Linear(H * self.Dv, cfg.dim, dtype)
+        self.o_proj = RowParallelLinear(H * self.Dv, cfg.dim, dtype, tp)
         self.scale = cfg.softmax_scale
         self.rope_factor = cfg.rope_attention_factor
         self.register_buffer("inv_freq", atb_ops.rope_inv_freq(R, cfg.rope_theta, cfg.rope_factor,

@@ -7,19 +7,23 @@ import torch
 from torch import nn
 
 import atb_ops
-from parallel.linear import Linear
+from parallel.groups import Group
+from parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-from ...layers.experts import Experts
+from ...layers.experts import reduce_moe, routed_experts
 from ...layers.norm import fp32_param
 
 
 class MLP(nn.Module):
-    """SiLU-gated MLP (dense layers and the shared experts)."""
+    """SiLU-gated MLP (dense layers and the shared experts): gate / up column-, down row-parallel under ``tp``
+    (``reduce=False``: down returns the partial sum, for a caller that reduces it with others)."""
 
-    def __init__(self, dim: int, inter: int, dtype: torch.dtype):
+    def __init__(self, dim: int, inter: int, dtype: torch.dtype, tp: Group | None = None, reduce: bool = True):
         super().__init__()
-        self.gate_proj, self.up_proj = Linear(dim, inter, dtype), Linear(dim, inter, dtype)
-        self.down_proj = Linear(inter, dim, dtype)
+        tp = tp or Group()
+        self.gate_proj = ColumnParallelLinear(dim, inter, dtype, tp)
+        self.up_proj = ColumnParallelLinear(dim, inter, dtype, tp)
+        self.down_proj = RowParallelLinear(inter, dim, dtype, tp, reduce=reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(atb_ops.swiglu(self.gate_proj(x), self.up_proj(x), 0.0).to(x.dtype))
@@ -40,15 +44,19 @@ class Gate(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg, dtype: torch.dtype):
+    """Replicated router; routed experts TP (split inside) or EP (partitioned), see ``layers.experts``; shared
+    experts column / row parallel; one reduction of the partial sums."""
+
+    def __init__(self, cfg, dtype: torch.dtype, parallel=None):
         super().__init__()
+        self.tp = parallel.tp if parallel is not None else Group()
         self.gate = Gate(cfg, dtype)
-        self.experts = Experts(cfg.n_routed_experts, cfg.moe_inter_dim, cfg.dim, 0.0, dtype, False)
-        self.shared_experts = MLP(cfg.dim, cfg.moe_inter_dim * cfg.n_shared_experts, dtype) if cfg.n_shared_experts else None
+        self.experts = routed_experts(cfg, cfg.moe_inter_dim, 0.0, dtype, False, parallel)
+        self.shared_experts = (MLP(cfg.dim, cfg.moe_inter_dim * cfg.n_shared_experts, dtype, self.tp, reduce=False)
+                               if cfg.n_shared_experts else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         y = self.experts(x, weights, ids)
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(x).float()
-        return y.to(x.dtype)
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        return reduce_moe(y, shared, self.experts, self.tp).to(x.dtype)

@@ -20,11 +20,12 @@ def shared_expert_inter(cfg: DeepseekV3Config) -> int:
     return cfg.moe_inter_dim * cfg.n_shared_experts  # the shared experts are one wide MLP
 
 
-def validate(cfg: DeepseekV3Config, tp: int, ep: int) -> None:
-    """The V3-only rules: dense layers split over TP; FP8 scale blocks whole on every rank."""
+def validate(cfg: DeepseekV3Config, tp: int, ep: int, quantized: bool = True, numerics: str = "exact") -> None:
+    """The V3-only rules: dense layers split over TP; FP8 scale blocks whole on every rank (``quantized``: the
+    weights come block-quantised from a checkpoint; V3 runs ``exact`` numerics only)."""
     if cfg.n_dense_layers:
         divisible("inter_dim", cfg.inter_dim, tp, "tensor_parallel_size")
-    if cfg.dtype != "fp8" or tp == 1:
+    if cfg.dtype != "fp8" or tp == 1 or not quantized:
         return
     h = cfg.n_heads // tp
     whole_blocks("q_b_proj (n_heads * qk_head_dim)", h * cfg.qk_head_dim, 128, tp, "FP8")

@@ -1,4 +1,4 @@
-"""DeepSeek-V4 attention: sliding window + compressed entries (CSA with indexer, HCA) + sink (spec §2.3).
+"""DeepSeek-V4 attention: sliding window + compressed entries (CSA with indexer, HCA) + sink (README.md §2.3).
 
 Every tensor is token-major over a ragged batch: ``x`` is ``[T, dim]``; KV state lives in the paged pools
 of ``ctx.pools`` and is addressed with the slot tensors of the :class:`StepContext`.
@@ -10,6 +10,8 @@ import torch
 from torch import nn
 
 import atb_ops
+from parallel.groups import Group
+from parallel.layers import ColumnParallelLinear, RowParallelLinear
 from parallel.linear import Linear
 
 from ...kv.context import StepContext
@@ -18,7 +20,7 @@ from .config import DeepseekV4Config
 
 
 def layer_inv_freq(cfg: DeepseekV4Config, ratio: int) -> torch.Tensor:
-    """RoPE table of a layer: base 10000 without YaRN for ratio 0, else base 160000 with YaRN (spec §2.0)."""
+    """RoPE table of a layer: base 10000 without YaRN for ratio 0, else base 160000 with YaRN (README.md §2.0)."""
     if ratio == 0:
         return atb_ops.rope_inv_freq(cfg.rope_head_dim, cfg.rope_theta)
     return atb_ops.rope_inv_freq(cfg.rope_head_dim, cfg.compress_rope_theta, cfg.rope_factor,
@@ -97,23 +99,31 @@ class Indexer(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: DeepseekV4Config, layer_id: int, dtype: torch.dtype, reference: bool):
+    """Under tensor parallelism (``tp``) the query heads (``wq_b``, ``attn_sink``) and the output groups (``wo_a``)
+    are split, ``wo_b`` is row-parallel (all-reduce); the single MQA KV head (``wkv``), the compressor and the
+    indexer are replicated so that every rank writes and selects exactly the single-device entries."""
+
+    _param_shards = {"attn_sink": 0}  # split on dim 0 over ``tp`` (the loader's slicing rule)
+
+    def __init__(self, cfg: DeepseekV4Config, layer_id: int, dtype: torch.dtype, reference: bool,
+                 tp: Group | None = None):
         super().__init__()
+        self.tp = tp = tp or Group()
         self.layer_id, self.ratio = layer_id, cfg.compress_ratios[layer_id]
-        self.n_heads, self.head_dim, self.rope_head_dim = cfg.n_heads, cfg.head_dim, cfg.rope_head_dim
-        self.o_groups, self.o_lora_rank, self.eps = cfg.o_groups, cfg.o_lora_rank, cfg.norm_eps
+        self.n_heads, self.head_dim, self.rope_head_dim = cfg.n_heads // tp.size, cfg.head_dim, cfg.rope_head_dim
+        self.o_groups, self.o_lora_rank, self.eps = cfg.o_groups // tp.size, cfg.o_lora_rank, cfg.norm_eps
         self.reference = reference
         H, D = cfg.n_heads, cfg.head_dim
         self.wq_a = Linear(cfg.dim, cfg.q_lora_rank, dtype, fp8_input=reference)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.norm_eps)
-        self.wq_b = Linear(cfg.q_lora_rank, H * D, dtype, fp8_input=reference)
+        self.wq_b = ColumnParallelLinear(cfg.q_lora_rank, H * D, dtype, tp, fp8_input=reference)
         self.wkv = Linear(cfg.dim, D, dtype, fp8_input=reference)
         self.kv_norm = RMSNorm(D, cfg.norm_eps)
         # wo_a runs in BF16 in the official model (dequantised at load): no activation rounding
-        self.wo_a = Linear(H * D // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, dtype)
-        self.wo_a.keep_checkpoint_format = False  # used as a dense einsum weight (spec §3.3)
-        self.wo_b = Linear(cfg.o_groups * cfg.o_lora_rank, cfg.dim, dtype, fp8_input=reference)
-        self.attn_sink = fp32_param(H)
+        self.wo_a = ColumnParallelLinear(H * D // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, dtype, tp)
+        self.wo_a.keep_checkpoint_format = False  # used as a dense einsum weight (README.md §3.3)
+        self.wo_b = RowParallelLinear(cfg.o_groups * cfg.o_lora_rank, cfg.dim, dtype, tp, fp8_input=reference)
+        self.attn_sink = fp32_param(H // tp.size)
         self.compressor = Compressor(cfg, self.ratio, D, False, dtype, reference) if self.ratio else None
         self.indexer = Indexer(cfg, dtype, reference) if self.ratio == 4 else None
         self.register_buffer("inv_freq", layer_inv_freq(cfg, self.ratio), persistent=False)

@@ -1,13 +1,13 @@
 """Model configuration of DeepSeek-V4.
 
-:class:`DeepseekV4Config` uses the official inference ``ModelArgs`` field names (spec §1.1). It is read from
+:class:`DeepseekV4Config` uses the official inference ``ModelArgs`` field names (README.md §1.1). It is read from
 
 * the official inference ``config.json`` (keys ``dim``, ``n_layers``, ...),
 * a Hugging Face ``config.json`` (keys ``hidden_size``, ``num_hidden_layers``, ...; both the published
   DeepSeek files with ``compress_ratios`` and what ``transformers`` writes, with ``layer_types``),
-* a built-in preset name (``toy-v4`` = spec §5.1, ``deepseek-v4-flash``, ``deepseek-v4-pro``).
+* a built-in preset name (``toy-v4`` = README.md §5.1, ``deepseek-v4-flash``, ``deepseek-v4-pro``).
 
-Every config is validated against the rules of spec §5.2; a broken one raises :class:`ConfigError`
+Every config is validated against the rules of README.md §5.2; a broken one raises :class:`ConfigError`
 naming the field and the rule.
 """
 
@@ -145,7 +145,7 @@ class DeepseekV4Config:
         d["compress_ratios"] = list(self.compress_ratios)
         return d
 
-    # ---- validation (spec §5.2) ------------------------------------------------------------------
+    # ---- validation (README.md §5.2) ------------------------------------------------------------------
     def validate(self) -> "DeepseekV4Config":
         def bad(fld: str, rule: str) -> None:
             src = f" ({self.name})" if self.name else ""
@@ -235,7 +235,7 @@ def _pro() -> DeepseekV4Config:
 
 
 def _toy() -> DeepseekV4Config:
-    # spec §5.1: all three layer kinds, hash layers, MTP, 4 HC streams, an indexer whose top-k is smaller
+    # README.md §5.1: all three layer kinds, hash layers, MTP, 4 HC streams, an indexer whose top-k is smaller
     # than the number of compressed entries of a few-hundred-token prompt.
     return DeepseekV4Config(
         name="toy-v4", vocab_size=1024, dim=256, moe_inter_dim=128, n_layers=7, n_mtp_layers=1, n_hash_layers=3,

@@ -1,4 +1,4 @@
-"""DeepSeek-V4 (Flash / Pro and the toy preset) on atb_ops, with paged KV state (spec §2).
+"""DeepSeek-V4 (Flash / Pro and the toy preset) on atb_ops, with paged KV state (README.md §2).
 
 Forward over a ragged batch: ``input_ids`` [T] and a :class:`StepContext` -> hyper-connection streams
 [T, hc_mult, dim] after the last block (what MTP consumes); :meth:`DeepseekV4Model.logits` applies
@@ -16,6 +16,8 @@ import torch
 from torch import nn
 
 import atb_ops
+from parallel.groups import Group
+from parallel.layers import ParallelLMHead, VocabParallelEmbedding
 from parallel.linear import Linear
 
 from ...kv.compressed_pools import V4KVPools
@@ -29,16 +31,16 @@ NUMERICS = ("exact", "reference")
 
 
 class Block(nn.Module):
-    """mHC-wrapped attention then mHC-wrapped MoE (spec §2.2)."""
+    """mHC-wrapped attention then mHC-wrapped MoE (README.md §2.2)."""
 
-    def __init__(self, cfg: DeepseekV4Config, layer_id: int, dtype: torch.dtype, reference: bool):
+    def __init__(self, cfg: DeepseekV4Config, layer_id: int, dtype: torch.dtype, reference: bool, parallel=None):
         super().__init__()
         self.cfg, self.layer_id = cfg, layer_id
         n, mix = cfg.hc_mult, (2 + cfg.hc_mult) * cfg.hc_mult
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attn = Attention(cfg, layer_id, dtype, reference)
-        self.ffn = MoE(cfg, layer_id, dtype, reference)
+        self.attn = Attention(cfg, layer_id, dtype, reference, parallel.tp if parallel is not None else None)
+        self.ffn = MoE(cfg, layer_id, dtype, reference, parallel)
         self.hc_attn_fn, self.hc_ffn_fn = fp32_param(mix, n * cfg.dim), fp32_param(mix, n * cfg.dim)
         self.hc_attn_base, self.hc_ffn_base = fp32_param(mix), fp32_param(mix)
         self.hc_attn_scale, self.hc_ffn_scale = fp32_param(3), fp32_param(3)
@@ -71,10 +73,10 @@ class HCHeadMixin:
 
 
 class MTPBlock(Block, HCHeadMixin):
-    """MTP module k (spec §2.6): embeds token t+1, mixes it with the main streams at t, runs one SWA block."""
+    """MTP module k (README.md §2.6): embeds token t+1, mixes it with the main streams at t, runs one SWA block."""
 
-    def __init__(self, cfg: DeepseekV4Config, layer_id: int, dtype: torch.dtype, reference: bool):
-        super().__init__(cfg, layer_id, dtype, reference)
+    def __init__(self, cfg: DeepseekV4Config, layer_id: int, dtype: torch.dtype, reference: bool, parallel=None):
+        super().__init__(cfg, layer_id, dtype, reference, parallel)
         self._init_head(cfg)
         self.e_proj = Linear(cfg.dim, cfg.dim, dtype, fp8_input=reference)
         self.h_proj = Linear(cfg.dim, cfg.dim, dtype, fp8_input=reference)
@@ -82,24 +84,31 @@ class MTPBlock(Block, HCHeadMixin):
         self.hnorm = RMSNorm(cfg.dim, cfg.norm_eps)
 
     def forward(self, x, ctx, token_ids, embed):  # see DeepseekV4Model.mtp_forward
-        e = self.e_proj(self.enorm(embed[token_ids]))
+        e = self.e_proj(self.enorm(embed(token_ids)))
         h = e.unsqueeze(1) + self.h_proj(self.hnorm(x))
         return Block.forward(self, h, ctx, token_ids)
 
 
 class DeepseekV4Model(nn.Module, HCHeadMixin):
-    def __init__(self, cfg: DeepseekV4Config, dtype: torch.dtype = torch.bfloat16, numerics: str = "exact"):
+    """``parallel`` (a :class:`parallel.groups.ParallelState`, None = one device): this rank's share of the model
+    (vocab-parallel embedding and head, split heads / output groups, TP or EP experts; see
+    ``ascend_dsv4.parallel_plan``); streams and logits are the full single-device tensors on every rank."""
+
+    def __init__(self, cfg: DeepseekV4Config, dtype: torch.dtype = torch.bfloat16, numerics: str = "exact",
+                 parallel=None):
         super().__init__()
         if numerics not in NUMERICS:
             raise ValueError(f"numerics must be one of {NUMERICS}, got {numerics!r}")
         self.cfg, self.dtype, self.numerics = cfg, dtype, numerics
+        self.parallel = parallel
+        tp = parallel.tp if parallel is not None else Group()
         ref = numerics == "reference"
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.dim, dtype=dtype)
-        self.embed.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(Block(cfg, i, dtype, ref) for i in range(cfg.n_layers))
+        self.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.dim, dtype, tp)
+        self.layers = nn.ModuleList(Block(cfg, i, dtype, ref, parallel) for i in range(cfg.n_layers))
         self._init_head(cfg)
-        self.head = Linear(cfg.dim, cfg.vocab_size, torch.float32, compute_fp32=True)
-        self.mtp = nn.ModuleList(MTPBlock(cfg, cfg.n_layers + k, dtype, ref) for k in range(cfg.n_mtp_layers))
+        self.head = ParallelLMHead(cfg.dim, cfg.vocab_size, torch.float32, tp, compute_fp32=True)
+        self.mtp = nn.ModuleList(MTPBlock(cfg, cfg.n_layers + k, dtype, ref, parallel)
+                                 for k in range(cfg.n_mtp_layers))
 
     def make_pools(self, sizes, dtype: torch.dtype, device, layout=None) -> V4KVPools:
         """``layout`` (the backend's ``atb_ops.KVLayout``) changes nothing here: the V4 pools have one layout."""
@@ -124,11 +133,11 @@ class DeepseekV4Model(nn.Module, HCHeadMixin):
 
         Uses the same ``ctx`` (positions t) as the main step; writes the MTP layer's window KV.
         """
-        return self.mtp[k](streams, ctx, next_ids, self.embed.weight)
+        return self.mtp[k](streams, ctx, next_ids, self.embed)
 
     def mtp_logits(self, streams: torch.Tensor, next_ids: torch.Tensor, ctx: StepContext, k: int = 0,
                    index: torch.Tensor | None = None) -> torch.Tensor:
-        """Draft logits [len(index), vocab] predicting token t+2 (spec §2.6)."""
+        """Draft logits [len(index), vocab] predicting token t+2 (README.md §2.6)."""
         x = self.mtp_forward(streams, next_ids, ctx, k)
         if index is not None:
             x = x[index]

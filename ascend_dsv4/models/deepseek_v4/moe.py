@@ -1,4 +1,8 @@
-"""DeepSeek-V4 MoE: sqrt-softplus gate (biased top-k or hash routing), clamped SwiGLU experts (spec §2.4)."""
+"""DeepSeek-V4 MoE: sqrt-softplus gate (biased top-k or hash routing), clamped SwiGLU experts (README.md §2.4).
+
+Under tensor parallelism the router is replicated, the shared expert is column (w1, w3) / row (w2) parallel and
+the routed experts are TP-split or EP-partitioned (:mod:`ascend_dsv4.layers.experts`); the partial sums of the
+routed and the shared experts are reduced once per layer."""
 
 from __future__ import annotations
 
@@ -6,9 +10,10 @@ import torch
 from torch import nn
 
 import atb_ops
-from parallel.linear import Linear
+from parallel.groups import Group
+from parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-from ...layers.experts import Experts
+from ...layers.experts import reduce_moe, routed_experts
 from ...layers.norm import fp32_param
 from .config import DeepseekV4Config
 
@@ -34,28 +39,32 @@ class Gate(nn.Module):
 
 
 class SharedExpert(nn.Module):
-    def __init__(self, cfg: DeepseekV4Config, dtype: torch.dtype, reference: bool):
+    """Shared expert; under TP w1 / w3 are column- and w2 row-parallel, returning a partial sum (``reduce=False``:
+    the MoE reduces it together with the routed experts)."""
+
+    def __init__(self, cfg: DeepseekV4Config, dtype: torch.dtype, reference: bool, tp: Group | None = None):
         super().__init__()
         d, I = cfg.dim, cfg.moe_inter_dim
+        tp = tp or Group()
         self.limit = cfg.swiglu_limit  # current official revision clamps the shared expert too
-        self.w1 = Linear(d, I, dtype, fp8_input=reference)
-        self.w3 = Linear(d, I, dtype, fp8_input=reference)
-        self.w2 = Linear(I, d, dtype, fp8_input=reference)
+        self.w1 = ColumnParallelLinear(d, I, dtype, tp, fp8_input=reference)
+        self.w3 = ColumnParallelLinear(d, I, dtype, tp, fp8_input=reference)
+        self.w2 = RowParallelLinear(I, d, dtype, tp, fp8_input=reference, reduce=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(atb_ops.swiglu(self.w1(x), self.w3(x), self.limit).to(x.dtype))
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: DeepseekV4Config, layer_id: int, dtype: torch.dtype, reference: bool):
+    def __init__(self, cfg: DeepseekV4Config, layer_id: int, dtype: torch.dtype, reference: bool, parallel=None):
         super().__init__()
+        self.tp = parallel.tp if parallel is not None else Group()
         self.gate = Gate(cfg, layer_id < cfg.n_hash_layers and layer_id < cfg.n_layers, dtype)
-        self.experts = Experts(cfg.n_routed_experts, cfg.moe_inter_dim, cfg.dim, cfg.swiglu_limit, dtype, reference)
-        self.shared_experts = SharedExpert(cfg, dtype, reference) if cfg.n_shared_experts else None
+        self.experts = routed_experts(cfg, cfg.moe_inter_dim, cfg.swiglu_limit, dtype, reference, parallel)
+        self.shared_experts = SharedExpert(cfg, dtype, reference, self.tp) if cfg.n_shared_experts else None
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x, token_ids)
         y = self.experts(x, weights, ids)
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(x).float()
-        return y.to(x.dtype)
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        return reduce_moe(y, shared, self.experts, self.tp).to(x.dtype)

@@ -1,4 +1,4 @@
-"""DeepSeek-V4 tensor name maps: transformers' names <-> official names (spec §3.1, §3.4) <-> our modules.
+"""DeepSeek-V4 tensor name maps: transformers' names <-> official names (README.md §3.1, §3.4) <-> our modules.
 
 Our module tree uses the official names, except that routed experts are stacked per layer
 (``layers.i.ffn.experts.w1`` [E, inter, dim] instead of ``layers.i.ffn.experts.e.w1.weight``).
@@ -58,7 +58,7 @@ _SAVED_TOP = {"embed_tokens.weight": "embed.weight", "hc_head.hc_fn": "hc_head_f
 def hf_to_official(name: str) -> str | None:
     """Official (stacked-expert) name of a transformers tensor name, or None if it has no counterpart.
 
-    Accepts transformers' module names (spec §3.4, e.g. ``model.layers.0.self_attn.q_a_proj.weight``) and
+    Accepts transformers' module names (README.md §3.4, e.g. ``model.layers.0.self_attn.q_a_proj.weight``) and
     what ``save_pretrained`` writes (official names under ``model.``, e.g. ``model.layers.0.attn.wq_a.weight``).
     """
     if name in _HF_TOP:
@@ -129,7 +129,7 @@ def canonical_name(name: str) -> str | None:
 def hf_writer_name(official: str) -> str:
     """The name our HF-format writer gives an official tensor name (inverse of :func:`canonical_name`).
 
-    Non-expert tensors use transformers' module names (spec §3.4), FP8 scales become ``weight_scale_inv``,
+    Non-expert tensors use transformers' module names (README.md §3.4), FP8 scales become ``weight_scale_inv``,
     routed experts use DeepSeek's per-expert HF names (``model.layers.i.mlp.experts.e.gate_proj.weight``),
     MTP tensors keep their official names (transformers ignores ``mtp.*``).
     """

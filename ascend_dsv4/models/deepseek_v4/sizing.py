@@ -2,10 +2,10 @@
 
 Everything here is a pure function of a :class:`~ascend_dsv4.config.DeepseekV4Config` (no torch).
 
-**Tensor inventory** (spec §3.1). :func:`tensor_inventory` lists every tensor of the published checkpoint with
+**Tensor inventory** (README.md §3.1). :func:`tensor_inventory` lists every tensor of the published checkpoint with
 its official name, shape, safetensors dtype and a group. With ``dtype="fp8"`` and ``expert_dtype="fp4"`` it
 reproduces the published files exactly: Flash 69,187 tensors / 159,609,485,896 B, Pro 145,116 tensors /
-864,704,792,696 B (same dtype histograms as spec §3.1). Per layer ``i`` (``d`` = dim, ``H`` = n_heads,
+864,704,792,696 B (same dtype histograms as README.md §3.1). Per layer ``i`` (``d`` = dim, ``H`` = n_heads,
 ``D`` = head_dim, ``q`` = q_lora_rank, ``G`` = o_groups, ``o`` = o_lora_rank, ``N`` = hc_mult, ``E`` experts of
 width ``I``, ``Di``/``Hi`` = index_head_dim/index_n_heads, ``k`` = 2 for ratio 4 else 1)::
 
@@ -26,7 +26,7 @@ experts follow ``cfg.expert_dtype`` (``None`` = like ``cfg.dtype``): FP4 = I8 ``
 byte) + E8M0 scale ``[out, in/32]``; FP8 as above; BF16. Norm weights, gate.weight, compressor / indexer-compressor
 wkv/wgate, indexer.weights_proj, embed and head are BF16; hc_*, ape, attn_sink and gate.bias are F32.
 
-**Parameter-count convention** (reproduces spec §1.3 "logical params incl. MTP" for both Flash,
+**Parameter-count convention** (reproduces README.md §1.3 "logical params incl. MTP" for both Flash,
 290,942,289,362, and Pro, 1,598,837,347,742, exactly): every tensor of the inventory counts its logical number of
 elements (a packed-FP4 ``[out, in/2]`` tensor counts ``out*in``), *including* hc_* fn/base/scale, ``ape``,
 ``attn_sink``, ``gate.bias`` and all norm weights, and *excluding* the quantisation ``scale`` tensors and the
@@ -146,7 +146,7 @@ def tensor_inventory(cfg: DeepseekV4Config, include_mtp: bool = True) -> list[Te
 def param_count(cfg: DeepseekV4Config, include_mtp: bool = True) -> int:
     """Logical parameter count: Σ logical elements of every inventory tensor except scales and tid2eid
     (packed FP4 experts count as their logical ``[out, in]``). Convention in the module docstring; it gives
-    spec §1.3's Flash 290,942,289,362 and Pro 1,598,837,347,742 (MTP included)."""
+    README.md §1.3's Flash 290,942,289,362 and Pro 1,598,837,347,742 (MTP included)."""
     return sum(t.logical_numel for t in tensor_inventory(cfg, include_mtp) if t.is_param)
 
 
@@ -183,7 +183,7 @@ def checkpoint_bytes(cfg: DeepseekV4Config, include_mtp: bool = True) -> int:
 # ---- KV cache ----------------------------------------------------------------------------------------
 
 def production_entry_bytes(cfg: DeepseekV4Config) -> int:
-    """Bytes of one head_dim-wide KV entry in the FlashMLA-style production layout (spec §4.2):
+    """Bytes of one head_dim-wide KV entry in the FlashMLA-style production layout (README.md §4.2):
     ``(head_dim - rope_head_dim)`` FP8 nope bytes + ``2 * rope_head_dim`` BF16 rope bytes + one E8M0 scale per
     64 nope channels, the scale bytes padded to a multiple of 8 (448 + 128 + 7 + 1 pad = 584 B for D=512)."""
     nope = cfg.head_dim - cfg.rope_head_dim
@@ -206,13 +206,13 @@ def kv_bytes_per_token(cfg: DeepseekV4Config, layout: str = "production", dtype_
     ``Σ_kind layer_counts(cfg)[kind] * value[kind]``. The window (SWA rows) and the compressor state are a fixed
     per-sequence cost (:func:`fixed_bytes_per_sequence`), so SWA-only and MTP layers add 0 per token.
 
-    * ``layout="production"`` (spec §4.2, SGLang / FlashMLA): CSA = E/4 + Ei/4, HCA = E/128 with
+    * ``layout="production"`` (README.md §4.2, SGLang / FlashMLA): CSA = E/4 + Ei/4, HCA = E/128 with
       E = :func:`production_entry_bytes` (584 B) and Ei = :func:`production_indexer_entry_bytes` (68 B FP4,
       132 B with ``indexer_fp8``): CSA 163 B (179 B), HCA 4.5625 B; Flash 3,514.25 B/token (3,850.25),
       Pro 5,031.44 (5,511.44). ``dtype_bytes`` is ignored.
     * ``layout="pool"`` (our :class:`~ascend_dsv4.engine.kv_pools.V4KVPools`): CSA = (head_dim + index_head_dim)
       * dtype_bytes / 4 (``c4`` + ``c4_idx``), HCA = head_dim * dtype_bytes / 128 (``c128``). At BF16 this equals
-      spec §4.2's "reference BF16 buffers" column: CSA 320 B, HCA 8 B, Flash 6,880 B/token, Pro 9,848.
+      README.md §4.2's "reference BF16 buffers" column: CSA 320 B, HCA 8 B, Flash 6,880 B/token, Pro 9,848.
     """
     if layout == "production":
         e, ei = production_entry_bytes(cfg), production_indexer_entry_bytes(cfg, indexer_fp8)
@@ -316,7 +316,7 @@ def weights_bytes(cfg: DeepseekV4Config) -> int:
     """Weight bytes in the checkpoint formats of ``cfg`` (= :func:`checkpoint_bytes`): FP8 linears 1 B/param
     + one E8M0 byte per 128x128 block, FP4 experts 0.5 B/param + one byte per 32, BF16 2 B, F32 4 B, tid2eid
     8 B per entry. Exact for the published Flash/Pro files. The official model additionally up-casts norms,
-    compressor wkv/wgate and head to FP32 and dequantises wo_a to BF16 at load (spec §3.3): not counted."""
+    compressor wkv/wgate and head to FP32 and dequantises wo_a to BF16 at load (README.md §3.3): not counted."""
     return checkpoint_bytes(cfg)
 
 
@@ -348,7 +348,7 @@ def memory_plan(cfg: DeepseekV4Config, context_len: int, batch: int, dtype_bytes
       :func:`fixed_bytes_per_sequence`, capped by the context); ``kv_growth_per_seq``: the c4/c4_idx/c128 entry
       pages (rounded up to whole pages); ``kv_per_seq`` = their sum = :func:`pool_bytes_per_sequence`;
       ``kv_bytes`` = batch * kv_per_seq.
-    * ``kv_production_bytes``: for comparison, the production layout of spec §4.2 for the same batch:
+    * ``kv_production_bytes``: for comparison, the production layout of README.md §4.2 for the same batch:
       batch * (context_len * production bytes/token + one window of ``window_size`` 584-B entries per layer,
       MTP included); compressor rings not counted.
     * ``total_bytes`` = weights_bytes + kv_bytes (activations and workspace not included).

@@ -21,15 +21,26 @@ def shared_expert_inter(cfg: DeepseekV4Config) -> int:
     return cfg.moe_inter_dim  # one shared expert
 
 
-def validate(cfg: DeepseekV4Config, tp: int, ep: int) -> None:
-    """The V4-only rules: output groups split over TP; FP8/FP4 scale blocks whole on every rank."""
+def validate(cfg: DeepseekV4Config, tp: int, ep: int, quantized: bool = True, numerics: str = "exact") -> None:
+    """The V4-only rules: output groups split over TP; FP8/FP4 scale blocks whole on every rank (``quantized``:
+    the weights come block-quantised from a checkpoint); in ``reference`` numerics, whole 128-wide activation
+    rounding blocks on the split inputs of ``wo_b`` and of the experts' w2."""
     divisible("o_groups", cfg.o_groups, tp, "tensor_parallel_size")
-    if cfg.dtype == "fp8" and tp > 1:
+    if cfg.dtype == "fp8" and tp > 1 and quantized:
         whole_blocks("wq_b (n_heads * head_dim)", cfg.n_heads // tp * cfg.head_dim, 128, tp, "FP8")
         whole_blocks("wo_a / wo_b (o_groups * o_lora_rank)", cfg.o_groups // tp * cfg.o_lora_rank, 128, tp, "FP8")
         if cfg.n_shared_experts:
             whole_blocks("moe_inter_dim (shared experts)", shared_expert_inter(cfg) // tp, 128, tp, "FP8")
+    if numerics == "reference" and tp > 1:
+        whole_blocks("wo_b input (o_groups * o_lora_rank), reference numerics", cfg.o_groups // tp * cfg.o_lora_rank,
+                     128, tp, "activation-rounded")
+        if cfg.n_shared_experts:
+            whole_blocks("moe_inter_dim (shared expert w2 input), reference numerics", shared_expert_inter(cfg) // tp,
+                         128, tp, "activation-rounded")
+        if ep == 1:
+            whole_blocks("moe_inter_dim (routed expert w2 input), reference numerics", cfg.moe_inter_dim // tp, 128,
+                         tp, "activation-rounded")
     ef = cfg.expert_dtype or cfg.dtype
-    if ep == 1 and tp > 1 and ef in ("fp8", "fp4"):
+    if ep == 1 and tp > 1 and ef in ("fp8", "fp4") and quantized:
         whole_blocks("moe_inter_dim (routed experts)", cfg.moe_inter_dim // tp, 128 if ef == "fp8" else 32, tp,
                      ef.upper())

@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from ..._dispatch import register
+from ..._registry import register
 from .runner import cube_supported, run_compressor, run_mla
 
 MLA_VARIANTS = ("auto", "vector", "cube")

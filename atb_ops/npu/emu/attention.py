@@ -42,7 +42,8 @@ def _paged_rows(cache: torch.Tensor, block_table: torch.Tensor, block_size: int,
 def _antiquant(kv: torch.Tensor, scale, offset, mode: int, nkv: int, what: str) -> torch.Tensor:
     """Pseudo-quant KV (int8 key / value): ``(kv + offset) * scale`` per channel (mode 0: ``N_kv * D`` values,
     any shape of that size, e.g. ``[1, N_kv * D]`` (BSH / BnBsH) or ``[N_kv, 1, D]``); the formula is the one
-    the other antiquant ops document (torch_npu_ops §3.3; FIA's doc does not restate it)."""
+    the other antiquant ops document (``npu_weight_quant_batchmatmul``, ``npu_grouped_matmul``; FIA's doc does
+    not restate it)."""
     if scale is None:
         if kv.dtype == torch.int8:
             refuse("npu_fused_infer_attention_score", f"int8 {what} without {what}_antiquant_scale")

@@ -1,4 +1,4 @@
-"""CPU emulations of the torch_npu ops an msModelSlim linear runs through, from /work/shared/docs/torch_npu_ops.md.
+"""CPU emulations of the torch_npu ops an msModelSlim linear runs through, from the torch_npu API documentation.
 
 Test-only (not part of the package). Each function follows the formula of its section; where the doc leaves a
 detail open, the choice is stated in the docstring.
@@ -31,7 +31,8 @@ def npu_trans_quant_param(scale: torch.Tensor, offset: torch.Tensor | None = Non
 
 def npu_quantize(x, scales, zero_points, dtype=torch.qint8, axis=-1, div_mode=True):
     """§5.10: div_mode=True ``q = clamp(round(x/scale) + zp)``; div_mode=False ``q = round(x*scale + zp)`` clipped
-    to [-128, 127]. vllm-ascend calls it with ``1/input_scale`` and ``div_mode=False`` (msmodelslim_notes §5)."""
+    to [-128, 127]. vllm-ascend calls it with ``1/input_scale`` and ``div_mode=False`` (quant/msmodelslim/README.md
+    §5)."""
     xf = x.float()
     if div_mode:
         q = torch.round(xf / scales.float()) + zero_points.float()
@@ -50,7 +51,7 @@ def npu_dynamic_quant(x):
 
 def _scale_values(scale: torch.Tensor) -> torch.Tensor:
     """float scale as is; int64 scale: the fixpipe uses the top 19 bits of the low-word float32
-    (msmodelslim_notes §5 "Hardware precision", inferred; both int64 layouts decode from the low word)."""
+    (quant/msmodelslim/README.md §5 "Hardware precision", inferred; both int64 layouts decode from the low word)."""
     if scale.dtype == torch.int64:
         return _bits_low32_to_float(scale.to(torch.int64) & 0xFFFFE000)
     return scale.float()

@@ -1,4 +1,4 @@
-"""Synthetic msModelSlim-format checkpoints, built from the formulas of msmodelslim_notes.md §4-§6.
+"""Synthetic msModelSlim-format checkpoints, built from the formulas of quant/msmodelslim/README.md §4-§6.
 
 Written independently of ``quant.msmodelslim`` (no imports from it), so that tests compare the package
 against the documented format rather than against itself. Each ``quant_*`` function takes a float weight
@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 # ---------------------------------------------------------------------------------------------------------------
-# per-linear quantisers (notes §6 "W8A8 static formula chain", §4 tables)
+# per-linear quantisers (quant/msmodelslim/README.md §6 "W8A8 static formula chain", §4 tables)
 
 
 def calib_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,7 +45,8 @@ def asym_per_row(w: torch.Tensor, levels: int = 255, qmin: int = -128, qmax: int
 
 
 def int64_deq(deq: torch.Tensor) -> torch.Tensor:
-    """msModelSlim ``deqscale2int64``: ``np.frombuffer(float32 bytes, int32).astype(int64)`` (notes §5)."""
+    """msModelSlim ``deqscale2int64``: ``np.frombuffer(float32 bytes, int32).astype(int64)``
+    (quant/msmodelslim/README.md §5)."""
     a = np.frombuffer(deq.to(torch.float32).numpy().tobytes(), dtype=np.int32).astype(np.int64)
     return torch.from_numpy(a.copy())
 
@@ -184,7 +185,8 @@ def dequant_reference(t: dict, qtype: str) -> torch.Tensor:
 
 def write_checkpoint(folder, tensors: dict, types: dict, globals_: dict | None = None, style: str = "v1",
                      v0_type: str = "w8a8", shards: int = 1) -> str:
-    """Write tensors + description the way msModelSlim names them (notes §3). Returns ``folder``."""
+    """Write tensors + description the way msModelSlim names them (quant/msmodelslim/README.md §3). Returns
+    ``folder``."""
     os.makedirs(folder, exist_ok=True)
     desc = dict(globals_ or {})
     desc.update(types)

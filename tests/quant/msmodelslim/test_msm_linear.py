@@ -4,7 +4,8 @@ Tolerance between the paths (all types): both compute the same real number ``y* 
 float32 rounding. The int path rounds once or twice after an exact integer sum (error <= 3u|y|, u = 2^-24); the float
 path sums K float32 products of rounded factors (error <= (K+3) u sum_k |x_dq||W|, the standard bound
 gamma_K = K u / (1 - K u) plus the rounding of each factor). We assert the sum of both bounds, doubled. The static
-type with a float bias adds the folding error ``deq * |round(b/deq) - b/deq| <= deq / 2`` (msmodelslim_notes §6).
+type with a float bias adds the folding error ``deq * |round(b/deq) - b/deq| <= deq / 2``
+(quant/msmodelslim/README.md §6).
 """
 
 import numpy as np

@@ -1,4 +1,4 @@
-"""NPU parameter preparation, checked against CPU emulations of the torch_npu ops (msm_emulate, torch_npu_ops.md)."""
+"""NPU parameter preparation, checked against CPU emulations of the torch_npu ops (msm_emulate, from the torch_npu docs)."""
 
 import numpy as np
 import pytest
@@ -82,7 +82,7 @@ def test_trans_quant_param_round_trip(pairs):
 
 
 def test_trans_quant_param_documented_example():
-    # msmodelslim_notes §5: msModelSlim 0x387ae5cb vs TransQuantParam 0x4000387ae000 for the same float
+    # quant/msmodelslim/README.md §5: msModelSlim 0x387ae5cb vs TransQuantParam 0x4000387ae000 for the same float
     d = torch.tensor([0x387AE5CB], dtype=torch.int64)
     f = decode_deq_scale(d)
     assert int(encode_deq_scale_trans_quant_param(f)[0]) == 0x4000387AE000
@@ -174,7 +174,7 @@ def test_int4_int32_packing():
 
 def test_msmodelslim_row_packing_and_npu_conversion():
     q = torch.zeros(4, 3, dtype=torch.int8)
-    q[0, 0], q[1, 0] = 1, -2  # even row -> low nibble, odd row -> high nibble (notes §4)
+    q[0, 0], q[1, 0] = 1, -2  # even row -> low nibble, odd row -> high nibble (quant/msmodelslim/README.md §4)
     packed = pack_int4_rows(q)
     assert packed.shape == (2, 3) and int(packed[0, 0]) & 0xFF == 0xE1
     r = torch.randint(-8, 8, (32, 40), generator=torch.Generator().manual_seed(2))

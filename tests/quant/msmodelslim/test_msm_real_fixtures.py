@@ -2,7 +2,8 @@
 
 Skipped when the fixture folder has no cases. For every case: load() reads description and weights, every
 described linear builds in both paths and they agree within the rounding bound, the NPU parameters reproduce the
-int path through the emulated ops, and the format facts of msmodelslim_notes §4/§5/§9 hold. No model-level logits.
+int path through the emulated ops, and the format facts of quant/msmodelslim/README.md §4/§5/§9 hold. No model-level
+logits.
 """
 
 import glob
@@ -80,7 +81,8 @@ def test_real_case_loads_and_every_linear_builds(case):
 
 @pytest.mark.parametrize("case", CASES)
 def test_real_case_format_facts(case):
-    """msmodelslim_notes §9.1: dtypes, deq_scale value and encoding, quant_bias formula, W4A8 packing/scale_bias."""
+    """quant/msmodelslim/README.md §9.1: dtypes, deq_scale value and encoding, quant_bias formula, W4A8
+    packing/scale_bias."""
     info = _case(case)
     model_dtype = DTYPES.get(info.get("source_model_dtype", "float32"), torch.float32)
     with msm.load(os.path.join(ROOT, case)) as ckpt:
@@ -92,7 +94,7 @@ def test_real_case_format_facts(case):
                 deq = decode_deq_scale(t["deq_scale"], name)
                 assert bool((deq > 0).all())
                 if model_dtype == torch.bfloat16:
-                    assert t["deq_scale"].dtype == torch.float32  # bf16 models: float32 deq (notes §4/§5)
+                    assert t["deq_scale"].dtype == torch.float32  # bf16 models: float32 deq (quant/msmodelslim/README.md §4/§5)
                 else:
                     assert t["deq_scale"].dtype == torch.int64 and bool(((t["deq_scale"] >> 32) == 0).all())
                 if "weight_scale" in t:  # v0: deq == input_scale * weight_scale, computed in the stored dtype
@@ -100,7 +102,7 @@ def test_real_case_format_facts(case):
                     assert torch.equal(deq, prod), name
                 b = t["bias"].float() if "bias" in t else torch.zeros_like(deq)
                 qb = torch.round(b / deq - t["weight"].float().sum(1) * t["input_offset"].float()).to(torch.int32)
-                assert torch.equal(qb, t["quant_bias"]), name  # bias folded exactly (notes §6)
+                assert torch.equal(qb, t["quant_bias"]), name  # bias folded exactly (quant/msmodelslim/README.md §6)
                 if info.get("api") == "v0":
                     assert t["input_scale"].dtype == model_dtype  # v0 writes scales in the model dtype
             if qtype == "W4A8_DYNAMIC" and "scale_bias" in t:
@@ -117,12 +119,12 @@ def test_real_case_format_facts(case):
                     approx = 8 * (q4.float() * s12).reshape(n, chunks, -1).sum(-1)
                     assert float((approx - t["scale_bias"]).abs().max()) <= 1e-2 * float(t["scale_bias"].abs().max())
                 else:
-                    assert torch.equal(sb, t["scale_bias"]), name  # exact (notes §4)
+                    assert torch.equal(sb, t["scale_bias"]), name  # exact (quant/msmodelslim/README.md §4)
             if "weight_offset_second" in t:
                 assert t["weight_offset_second"].dtype == torch.int64
         for key, t in ckpt.types.items():
             if ".module." in key:
-                assert t == ckpt.model_quant_type  # the v0 anti-outlier quirk (notes §3)
+                assert t == ckpt.model_quant_type  # the v0 anti-outlier quirk (quant/msmodelslim/README.md §3)
 
 
 def test_packed_and_unpacked_v0_w4a8_agree():

@@ -1,0 +1,155 @@
+"""msModelSlim checkpoints under tensor / expert parallelism: each rank's share of every described linear.
+
+A column-parallel linear (split output channels n) takes its rows of the weight and of every per-channel tensor
+(``weight_scale``, ``weight_offset``, ``deq_scale``, ``quant_bias``, ``bias``, second-stage W4A8 scales; packed
+int4 rows by pairs); per-tensor input scales are shared. A row-parallel linear (split input channels k) takes its
+columns of the weight and of per-group scales, keeps per-channel scales whole, and adds ``quant_bias`` / ``bias``
+on rank 0 only (they are added to the partial sum before the all-reduce, so once in total). Dynamic (per-token)
+activation quantisation of a row-parallel input uses the token's max over ALL ranks (an all-reduce of the local
+maxima), so that every rank quantises with the single-device scale and the integer sums add up to the
+single-device result. Routed experts: EP ranks build only their own experts; TP ranks split each expert's w1 / w3
+by columns and w2 by rows. Only the integer path (``msmodelslim_path="int"``, what the NPU runs) is split.
+
+These tensors are read whole and sliced on the rank (the msModelSlim reader has no partial reads): a rank holds
+only its share, but reads every described linear of the layers it needs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from parallel.comm import all_reduce
+from parallel.groups import Group
+
+from ..errors import CheckpointError
+from ..layers.quantized import QuantExperts, QuantLinearAdapter
+
+_PER_CHANNEL = ("weight_scale", "weight_offset", "weight_scale_second", "weight_offset_second", "deq_scale",
+                "quant_bias", "bias", "scale_bias")
+
+
+def _part(t: torch.Tensor, dim: int, g: Group, what: str) -> torch.Tensor:
+    n = t.shape[dim]
+    if n % g.size:
+        raise CheckpointError(f"{what}: dimension {dim} of size {n} does not split over {g.size} ranks")
+    per = n // g.size
+    return t.narrow(dim, g.rank * per, per).contiguous()
+
+
+def sliced_tensors(tensors: dict[str, torch.Tensor], kind: str, g: Group, name: str) -> dict[str, torch.Tensor]:
+    """This rank's tensors of one described linear (``kind``: 'column' | 'row')."""
+    w = tensors["weight"]
+    n = tensors["weight_scale"].shape[0] if "weight_scale" in tensors else (
+        tensors["deq_scale"].reshape(-1).shape[0] if "deq_scale" in tensors else w.shape[0])
+    out = {}
+    for s, t in tensors.items():
+        what = f"{name}.{s}"
+        if kind == "column":
+            if s == "weight" or (s in _PER_CHANNEL and t.dim() >= 1 and t.shape[0] in (n, w.shape[0])):
+                out[s] = _part(t, 0, g, what)
+            else:
+                out[s] = t
+        else:
+            if s == "weight":
+                out[s] = _part(t, 1, g, what)
+            elif s in ("quant_bias", "bias"):
+                out[s] = t if g.rank == 0 else torch.zeros_like(t)
+            elif s in ("weight_scale", "weight_offset", "weight_scale_second", "weight_offset_second") \
+                    and t.dim() == 2 and t.shape[1] > 1:
+                out[s] = _part(t, 1, g, what)  # per-group scales follow the columns
+            else:
+                out[s] = t
+    return out
+
+
+def _global_dynamic_quant(ql: nn.Module, g: Group):
+    """quantize_input of a row-parallel dynamic QuantLinear: per-token scale from the max over all ranks."""
+    from quant.msmodelslim.schemes.numerics import round_clamp as _round_clamp
+
+    def quantize_input(x2: torch.Tensor):
+        if ql.mode == "static":
+            return type(ql).quantize_input(ql, x2)
+        amax = x2.abs().amax(dim=-1)
+        if g.size > 1:
+            amax = amax.contiguous()
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=g.pg)
+        s = amax / 127.0
+        safe = torch.where(s == 0, torch.ones_like(s), s)
+        q = _round_clamp(x2 / safe.unsqueeze(-1)).to(torch.int64)  # as dynamic_quant_per_token, global max
+        return q, s
+
+    ql.quantize_input = quantize_input
+    return ql
+
+
+class ParallelQuantLinearAdapter(QuantLinearAdapter):
+    """A rank's share of a described linear in place of a column- / row-parallel linear (row: reduced over ``tp``
+    unless the replaced linear had ``reduce=False``)."""
+
+    def __init__(self, ql: nn.Module, out_dtype: torch.dtype, kind: str, tp: Group, reduce: bool = True):
+        super().__init__(ql, out_dtype)
+        self.kind, self.tp, self.reduce = kind, tp, reduce
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        if self.kind == "row" and self.reduce:
+            y = all_reduce(y, self.tp)
+        return y
+
+
+def linear_kind(mod: nn.Module) -> str | None:
+    """'column' | 'row' for a split parallel linear, None for a whole one."""
+    tp = getattr(mod, "tp", None)
+    if tp is None or tp.size == 1:
+        return None
+    return {0: "column", 1: "row"}.get(getattr(mod, "shard_dim", None))
+
+
+def quant_linear(ck, key: str, kind: str | None, tp: Group, path: str, kw: dict, dtype, reduce: bool = True):
+    """The adapter of described linear ``key`` for this rank (whole when ``kind`` is None)."""
+    from quant.msmodelslim.schemes import QuantLinear
+
+    if kind is None:
+        return QuantLinearAdapter(ck.linear(key, path=path, **kw), dtype)
+    if path != "int":
+        raise CheckpointError(f"{key}: msModelSlim linears are split over tensor-parallel ranks on the integer path "
+                              f"only (msmodelslim_path='int')")
+    entry = ck.layout.linears[key]
+    tensors = {suffix: ck.weights.get(k) for suffix, k in entry.tensors.items()}
+    ql = QuantLinear(entry.qtype, sliced_tensors(tensors, kind, tp, key), name=key, path=path, **kw)
+    if kind == "row":
+        _global_dynamic_quant(ql, tp)
+    return ParallelQuantLinearAdapter(ql, dtype, kind, tp, reduce)
+
+
+class ParallelQuantExperts(QuantExperts):
+    """Routed msModelSlim experts of one rank: EP (experts ``first_expert ..`` only; others skipped) or TP (every
+    expert split); returns a partial sum reduced by the MoE (``ep_comm = 'allreduce'``)."""
+
+    def __init__(self, experts, limit: float, weight_after_w2: bool, first_expert: int, ep: Group, tp: Group):
+        super().__init__(experts, limit, weight_after_w2)
+        self.first_expert, self.ep, self.tp = first_expert, ep, tp
+        self.ep_comm = "allreduce"
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        E = len(self.w1)
+        if self.ep.size == 1:
+            return super().forward(x, weights, ids)
+        local = ids - self.first_expert
+        mine = (local >= 0) & (local < E)
+        # rows routed elsewhere get weight 0 on a dummy local expert: skipped by masking ids to -1
+        y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        import atb_ops
+
+        for e in torch.unique(local[mine]).tolist():
+            tok, slot = (local == e).nonzero(as_tuple=True)
+            xs = x[tok]
+            h = atb_ops.swiglu(self.w1[e](xs), self.w3[e](xs), self.limit)
+            w = weights[tok, slot].unsqueeze(-1)
+            if self.weight_after_w2:
+                y.index_add_(0, tok, self.w2[e](h.to(x.dtype)).float() * w)
+            else:
+                y.index_add_(0, tok, self.w2[e]((h * w).to(x.dtype)).float())
+        return y
