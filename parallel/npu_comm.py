@@ -6,8 +6,10 @@ the unfused layer adds once after the reduce is passed on rank 0 only. The commu
 group's HCCL backend (``pg._get_backend(torch.device("npu")).get_hccl_comm_name(rank)``, the torch_npu docs'
 recipe); under the torch_npu CPU emulation (``atb_ops.npu.emulation``) its ``register_hcom`` stands in.
 
-Not yet wired into :class:`parallel.layers.RowParallelLinear`: that waits for the tensor-parallel runtime
-(issue 11). No NPU was used: verified on the emulation with the ``hccl`` test backend and the wheel's contracts.
+:class:`parallel.layers.RowParallelLinear` calls :func:`try_matmul_all_reduce` first: when the ops run on the
+NPU backend, the weight is dense and the group has more than one rank, the fused op replaces ``linear`` +
+``all_reduce``. No NPU was used: verified on the emulation (world 2, the ``hccl`` test backend and gloo) and
+the wheel's contracts.
 """
 
 from __future__ import annotations
@@ -62,3 +64,16 @@ def matmul_all_reduce(x: torch.Tensor, weight: torch.Tensor, g: Group,
         x2 = x2.to(x.dtype)
     b = None if bias is None or g.rank != 0 else bias.to(x.dtype)
     return _torch_npu().npu_mm_all_reduce_base(x, x2, hccl_comm_name(g), reduce_op="sum", bias=b)
+
+
+def try_matmul_all_reduce(layer, x: torch.Tensor) -> Optional[torch.Tensor]:
+    """The fused form of a row-parallel ``layer`` (``parallel.layers.RowParallelLinear``) on ``x`` (already this
+    rank's input slice), or None when it does not apply: not the npu op backend for ``x``, a group of one rank,
+    a non-dense / float32-compute / FP8-rounded-input layer, a float32 reduce, or x not 2-D / 3-D."""
+    import atb_ops
+
+    g = layer.tp
+    if (g.size == 1 or layer.fmt != "dense" or layer.compute_fp32 or layer.fp8_input or layer.reduce_fp32
+            or x.dim() not in (2, 3) or atb_ops.selected_backend(x) != "npu" or not fused_available(g)):
+        return None
+    return matmul_all_reduce(x, layer.weight, g, layer.bias)
