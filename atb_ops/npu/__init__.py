@@ -57,3 +57,7 @@ def _register_layout() -> None:
 _ascendc_candidates()
 _register_all()
 _register_layout()
+
+from .worker_emulation import apply_from_env  # noqa: E402
+
+apply_from_env()  # a worker of a multi-rank check-npu: emulation + contract recorder (no-op otherwise)
