@@ -20,6 +20,7 @@ from ._dispatch import (
     use_backend,
 )
 from .ops import (
+    add_rms_norm,
     apply_rope,
     compressor_pool,
     dequantize_weight,
@@ -32,16 +33,21 @@ from .ops import (
     hc_post,
     hc_pre,
     indexer_topk,
+    kv_quant,
     linear,
     mla_decode,
+    mla_decode_split,
     mla_prefill,
     moe_gate,
+    moe_permute,
+    moe_unpermute,
     quant_grouped_matmul,
     quant_linear,
     rms_norm,
     sparse_attention,
     swiglu,
 )
+from .layout import KVLayout, kv_layout, register_kv_layout
 from .reference.rope import rope_inv_freq
 from .invariant import enable_torch_ops as enable_batch_invariant_torch
 
@@ -49,10 +55,11 @@ OPS = (
     "rms_norm", "apply_rope", "hc_pre", "hc_post", "hc_head", "compressor_pool", "indexer_topk",
     "sparse_attention", "moe_gate", "swiglu", "linear", "grouped_matmul", "fp8_act_round", "fp4_act_round", "hadamard",
     "mla_decode", "mla_prefill", "dequantize_weight", "quant_linear", "quant_grouped_matmul", "group_linear",
+    "add_rms_norm", "kv_quant", "mla_decode_split", "moe_permute", "moe_unpermute",
 )
 
 __all__ = list(OPS) + [
-    "BACKENDS", "BackendError", "batch_invariant", "device_available", "enable_batch_invariant_torch",
-    "implementations", "is_batch_invariant", "register", "rope_inv_freq", "selected_backend", "set_batch_invariant",
-    "use_backend",
+    "BACKENDS", "BackendError", "KVLayout", "batch_invariant", "device_available", "enable_batch_invariant_torch",
+    "implementations", "is_batch_invariant", "kv_layout", "register", "register_kv_layout", "rope_inv_freq",
+    "selected_backend", "set_batch_invariant", "use_backend",
 ]

@@ -20,6 +20,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return resolve("rms_norm", x)(x, weight, eps)
 
 
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add then RMSNorm: ``h = x + residual`` (in x's dtype, as the unfused ``x + r`` rounds it), returns
+    ``(rms_norm(h, weight, eps), h)``.
+
+    x, residual: [..., n] same float dtype; weight: [n] float32 or None. Outputs: both [..., n] in x.dtype.
+    """
+    return resolve("add_rms_norm", x)(x, residual, weight, eps)
+
+
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """Interleaved RoPE on the LAST ``R = 2 * len(inv_freq)`` channels of x; other channels pass through.
 
@@ -219,6 +229,16 @@ def mla_decode(q_nope_absorbed: torch.Tensor, q_pe: torch.Tensor, latent: torch.
     return resolve("mla_decode", q_nope_absorbed)(q_nope_absorbed, q_pe, latent, idx, scale)
 
 
+def mla_decode_split(q_nope_absorbed: torch.Tensor, q_pe: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor,
+                     idx: torch.Tensor, scale: float) -> torch.Tensor:
+    """:func:`mla_decode` over a latent pool kept as two caches (the layout ``npu_fused_infer_attention_score``'s
+    paged MLA form reads: ``atb_ops.layout.KVLayout.mla_split_rope``): ``c_kv`` [P, C] and ``k_pe`` [P, R] with
+    row p of both = pool row p. The math is exactly ``mla_decode(q_nope_absorbed, q_pe, cat([c_kv, k_pe], -1),
+    idx, scale)``; shapes and dtypes as there. Returns [T, H, C] in q_nope_absorbed.dtype.
+    """
+    return resolve("mla_decode_split", q_nope_absorbed)(q_nope_absorbed, q_pe, c_kv, k_pe, idx, scale)
+
+
 def mla_prefill(q_nope: torch.Tensor, q_pe: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor, v: torch.Tensor,
                 idx: torch.Tensor, scale: float) -> torch.Tensor:
     """Multi-head Latent Attention, decompressed form ("CacheDecompressed" MLA, e.g. prefill).
@@ -268,3 +288,34 @@ def quant_grouped_matmul(x: torch.Tensor, weight: torch.Tensor, expert_ids: torc
     [E, N]. Returns [M, N] in x.dtype.
     """
     return resolve("quant_grouped_matmul", x)(x, weight, expert_ids, scale)
+
+
+def kv_quant(x: torch.Tensor, inv_scale: torch.Tensor, offset: torch.Tensor | None = None) -> torch.Tensor:
+    """C8 KV-cache quantisation per channel: ``q = clamp(round(x * inv_scale + offset), -128, 127)`` int8
+    (msModelSlim's ``kv_cache_scale`` s and ``kv_cache_offset`` o with ``inv_scale = 1 / s``: the quantiser
+    multiplies by the reciprocal, as vllm-ascend ``_quantize_kv_to_int8`` does; ``round`` is half to even).
+    The cache reads back ``(q - o) * s``.
+
+    x: [..., C] float; inv_scale, offset: float32 [C] (offset integral, None = symmetric). Returns int8 [..., C].
+    """
+    return resolve("kv_quant", x)(x, inv_scale, offset)
+
+
+def moe_permute(x: torch.Tensor, ids: torch.Tensor,
+                num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group the routed (token, slot) rows by expert: ``order = stable_argsort(ids.flatten())`` (flat index
+    ``t * k + j``), returns ``(x[order // k], ids.flatten()[order], order)``.
+
+    x: [T, d]; ids: [T, k] integer expert ids in [0, num_experts). Outputs: [T * k, d] in x.dtype, int64
+    [T * k] ascending, int64 [T * k].
+    """
+    return resolve("moe_permute", x)(x, ids, num_experts)
+
+
+def moe_unpermute(y: torch.Tensor, order: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """Sum the expert rows back per token: ``out[order[i] // k] += y[i]`` with ``k = len(order) / num_tokens``
+    (the inverse of :func:`moe_permute`'s grouping; routing weights are applied by the caller).
+
+    y: [T * k, d] float; order: int64 [T * k] from :func:`moe_permute`. Returns float32 [num_tokens, d].
+    """
+    return resolve("moe_unpermute", y)(y, order, num_tokens)

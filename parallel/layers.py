@@ -70,6 +70,12 @@ class RowParallelLinear(Linear):
         if not self.input_is_parallel and self.tp.size > 1:
             k = x.shape[-1] // self.tp.size
             x = x[..., self.tp.rank * k:(self.tp.rank + 1) * k]
+        if self.reduce and self.tp.size > 1:  # npu backend: one npu_mm_all_reduce_base (matmul + reduce + bias)
+            from .npu_comm import try_matmul_all_reduce
+
+            fused = try_matmul_all_reduce(self, x)
+            if fused is not None:
+                return fused
         y = super().forward(x)
         if not self.reduce:  # the caller reduces this partial sum (fused with other partial sums)
             return y

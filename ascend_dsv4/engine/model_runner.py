@@ -35,6 +35,7 @@ import torch
 
 import atb_ops
 
+from ..errors import ConfigError
 from ..kv.blocks import PoolSizes, SeqBlocks
 from ..models import family_of
 
@@ -95,7 +96,13 @@ class ModelRunner:
         self.backend = backend  # atb_ops backend forced for every step (None: by tensor device)
         self.batch_invariant = batch_invariant  # every step in atb_ops' batch-invariant mode
         self.quant_summary = quant_summary
-        self.pools = model.make_pools(sizes, kv_dtype or model.dtype, self.device)
+        # the KV layout the op backend's attention ops need (atb_ops.KVLayout; reference layout by default)
+        self.kv_layout = atb_ops.kv_layout(backend, self.device)
+        mult = self.kv_layout.block_size_multiple
+        if sizes.block_size % mult:
+            raise ConfigError(f"block_size {sizes.block_size} is not a multiple of {mult}, which the "
+                              f"{backend or self.device.type} backend's KV layout needs ({self.kv_layout.why})")
+        self.pools = model.make_pools(sizes, kv_dtype or model.dtype, self.device, layout=self.kv_layout)
         self.max_model_len: int | None = None  # limits the pools were sized for (set by create)
         self.max_num_batched_tokens: int | None = None
         # captured decode steps (CUDA, DeepSeek-V4 pools, Triton kernels: the reference ops synchronise with the

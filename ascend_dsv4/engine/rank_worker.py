@@ -84,7 +84,9 @@ def worker_main(rank: int, spec: RankSpec, port: int, conn) -> None:
     except BaseException:  # noqa: BLE001 - reported to the engine
         _send(conn, ("err", traceback.format_exc()))
         os._exit(1)
-    ops = atb_ops.use_backend(spec.backend) if spec.backend else contextlib.nullcontext()
+    def ops():  # a fresh context per call: use_backend's context manager can be entered only once
+        return atb_ops.use_backend(spec.backend) if spec.backend else contextlib.nullcontext()
+
     while True:
         try:
             op, method, args = pickle.loads(conn.recv_bytes())
@@ -93,7 +95,7 @@ def worker_main(rank: int, spec: RankSpec, port: int, conn) -> None:
         if op == "stop":
             break
         try:
-            with torch.inference_mode(), ops:
+            with torch.inference_mode(), ops():
                 if method == "copy_page":
                     runner.pools.copy_page(*args)
                 else:

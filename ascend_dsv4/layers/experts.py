@@ -82,6 +82,10 @@ class Experts(nn.Module):
         if self.ep.size > 1 and self.ep_comm == "alltoall":
             return self._forward_alltoall(x, weights, ids)
         T, k = ids.shape
+        if self.ep.size == 1:  # all experts here: permute / unpermute as ops (npu_moe_init_routing_v2 / finalize)
+            xs, e, order = atb_ops.moe_permute(x, ids, self.w1.shape[0])
+            y = self._rows(xs, e, weights.reshape(-1)[order], x.dtype)
+            return atb_ops.moe_unpermute(y, order, T)
         flat_ids = ids.reshape(-1)
         flat_w = weights.reshape(-1)
         if self.ep.size > 1:  # only the pairs routed to this rank's experts

@@ -23,3 +23,13 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return atb_ops.rms_norm(x, self.weight, self.eps)
+
+
+def add_norm(norm: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h = x + residual`` and ``norm(h)``, returned as ``(norm(h), h)``: one fused ``atb_ops.add_rms_norm`` for
+    a plain :class:`RMSNorm` (the same math: the sum is rounded to x's dtype before the norm), else the add
+    then the module (e.g. an msModelSlim smoothed norm that replaced it at load)."""
+    if type(norm) is RMSNorm:
+        return atb_ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+    h = x + residual
+    return norm(h), h

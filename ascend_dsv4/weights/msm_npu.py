@@ -17,7 +17,8 @@ from torch import nn
 
 import atb_ops
 from quant.errors import QuantFormatError
-from quant.msmodelslim.npu_params import MAX_MATMUL_DIM, decode_deq_scale, prepare_npu_linear, weight_to_npu_layout
+from quant.msmodelslim.npu_params import (MAX_MATMUL_DIM, decode_deq_scale, npu_kv_cache_params, prepare_npu_linear,
+                                          weight_to_npu_layout)
 
 log = logging.getLogger("ascend_dsv4")
 
@@ -195,3 +196,40 @@ def to_npu_experts(experts: nn.Module) -> nn.Module:
     w = {n: (torch.stack([q.weight for q in qs]), torch.stack([q.scale.float() for q in qs]))
          for n, qs in stacks.items()}
     return NpuQuantExperts(w, experts.limit, experts.weight_after_w2)
+
+
+class NpuKVCacheQuant(nn.Module):
+    """msModelSlim C8 KV quantisation of one projection in NPU form (``quant.msmodelslim.npu_params
+    .npu_kv_cache_params``): :meth:`quantize` writes int8 through :func:`atb_ops.kv_quant` (``npu_quantize`` on the
+    npu backend: ``round(x * (1/s) + o)``); ``antiquant_scale`` / ``antiquant_offset`` (= s, -o, float32 ``[C]``)
+    are what an int8-KV attention op reads the cache back with (``npu_fused_infer_attention_score``'s
+    ``key_antiquant_scale`` / ``key_antiquant_offset``, per channel). Neither DeepSeek family reads C8 KV (MLA
+    has no k_proj / v_proj; DeepSeek's MLA C8 is msModelSlim's separate ``FAKQuant``), so no model uses it yet.
+    """
+
+    def __init__(self, name: str, scale: torch.Tensor, offset: Optional[torch.Tensor] = None):
+        super().__init__()
+        self.name = name
+        p = npu_kv_cache_params(scale, offset, name)
+        for k, v in p.items():
+            self.register_buffer(k, v, persistent=False)
+
+    def quantize(self, x: torch.Tensor) -> torch.Tensor:
+        """x ``[..., C]`` float -> int8 ``[..., C]``."""
+        return atb_ops.kv_quant(x, self.quant_scale, self.quant_offset)
+
+    def dequantize(self, q: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The read-back an int8-KV attention op performs: ``(q + antiquant_offset) * antiquant_scale``."""
+        y = q.float()
+        if self.antiquant_offset is not None:
+            y = y + self.antiquant_offset
+        return (y * self.antiquant_scale).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dequantize(self.quantize(x), x.dtype)
+
+
+def to_npu_kv_cache(kvq: nn.Module) -> NpuKVCacheQuant:
+    """A :class:`quant.msmodelslim.KVCacheQuant` in NPU form (zero offsets of a symmetric quantiser dropped)."""
+    off = None if kvq.symmetric else kvq.offset
+    return NpuKVCacheQuant(kvq.name, kvq.scale, off)

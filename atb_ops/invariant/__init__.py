@@ -15,7 +15,7 @@ a device-generic batch-invariant variant of every op, built only on those primit
 gathers and exact operations (max, comparisons, stable sorts).
 """
 
-from . import ops  # noqa: F401  (registers the variants)
+from . import ops, ops_fused  # noqa: F401  (register the variants)
 from .primitives import bmm, matmul, row_sum
 
 __all__ = ["bmm", "enable_torch_ops", "matmul", "row_sum"]

@@ -44,5 +44,20 @@ def _ascendc_candidates() -> None:
                   loader.load_ascendc_ops)(_kernel)
 
 
+def _register_layout() -> None:
+    """The KV-pool layout the NPU attention ops need (asked by the runner through ``atb_ops.kv_layout``)."""
+    from ..layout import KVLayout, register_kv_layout
+
+    register_kv_layout("npu", KVLayout(
+        mla_split_rope=True, block_size_multiple=16,
+        why="npu_fused_infer_attention_score's paged MLA form reads separate contiguous nope / rope caches "
+            "(no non-contiguous key) with a block size that is a multiple of 16"))
+
+
 _ascendc_candidates()
 _register_all()
+_register_layout()
+
+from .worker_emulation import apply_from_env  # noqa: E402
+
+apply_from_env()  # a worker of a multi-rank check-npu: emulation + contract recorder (no-op otherwise)

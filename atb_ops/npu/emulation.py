@@ -19,7 +19,7 @@ import logging
 import sys
 import types
 
-from .emu import attention, hc, moe, norm_rope, quant
+from .emu import attention, comm, hc, moe, norm_rope, quant, routing
 from .emu import custom as custom_ops
 
 log = logging.getLogger("atb_ops")
@@ -41,6 +41,9 @@ OPS = {
     "npu_format_cast": quant.npu_format_cast,
     "npu_moe_gating_top_k": moe.npu_moe_gating_top_k,
     "npu_grouped_matmul": moe.npu_grouped_matmul,
+    "npu_moe_init_routing_v2": routing.npu_moe_init_routing_v2,
+    "npu_moe_finalize_routing": routing.npu_moe_finalize_routing,
+    "npu_mm_all_reduce_base": comm.npu_mm_all_reduce_base,
     "npu_fused_infer_attention_score": attention.npu_fused_infer_attention_score,
     "npu_lightning_indexer": attention.npu_lightning_indexer,
     "npu_mhc_pre": hc.npu_mhc_pre,
@@ -79,6 +82,7 @@ def build_module(soc: str = DEFAULT_SOC) -> types.ModuleType:
     mod.npu = types.SimpleNamespace(get_device_name=lambda device=None: soc)
     mod.__doc__ = "CPU emulation of torch_npu ops (ascend-dsv4 atb_ops.npu.emulation); not the real torch_npu."
     setattr(mod, _MARK, True)
+    mod.register_hcom = comm.register_hcom  # the emulation's stand-in for get_hccl_comm_name (not a torch_npu API)
     for name, fn in OPS.items():
         setattr(mod, name, fn)
     return mod

@@ -249,6 +249,44 @@ def mla_decode(q_nope_absorbed, q_pe, latent, idx, scale: float):
     return out[:, 0].masked_fill((counts == 0).view(t, 1, 1), 0).to(q_nope_absorbed.dtype)
 
 
+@candidate("mla_decode_split", "torch_npu", "torch_npu.npu_fused_infer_attention_score (paged MLA: nope / rope "
+           "caches + block_table; else gathered)", has_torch_npu("npu_fused_infer_attention_score"))
+@_chunked((0, 1, 4), lambda qa, qp, ckv, kpe, idx, scale: idx.shape[1] * (ckv.shape[-1] + kpe.shape[-1]))
+def mla_decode_split(q_nope_absorbed, q_pe, c_kv, k_pe, idx, scale: float):
+    """FIA's documented paged MLA form, one batch per token: query ``[T, 1, H, C]`` + query_rope ``[T, 1, H, R]``
+    (BSND); key = value = the ``c_kv`` cache viewed ``[P / ps, ps, C]`` and key_rope the ``k_pe`` cache ``[P / ps,
+    ps, R]`` (BnBsH, KV_N = 1: the caches themselves, no copy; FIA takes no non-contiguous key, which is why the
+    pool keeps them apart), ``block_table`` [T, pages] int32 + ``block_size = ps``, ``actual_seq_lengths_kv`` =
+    valid rows. Used when every token's rows (valid first) are whole consecutive pages of the pool (a sequence's
+    context always is); otherwise the rows are gathered as in ``mla_decode``. The query runs in the cache dtype
+    (the op takes one dtype); tokens without a row return 0."""
+    t, h, c = q_nope_absorbed.shape
+    r = q_pe.shape[-1]
+    if c_kv.shape[-1] != c or k_pe.shape[-1] != r:
+        raise ValueError(f"mla_decode_split: c_kv {list(c_kv.shape)} / k_pe {list(k_pe.shape)} vs C = {c}, R = {r}")
+    if t == 0 or idx.shape[-1] == 0:
+        return q_nope_absorbed.new_zeros(t, h, c)
+    ii, counts = _valid_first(idx)
+    contiguous = c_kv.is_contiguous() and k_pe.is_contiguous() and c_kv.dtype == k_pe.dtype
+    paged = _as_pages(ii, counts, c_kv.shape[0]) if contiguous else None
+    tn = torch_npu()
+    if paged is not None:
+        ps, table = paged
+        cache = c_kv.view(-1, ps, c)
+        out, _ = tn.npu_fused_infer_attention_score(
+            q_nope_absorbed.to(c_kv.dtype).unsqueeze(1), cache, cache, query_rope=q_pe.to(c_kv.dtype).unsqueeze(1),
+            key_rope=k_pe.view(-1, ps, r), block_table=table, block_size=ps, actual_seq_lengths_kv=counts.tolist(),
+            num_heads=h, num_key_value_heads=1, scale=float(scale), input_layout="BSND", sparse_mode=0)
+    else:
+        ckv = _gather_zero(c_kv, ii).unsqueeze(2).to(q_nope_absorbed.dtype)  # [T, L, 1, C]
+        kpe = _gather_zero(k_pe, ii).unsqueeze(2).to(q_pe.dtype)
+        out, _ = tn.npu_fused_infer_attention_score(
+            q_nope_absorbed.unsqueeze(1), ckv, ckv, query_rope=q_pe.unsqueeze(1), key_rope=kpe,
+            actual_seq_lengths_kv=counts.tolist(), num_heads=h, num_key_value_heads=1, scale=float(scale),
+            input_layout="BSND", sparse_mode=0)
+    return out[:, 0].masked_fill((counts == 0).view(t, 1, 1), 0).to(q_nope_absorbed.dtype)
+
+
 @candidate("mla_prefill", "torch_npu", "torch_npu.npu_fused_infer_attention_score (query_rope/key_rope)",
            has_torch_npu("npu_fused_infer_attention_score"))
 @_chunked((0, 1, 5), lambda qn, qp, kn, kp, v, idx, scale:

@@ -38,6 +38,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     return torch_npu().npu_rms_norm(x, gamma, epsilon=eps)[0]
 
 
+def _gamma(x: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+    """The norm weight as the NPU norms take it: x's dtype or float32 (allowed with float16/bfloat16 x); a
+    weightless norm passes gamma = 1."""
+    if weight is None:
+        return torch.ones(x.shape[-1], dtype=torch.float32, device=x.device)
+    if weight.dtype == x.dtype or weight.dtype == torch.float32:
+        return weight
+    return weight.float()
+
+
+@candidate("add_rms_norm", "torch_npu", "torch_npu.npu_add_rms_norm", has_torch_npu("npu_add_rms_norm"))
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float):
+    """``npu_add_rms_norm(x1=x, x2=residual, gamma)`` -> ``(y, rstd, x1 + x2)`` (note the output order; the sum
+    is formed in the input dtype first, as the unfused add rounds it)."""
+    if residual.dtype != x.dtype:
+        residual = residual.to(x.dtype)
+    y, _, h = torch_npu().npu_add_rms_norm(x, residual, _gamma(x, weight), epsilon=eps)
+    return y, h
+
+
 @candidate("apply_rope", "torch_npu", "torch_npu.npu_rotary_mul(interleave)", has_torch_npu("npu_rotary_mul"))
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """DeepSeek's pairwise (complex) RoPE on the last ``R`` channels = ``npu_rotary_mul`` in ``interleave`` mode

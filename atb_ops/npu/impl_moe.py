@@ -98,3 +98,37 @@ def grouped_matmul(x, w, expert_ids, w_scale=None, fmt="dense"):
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     out[order] = y.to(x.dtype)
     return out
+
+
+@candidate("moe_permute", "torch_npu", "torch_npu.npu_moe_init_routing_v2 (dropless, row_idx_type 1)",
+           has_torch_npu("npu_moe_init_routing_v2"))
+def moe_permute(x, ids, num_experts: int):
+    """``npu_moe_init_routing_v2(x, ids int32, active_num=T*k, expert_num=E, expert_tokens_num_type=1,
+    expert_tokens_num_flag=True, row_idx_type=1)``: expanded_x = the permuted rows, expanded_row_idx = ``order``
+    (row_idx_type 1: the scatter index), expert_tokens = per-expert counts, from which the sorted expert ids are
+    ``repeat_interleave(arange(E), counts)`` (``output_size`` given: no host sync)."""
+    t, k = ids.shape
+    if t == 0 or k == 0:
+        return x.new_zeros((0, x.shape[1])), ids.new_zeros(0, dtype=torch.int64), ids.new_zeros(0, dtype=torch.int64)
+    e = int(num_experts)
+    xs, order, counts, _ = torch_npu().npu_moe_init_routing_v2(
+        x, ids.to(torch.int32), active_num=t * k, expert_num=e, expert_tokens_num_type=1,
+        expert_tokens_num_flag=True, row_idx_type=1)
+    sorted_ids = torch.repeat_interleave(torch.arange(e, device=x.device), counts, output_size=t * k)
+    return xs, sorted_ids, order.long()
+
+
+@candidate("moe_unpermute", "torch_npu", "torch_npu.npu_moe_finalize_routing (drop_pad_mode 2, unit scales)",
+           has_torch_npu("npu_moe_finalize_routing"))
+def moe_unpermute(y, order, num_tokens: int):
+    """``npu_moe_finalize_routing(y, None, None, None, scales=ones [T, k], expanded_src_to_dst_row, None,
+    drop_pad_mode=2)``: ``out[t] = sum_j y[src2dst[t * k + j]]`` (drop_pad_mode 2: source position ``t * k +
+    j``), ``src2dst`` the inverse of ``order`` (scattered on the device); float32 rows in, float32 out."""
+    d = y.shape[-1]
+    if num_tokens == 0 or y.shape[0] == 0:
+        return torch.zeros(num_tokens, d, dtype=torch.float32, device=y.device)
+    k = y.shape[0] // num_tokens
+    src2dst = torch.empty_like(order, dtype=torch.int32)
+    src2dst[order] = torch.arange(order.numel(), dtype=torch.int32, device=order.device)
+    ones = torch.ones(num_tokens, k, dtype=torch.float32, device=y.device)
+    return torch_npu().npu_moe_finalize_routing(y.float(), None, None, None, ones, src2dst, None, drop_pad_mode=2)

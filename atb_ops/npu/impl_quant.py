@@ -55,3 +55,14 @@ def quant_grouped_matmul(x, weight, expert_ids, scale):
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     out[order] = y
     return out
+
+
+@candidate("kv_quant", "torch_npu", "torch_npu.npu_quantize (div_mode=False, per channel)",
+           has_torch_npu("npu_quantize"))
+def kv_quant(x, inv_scale, offset=None):
+    """C8 KV quantisation as vllm-ascend quantises the cache: ``npu_quantize(x, inv_scale, offset, torch.qint8,
+    axis=-1, div_mode=False)`` = ``round(x * inv_scale + offset)`` saturated to int8."""
+    if x.numel() == 0:
+        return torch.empty(x.shape, dtype=torch.int8, device=x.device)
+    zp = torch.zeros_like(inv_scale, dtype=torch.float32) if offset is None else offset.float()
+    return torch_npu().npu_quantize(x, inv_scale.float(), zp, torch.qint8, axis=-1, div_mode=False)

@@ -30,7 +30,8 @@ KINDS = ("custom", "torch_npu", "composed", "reference")
 #: ops that run on every step of numerics="exact" serving: a reference fallback for one of them fails check-npu
 HOT_PATH = ("rms_norm", "apply_rope", "hc_pre", "hc_post", "hc_head", "compressor_pool", "indexer_topk",
             "sparse_attention", "moe_gate", "swiglu", "linear", "grouped_matmul", "mla_decode", "mla_prefill",
-            "quant_linear", "quant_grouped_matmul")
+            "quant_linear", "quant_grouped_matmul", "add_rms_norm", "mla_decode_split",
+            "moe_permute", "moe_unpermute")
 
 
 @dataclass

@@ -3,4 +3,4 @@
 Importing this package registers each function as the ``reference`` backend of its op.
 """
 
-from . import attention, compressor, hc, indexer, linear, mla, moe, norm, quant_linear, quant_sim, rope  # noqa: F401
+from . import attention, compressor, hc, indexer, kv_quant, linear, mla, moe, norm, quant_linear, quant_sim, rope, routing  # noqa: F401

@@ -51,6 +51,22 @@ def mla_decode(q_nope_absorbed, q_pe, latent, idx, scale):
     return torch.einsum("thl,tlc->thc", p, ckv).to(q_nope_absorbed.dtype)
 
 
+@register("mla_decode_split", "reference")
+def mla_decode_split(q_nope_absorbed, q_pe, c_kv, k_pe, idx, scale):
+    t_count, h_count, c = q_nope_absorbed.shape
+    if c_kv.shape[-1] != c or k_pe.shape[-1] != q_pe.shape[-1] or c_kv.shape[0] != k_pe.shape[0]:
+        raise ValueError(f"mla_decode_split: c_kv {list(c_kv.shape)} / k_pe {list(k_pe.shape)} do not match C = {c}, "
+                         f"R = {q_pe.shape[-1]}")
+    if t_count == 0 or idx.shape[-1] == 0:
+        return q_nope_absorbed.new_zeros(t_count, h_count, c)
+    pad = idx < 0
+    ckv, kpe = _gather(c_kv, idx, pad), _gather(k_pe, idx, pad)  # [T, L, C], [T, L, R]
+    s = torch.einsum("thc,tlc->thl", q_nope_absorbed.float(), ckv)
+    s = s + torch.einsum("thr,tlr->thl", q_pe.float(), kpe)
+    p = _softmax_valid(s * scale, pad)
+    return torch.einsum("thl,tlc->thc", p, ckv).to(q_nope_absorbed.dtype)
+
+
 @register("mla_prefill", "reference")
 def mla_prefill(q_nope, q_pe, k_nope, k_pe, v, idx, scale):
     t_count, h_count, _ = q_nope.shape

@@ -14,3 +14,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     if weight is not None:
         y = weight.float() * y
     return y.to(x.dtype)
+
+
+@register("add_rms_norm", "reference")
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    h = x + residual
+    return rms_norm(h, weight, eps), h

@@ -34,6 +34,9 @@ tensor that mixes them.
 a column-parallel layer adds its own slice on every rank: :func:`quant_bias_for_rank`.
 
 **N > 65535** (``npu_quant_matmul`` documents ``k, n <= 65535``): :func:`split_output_dim`.
+
+**C8 KV cache** (msModelSlim ``kv_cache_scale`` / ``kv_cache_offset``): the cache write's reciprocal scale and the
+attention read's negated antiquant offset, :func:`npu_kv_cache_params`.
 """
 
 from __future__ import annotations
@@ -263,6 +266,30 @@ def npu_antiquant_params(
         )
     off = npu_antiquant_offset(o[:, 0] if g == 1 else o.transpose(0, 1)).contiguous()
     return scale, off, g
+
+
+def npu_kv_cache_params(scale: torch.Tensor, offset: Optional[torch.Tensor] = None,
+                        name: str = "") -> dict[str, Optional[torch.Tensor]]:
+    """C8 KV-cache parameters (``kv_cache_scale`` s, ``kv_cache_offset`` o, ``[num_kv_heads * head_dim]``) in the
+    forms the NPU ops take, all float32 ``[C]``:
+
+    * ``quant_scale = 1 / s``, ``quant_offset = o``: the cache write ``npu_quantize(k, 1/s, o, qint8,
+      div_mode=False)`` = ``round(k * (1/s) + o)`` (vllm-ascend ``_quantize_kv_to_int8``);
+    * ``antiquant_scale = s``, ``antiquant_offset = -o``: the attention read, ``(k_int8 + antiquant_offset) *
+      antiquant_scale`` = ``(k_int8 - o) * s`` (the antiquant ops add their offset: same negation as weights,
+      :func:`npu_antiquant_offset`). ``quant_offset`` / ``antiquant_offset`` are None when o is None.
+    """
+    s = scale.detach().float().reshape(-1)
+    if not bool((s > 0).all()):
+        raise QuantFormatError(f"{tensor_label(name + '.kv_cache_scale' if name else '')}: scales must be > 0")
+    o = None
+    if offset is not None:
+        o = offset.detach().float().reshape(-1)
+        if o.shape != s.shape:
+            raise QuantFormatError(f"{tensor_label(name + '.kv_cache_offset' if name else '')}: shape "
+                                   f"{list(o.shape)} != kv_cache_scale {list(s.shape)}")
+    return {"quant_scale": 1.0 / s, "quant_offset": o, "antiquant_scale": s,
+            "antiquant_offset": None if o is None else npu_antiquant_offset(o)}
 
 
 def w4a8_weight_to_npu(packed: torch.Tensor, name: str = "") -> torch.Tensor:

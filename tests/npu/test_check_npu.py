@@ -44,9 +44,18 @@ def test_check_npu_fails_on_a_hot_path_fallback(monkeypatch, capsys):
     assert "hot-path op rms_norm ran on the reference fallback" in out
 
 
-def test_check_npu_tensor_parallel_is_reported_unavailable(capsys):
-    assert main(["check-npu", "--model", "toy-v4", "--tensor-parallel-size", "2"]) == 2
-    assert "not available" in capsys.readouterr().out
+def test_check_npu_rejects_a_bad_tensor_parallel_size(capsys):
+    assert main(["check-npu", "--model", "toy-v4", "--tensor-parallel-size", "0"]) == 2
+    assert "--tensor-parallel-size must be >= 1" in capsys.readouterr().out
+
+
+def test_worker_reports_are_read_back(tmp_path):
+    from atb_ops.npu.worker_emulation import read_reports
+
+    (tmp_path / "rank-11.jsonl").write_text('{"op": "npu_rms_norm", "violation": null}\n'
+                                            '{"op": "npu_swiglu", "violation": "npu_swiglu: bad"}\n')
+    (tmp_path / "rank-12.jsonl").write_text('{"op": "npu_rms_norm", "violation": null}\n')
+    assert read_reports(str(tmp_path)) == ({"npu_rms_norm": 2, "npu_swiglu": 1}, ["npu_swiglu: bad"])
 
 
 def test_info_prints_the_npu_table(capsys):

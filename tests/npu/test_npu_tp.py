@@ -1,7 +1,7 @@
 """The NPU backend under tensor parallelism: world 2 through the ``hccl`` test backend (parallel.groups' HCCL
 branch on gloo), every rank running its ops on the torch_npu emulation with its torch_npu calls replayed on the
-wheel's contracts. Column / row-parallel linears and the MoE row / column-parallel linears (npu_grouped_matmul)
-against the unsplit math. (``LLM`` has no tensor-parallel runtime yet, so this stops at the layers.)"""
+wheel's contracts. Column / row-parallel linears (the row-parallel one as npu_mm_all_reduce_base) and the MoE
+row / column-parallel linears (npu_grouped_matmul) against the unsplit math."""
 
 from __future__ import annotations
 
@@ -60,8 +60,10 @@ def _worker(rank: int, world: int, init: str) -> None:
             mc.weight.copy_(ww[:, sl(N)])
             _close(mc(xm, off), want_moe[:, sl(N)], "moe column")
         tbl = optable.table()
-        assert tbl["grouped_matmul"].calls == 2 and tbl["linear"].calls == 2, optable.format_table(tbl)
+        # the row-parallel linear ran as one npu_mm_all_reduce_base (matmul + all-reduce), not linear + reduce
+        assert tbl["grouped_matmul"].calls == 2 and tbl["linear"].calls == 1, optable.format_table(tbl)
         assert checker.ops["npu_grouped_matmul"].calls == 2 and not checker.violations, checker.violations
+        assert checker.ops["npu_mm_all_reduce_base"].checked == 1
     finally:
         checker.detach()
         emulation.uninstall()

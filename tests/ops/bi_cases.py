@@ -112,6 +112,21 @@ def cases(device: str = "cpu", seed: int = 0, T: int = 37):
     kn, kpe, vv = r(120, 4, 32, dtype=bf), r(120, 16, dtype=bf), r(120, 4, 24, dtype=bf)
     qn = r(T, 4, 32, dtype=bf)
     out.append(("mla_prefill", lambda s: atb_ops.mla_prefill(_pick(qn, s), _pick(qpe, s), kn, kpe, vv, _pick(lidx, s), 0.1)))
+    c = qa.shape[-1]
+    out.append(("mla_decode_split", lambda s: atb_ops.mla_decode_split(_pick(qa, s), _pick(qpe, s), latent[:, :c],
+                                                                       latent[:, c:], _pick(lidx, s), 0.1)))
+    res = r(T, 256, dtype=bf)
+    out.append(("add_rms_norm", lambda s: atb_ops.add_rms_norm(_pick(x256, s), _pick(res, s), w_n, 1e-6)))
+    kinv, koff = r(256).abs() + 0.5, torch.round(r(256))
+    out.append(("kv_quant", lambda s: atb_ops.kv_quant(_pick(x256, s), kinv, koff)))
+    rids = ri(0, 8, T, 3)
+
+    def permute_roundtrip(s):  # grouped by expert, then summed back per token: per-token rows
+        xs, _ids, order = atb_ops.moe_permute(_pick(x256, s), _pick(rids, s), 8)
+        return atb_ops.moe_unpermute(xs.float() * 1.5, order, len(s))
+
+    out.append(("moe_permute_roundtrip", permute_roundtrip))
+    out.append(("moe_unpermute", permute_roundtrip))
     return out, T
 
 

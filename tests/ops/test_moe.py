@@ -255,3 +255,15 @@ def test_moe_gate_sigmoid_group_limited(normalize):
         assert torch.allclose(wt[t][order].double(), ow[t][oorder], atol=1e-6)
     # selected experts all lie in at most topk_groups groups
     assert all(len({int(e) // 4 for e in row}) <= 2 for row in ids)
+
+
+def test_moe_permute_groups_rows_and_unpermute_sums_them():
+    g = torch.Generator().manual_seed(4)
+    t, k, e = 6, 3, 5
+    x = torch.randn(t, 4, generator=g)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    xs, se, order = atb_ops.moe_permute(x, ids, e)
+    assert bool((se[1:] >= se[:-1]).all()) and torch.equal(se, ids.flatten()[order])
+    assert torch.equal(xs, x[order // k])
+    assert torch.allclose(atb_ops.moe_unpermute(xs, order, t), x * k)  # every token's k copies summed back
+    assert atb_ops.moe_unpermute(xs[:0], order[:0], 0).shape == (0, 4)

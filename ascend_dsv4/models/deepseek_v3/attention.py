@@ -59,8 +59,8 @@ class MLA(nn.Module):
         k_pe = atb_ops.apply_rope(kv[:, self.C:], ctx.positions, self.inv_freq)
         if self.rope_factor != 1.0:  # YaRN attention factor scales cos/sin of both q and k
             q_pe, k_pe = q_pe * self.rope_factor, k_pe * self.rope_factor
-        pool = ctx.pools.layer(self.layer_id)
-        pool.index_copy_(0, ctx.swa_slot, torch.cat([c, k_pe], dim=-1).to(pool.dtype))
+        pools = ctx.pools
+        pools.write(self.layer_id, ctx.swa_slot, c, k_pe)
 
         w = self.kv_b_proj.weight.view(self.H, self.Dn + self.Dv, self.C)
         out = x.new_zeros(T, self.H, self.Dv)
@@ -68,12 +68,17 @@ class MLA(nn.Module):
         pre = ctx.prefill.nonzero(as_tuple=True)[0]
         if len(dec):
             q_abs = atb_ops.group_linear(q_nope[dec], w[:, : self.Dn].transpose(1, 2))
-            o_lat = atb_ops.mla_decode(q_abs, q_pe[dec], pool, ctx.context[dec], self.scale)
+            if pools.split_rope:  # the layout the backend asked for (atb_ops.KVLayout): two caches
+                c_kv, kpe = pools.layer_split(self.layer_id)
+                o_lat = atb_ops.mla_decode_split(q_abs, q_pe[dec], c_kv, kpe, ctx.context[dec], self.scale)
+            else:
+                o_lat = atb_ops.mla_decode(q_abs, q_pe[dec], pools.layer(self.layer_id), ctx.context[dec],
+                                           self.scale)
             out[dec] = atb_ops.group_linear(o_lat, w[:, self.Dn:]).to(out.dtype)
         if len(pre):
             idx = ctx.context[pre]
             slots = torch.unique(idx[idx >= 0])  # the latents these prefill tokens read, decompressed once
-            rows = pool[slots]
+            rows = pools.rows(self.layer_id, slots)
             kvb = self.kv_b_proj(rows[:, : self.C].to(x.dtype)).view(-1, self.H, self.Dn + self.Dv)
             local = torch.where(idx >= 0, torch.searchsorted(slots, idx.clamp(min=0)), torch.full_like(idx, -1))
             out[pre] = atb_ops.mla_prefill(q_nope[pre], q_pe[pre], kvb[..., : self.Dn], rows[:, self.C:].to(x.dtype),

@@ -22,7 +22,7 @@ from parallel.layers import ParallelLMHead, VocabParallelEmbedding
 from parallel.linear import Linear
 
 from ...kv.latent_pool import MLAKVPools, MLAStepContext
-from ...layers.norm import RMSNorm
+from ...layers.norm import RMSNorm, add_norm
 from .attention import MLA
 from .moe import MLP, MoE
 from .names import canonical_name
@@ -38,8 +38,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MoE(cfg, dtype, parallel) if cfg.is_moe_layer(layer_id) else MLP(cfg.dim, cfg.inter_dim, dtype, tp)
 
     def forward(self, x: torch.Tensor, ctx) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), ctx)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        normed, h = add_norm(self.post_attention_layernorm, x, self.self_attn(self.input_layernorm(x), ctx))
+        return h + self.mlp(normed)
 
 
 class SharedHead(nn.Module):
@@ -83,8 +83,9 @@ class DeepseekV3Model(nn.Module):
         """Module name of a checkpoint tensor (the loader's name map for V3)."""
         return canonical_name(checkpoint_name, self.cfg.n_layers)
 
-    def make_pools(self, sizes, dtype: torch.dtype, device) -> MLAKVPools:
-        return MLAKVPools(self.cfg, sizes, dtype, device)
+    def make_pools(self, sizes, dtype: torch.dtype, device, layout=None) -> MLAKVPools:
+        """``layout``: the ``atb_ops.KVLayout`` the op backend asks for (None: the reference layout)."""
+        return MLAKVPools(self.cfg, sizes, dtype, device, split_rope=bool(layout and layout.mla_split_rope))
 
     def forward(self, input_ids: torch.Tensor, ctx: MLAStepContext) -> torch.Tensor:
         """input_ids [T] -> hidden [T, dim] after the last layer (before the final norm)."""

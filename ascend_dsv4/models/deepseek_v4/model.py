@@ -110,7 +110,8 @@ class DeepseekV4Model(nn.Module, HCHeadMixin):
         self.mtp = nn.ModuleList(MTPBlock(cfg, cfg.n_layers + k, dtype, ref, parallel)
                                  for k in range(cfg.n_mtp_layers))
 
-    def make_pools(self, sizes, dtype: torch.dtype, device) -> V4KVPools:
+    def make_pools(self, sizes, dtype: torch.dtype, device, layout=None) -> V4KVPools:
+        """``layout`` (the backend's ``atb_ops.KVLayout``) changes nothing here: the V4 pools have one layout."""
         return V4KVPools(self.cfg, sizes, dtype, device)
 
     def forward(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:

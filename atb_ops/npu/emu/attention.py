@@ -7,9 +7,8 @@ import torch
 from .common import refuse
 
 _FIA_UNSUPPORTED = ("pse_shift", "atten_mask", "dequant_scale1", "quant_scale1", "dequant_scale2", "quant_scale2",
-                    "quant_offset2", "antiquant_scale", "antiquant_offset", "block_table", "query_padding_size",
-                    "kv_padding_size", "key_antiquant_scale", "key_antiquant_offset", "value_antiquant_scale",
-                    "value_antiquant_offset", "key_shared_prefix", "value_shared_prefix", "actual_shared_prefix_len",
+                    "quant_offset2", "antiquant_scale", "antiquant_offset", "query_padding_size",
+                    "kv_padding_size", "key_shared_prefix", "value_shared_prefix", "actual_shared_prefix_len",
                     "key_rope_antiquant_scale")
 
 
@@ -22,15 +21,60 @@ def _lengths(v, b: int, full: int, device) -> torch.Tensor:
     return t
 
 
+def _paged_rows(cache: torch.Tensor, block_table: torch.Tensor, block_size: int, nkv: int) -> torch.Tensor:
+    """PageAttention read: ``[B, maxBlocks * block_size, N_kv, D]`` from a paged cache (BnBsH ``[block_num,
+    block_size, N_kv * D]`` or BnNBsD ``[block_num, N_kv, block_size, D]``); batch b's key j is row ``j %
+    block_size`` of block ``block_table[b, j // block_size]`` (torch_npu doc, "page attention")."""
+    if cache.dim() == 4:  # BnNBsD -> BnBsND
+        cache = cache.transpose(1, 2)
+    elif cache.dim() == 3:
+        cache = cache.reshape(cache.shape[0], cache.shape[1], nkv, -1)
+    else:
+        refuse("npu_fused_infer_attention_score", f"a {cache.dim()}-D paged key/value (NZ layouts)")
+    if cache.shape[1] != block_size:
+        raise RuntimeError(f"npu_fused_infer_attention_score: block_size={block_size} but the paged cache has "
+                           f"{cache.shape[1]} rows per block")
+    bt = block_table.long().clamp(min=0)  # unused table entries are never read (masked by the lengths)
+    g = cache[bt]  # [B, maxBlocks, bs, N_kv, D]
+    return g.reshape(bt.shape[0], -1, g.shape[-2], g.shape[-1])
+
+
+def _antiquant(kv: torch.Tensor, scale, offset, mode: int, nkv: int, what: str) -> torch.Tensor:
+    """Pseudo-quant KV (int8 key / value): ``(kv + offset) * scale`` per channel (mode 0: ``N_kv * D`` values,
+    any shape of that size, e.g. ``[1, N_kv * D]`` (BSH / BnBsH) or ``[N_kv, 1, D]``); the formula is the one
+    the other antiquant ops document (``npu_weight_quant_batchmatmul``, ``npu_grouped_matmul``; FIA's doc does
+    not restate it)."""
+    if scale is None:
+        if kv.dtype == torch.int8:
+            refuse("npu_fused_infer_attention_score", f"int8 {what} without {what}_antiquant_scale")
+        return kv.float()
+    if mode != 0:
+        refuse("npu_fused_infer_attention_score", f"{what}_antiquant_mode={mode} (only per-channel, 0)")
+    if kv.dtype != torch.int8:
+        raise RuntimeError(f"npu_fused_infer_attention_score: {what}_antiquant_scale needs an int8 {what}, "
+                           f"got {kv.dtype}")
+    d = kv.shape[-1]
+    if scale.numel() != nkv * d or (offset is not None and offset.numel() != nkv * d):
+        raise RuntimeError(f"npu_fused_infer_attention_score: per-channel {what} antiquant parameters need "
+                           f"N_kv * D = {nkv * d} values, got {scale.numel()}"
+                           f"{'' if offset is None else f' / {offset.numel()}'}")
+    y = kv.float()
+    if offset is not None:
+        y = y + offset.float().reshape(nkv, d)
+    return y * scale.float().reshape(nkv, d)
+
+
 def npu_fused_infer_attention_score(query, key, value, *, actual_seq_lengths=None, actual_seq_lengths_kv=None,
                                     query_rope=None, key_rope=None, num_heads: int = 1, scale: float = 1.0,
                                     pre_tokens: int = 2147483647, next_tokens: int = 2147483647,
                                     input_layout: str = "BSH", num_key_value_heads: int = 0, sparse_mode: int = 0,
                                     inner_precise: int = 0, block_size: int = 0, antiquant_mode: int = 0,
                                     softmax_lse_flag: bool = False, key_antiquant_mode: int = 0,
-                                    value_antiquant_mode: int = 0, **unsupported):
-    """FIA, the ``input_layout="BSND"`` non-paged, unmasked form (torch_npu doc
-    ``npu_fused_infer_attention_score``; op-plugin golden):
+                                    value_antiquant_mode: int = 0, block_table=None, key_antiquant_scale=None,
+                                    key_antiquant_offset=None, value_antiquant_scale=None,
+                                    value_antiquant_offset=None, **unsupported):
+    """FIA, the ``input_layout="BSND"`` unmasked form, contiguous or paged KV, float or per-channel int8 KV
+    (torch_npu doc ``npu_fused_infer_attention_score``; op-plugin golden):
 
     ``score = scale * (q . k [+ q_rope . k_rope])`` per head (query_rope / key_rope: the MLA split, rope part
     scored separately), query head h reads kv head ``h // (N / N_kv)``; keys at positions ``>=
@@ -38,6 +82,12 @@ def npu_fused_infer_attention_score(query, key, value, *, actual_seq_lengths=Non
     (documented for S2 = 0). ``scale`` defaults to 1.0 as in the op. q ``[B, S, N, D]``, k ``[B, S2, N_kv, D]``,
     v ``[B, S2, N_kv, Dv]``; returns ``(out [B, S, N, Dv] q.dtype, lse)``; lse ``[B, N, S, 1]`` float32 when
     ``softmax_lse_flag`` else an empty ``[0]`` placeholder.
+
+    Paged KV (``block_table`` int32 ``[B, maxBlocks]`` + ``block_size``; ``actual_seq_lengths_kv`` required):
+    key / value (and key_rope) are the caches ``[block_num, block_size, N_kv * D]`` (BnBsH; the only PA form
+    with a BSND query) or ``[block_num, N_kv, block_size, D]``, read through :func:`_paged_rows`.
+    int8 key / value with ``key_antiquant_scale`` / ``key_antiquant_offset`` (and the value ones), modes 0:
+    dequantised per channel by :func:`_antiquant` before the scores.
     """
     bad = [k for k, v in unsupported.items() if v is not None]
     if bad:
@@ -49,13 +99,28 @@ def npu_fused_infer_attention_score(query, key, value, *, actual_seq_lengths=Non
     if actual_seq_lengths is not None:
         refuse("npu_fused_infer_attention_score", "actual_seq_lengths (query)")
     b, s, n, _ = query.shape
-    s2, nkv = key.shape[1], key.shape[2]
-    nkv = nkv if num_key_value_heads == 0 else num_key_value_heads
+    nkv = num_key_value_heads if num_key_value_heads else n
+    if block_table is not None:
+        if actual_seq_lengths_kv is None or block_size <= 0:
+            raise RuntimeError("npu_fused_infer_attention_score: page attention needs actual_seq_lengths_kv and "
+                               "block_size")
+        if block_table.shape[0] != b:
+            raise RuntimeError(f"npu_fused_infer_attention_score: block_table has {block_table.shape[0]} rows for "
+                               f"batch {b}")
+        key = _paged_rows(key, block_table, block_size, nkv)
+        value = _paged_rows(value, block_table, block_size, nkv)
+        if key_rope is not None:
+            key_rope = _paged_rows(key_rope, block_table, block_size, nkv)
+    elif num_key_value_heads == 0:
+        nkv = key.shape[2]
+    s2 = key.shape[1]
     if n != num_heads or n % nkv:
         raise RuntimeError(f"npu_fused_infer_attention_score: num_heads={num_heads} vs query heads {n}, kv heads {nkv}")
     rep = n // nkv
-    k = key.float().repeat_interleave(rep, dim=2)  # [B, S2, N, D]
-    v = value.float().repeat_interleave(rep, dim=2)
+    key = _antiquant(key, key_antiquant_scale, key_antiquant_offset, key_antiquant_mode, nkv, "key")
+    value = _antiquant(value, value_antiquant_scale, value_antiquant_offset, value_antiquant_mode, nkv, "value")
+    k = key.repeat_interleave(rep, dim=2)  # [B, S2, N, D]
+    v = value.repeat_interleave(rep, dim=2)
     sc = torch.einsum("bsnd,btnd->bnst", query.float(), k)
     if query_rope is not None:
         kr = key_rope.float().repeat_interleave(rep, dim=2)
