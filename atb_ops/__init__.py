@@ -47,7 +47,8 @@ from .ops import (
     sparse_attention,
     swiglu,
 )
-from .layout import KVLayout, kv_layout, register_kv_layout
+from ._dispatch import kv_layout
+from .layout import KVLayout, register_kv_layout
 from .reference.rope import rope_inv_freq
 from .invariant import enable_torch_ops as enable_batch_invariant_torch
 

@@ -33,26 +33,15 @@ from ._registry import BACKENDS, BI_REGISTRY as _bi_registry, REGISTRY as _regis
 from ._registry import register
 
 __all__ = ["BACKENDS", "BackendError", "batch_invariant", "device_available", "implementations", "is_batch_invariant",
-           "register", "resolve", "selected_backend", "set_batch_invariant", "use_backend"]
+           "kv_layout", "register", "resolve", "selected_backend", "set_batch_invariant", "use_backend"]
 
-_DEVICE_TO_BACKEND = {"cpu": "reference", "cuda": "cuda", "npu": "npu", "meta": "reference"}
+from ._selection import DEVICE_TO_BACKEND as _DEVICE_TO_BACKEND, selected_backend, use_backend
 
-_override: contextvars.ContextVar[str | None] = contextvars.ContextVar("atb_ops_backend", default=None)
 _bi_mode: contextvars.ContextVar[bool | None] = contextvars.ContextVar("atb_ops_batch_invariant", default=None)
 _bi_default = False
 _warned: set[tuple[str, str]] = set()
 _loaded: set[str] = set()
 log = logging.getLogger("atb_ops")
-
-
-@contextlib.contextmanager
-def use_backend(name: str | None) -> Iterator[None]:
-    """Force a backend for every op called inside the block (``None`` = dispatch by device)."""
-    token = _override.set(None if name is None else _check(name))
-    try:
-        yield
-    finally:
-        _override.reset(token)
 
 
 def set_batch_invariant(enabled: bool) -> None:
@@ -80,16 +69,6 @@ def is_batch_invariant() -> bool:
     return _bi_default or os.environ.get("ATB_OPS_BATCH_INVARIANT", "0") not in ("", "0")
 
 
-@contextlib.contextmanager
-def use_backend(name: str | None) -> Iterator[None]:
-    """Force a backend for every op called inside the block (``None`` = dispatch by device)."""
-    token = _override.set(None if name is None else _check(name))
-    try:
-        yield
-    finally:
-        _override.reset(token)
-
-
 def _load_backend(backend: str) -> None:
     # Importing a backend package registers its kernels; done lazily so that CPU users never import
     # triton or torch_npu.
@@ -102,17 +81,6 @@ def _load_backend(backend: str) -> None:
         from . import npu  # noqa: F401
     elif backend == "ascendc_emu":
         from .ascendc import emu  # noqa: F401
-
-
-def selected_backend(*args) -> str:
-    """The backend an op called with ``args`` would use."""
-    forced = _override.get() or os.environ.get("ATB_OPS_BACKEND") or None
-    if forced:
-        return _check(forced)
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            return _DEVICE_TO_BACKEND.get(a.device.type, "reference")
-    return "reference"
 
 
 def resolve(op_name: str, *args) -> Callable:
@@ -144,6 +112,22 @@ def _resolve_invariant(op_name: str, backend: str) -> Callable:
             log.info("atb_ops.%s: no batch-invariant %s kernel, using the device-generic batch-invariant variant",
                      op_name, backend)
     return _bi_registry["reference"][op_name]
+
+
+def kv_layout(backend: str | None = None, device: torch.device | str | None = None):
+    """The :class:`atb_ops.layout.KVLayout` ``backend`` asks for (``None``: the backend ``device`` dispatches to;
+    neither: reference). Loads the backend, which registers its layout."""
+    from .layout import REFERENCE, registered_layout
+
+    if backend is None:
+        backend = _DEVICE_TO_BACKEND.get(torch.device(device).type, "reference") if device is not None else "reference"
+    backend = _check(backend)
+    if backend != "reference":
+        try:
+            _load_backend(backend)
+        except Exception:  # a backend whose runtime is missing registers nothing: its ops run on the reference
+            pass
+    return registered_layout(backend) or REFERENCE
 
 
 def implementations(op_name: str) -> dict[str, Callable]:

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from ._dispatch import _DEVICE_TO_BACKEND, _check, _load_backend
+from ._registry import check as _check
 
 
 @dataclass(frozen=True)
@@ -35,14 +33,6 @@ def register_kv_layout(backend: str, layout: KVLayout) -> None:
     _layouts[_check(backend)] = layout
 
 
-def kv_layout(backend: str | None = None, device: torch.device | str | None = None) -> KVLayout:
-    """The layout ``backend`` asks for (``None``: the backend ``device`` dispatches to; neither: reference)."""
-    if backend is None:
-        backend = _DEVICE_TO_BACKEND.get(torch.device(device).type, "reference") if device is not None else "reference"
-    backend = _check(backend)
-    if backend != "reference":
-        try:
-            _load_backend(backend)
-        except Exception:  # a backend whose runtime is missing registers nothing: its ops run on the reference
-            pass
-    return _layouts.get(backend, REFERENCE)
+def registered_layout(backend: str) -> KVLayout | None:
+    """The layout ``backend`` registered, or None (``atb_ops.kv_layout`` loads the backend first)."""
+    return _layouts.get(backend)

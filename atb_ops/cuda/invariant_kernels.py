@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..invariant.primitives import register_primitive
+from ..invariant.kernel_table import register_primitive
 
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32
 SUM_BLOCK = 256

@@ -34,7 +34,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .._dispatch import selected_backend
+from .._selection import selected_backend
+from .kernel_table import KERNELS as _kernels, register_primitive  # noqa: F401  (re-exported)
 
 BLOCK_M = 16
 BLOCK_N = 16
@@ -42,19 +43,8 @@ SMALL_M = 4
 SUM_CHUNK = 64
 
 log = logging.getLogger("atb_ops")
-_kernels: dict[str, dict[str, Callable]] = {"cuda": {}}
 _loaded = False
 _warned: set[str] = set()
-
-
-def register_primitive(name: str, backend: str) -> Callable[[Callable], Callable]:
-    """Decorator: ``fn`` is ``backend``'s batch-invariant kernel of primitive ``name``."""
-
-    def deco(fn: Callable) -> Callable:
-        _kernels.setdefault(backend, {})[name] = fn
-        return fn
-
-    return deco
 
 
 def _kernel(name: str, t: torch.Tensor) -> Callable | None:
