@@ -130,6 +130,8 @@ class ParallelState:
     ep: Group
     backend: str
     enable_expert_parallel: bool = False
+    dp_rank: int = 0  # data-parallel replica of this rank (parallel/dp_groups.py); 0 of 1 without DP
+    dp_size: int = 1
 
     @property
     def rank(self) -> int:

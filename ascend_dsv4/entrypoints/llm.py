@@ -109,6 +109,7 @@ class LLM:
         tensor_parallel_size: int = 1,
         enable_expert_parallel: bool = False,
         distributed_executor_backend: str | None = None,
+        data_parallel_size: int = 1,
     ):
         if numerics not in NUMERICS:
             raise ConfigError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
@@ -142,6 +143,16 @@ class LLM:
         folder = model if os.path.isdir(model) else (os.path.dirname(model) if os.path.isfile(model) else None)
         self.folder = folder
         self.executor = None
+        from ..parallel_plan import validate_dp_layout
+
+        validate_dp_layout(cfg, data_parallel_size, tensor_parallel_size, enable_expert_parallel,
+                           distributed_executor_backend, num_speculative_tokens)
+        if data_parallel_size > 1:
+            self._start_dp(model, folder, numerics, seed, dequantize, block_size, data_parallel_size,
+                           tensor_parallel_size, max_num_seqs, max_num_batched_tokens, enable_prefix_caching,
+                           dict(msmodelslim_path=msmodelslim_path, allow_float_mtp=allow_float_mtp,
+                                msmodelslim_act_sim=msmodelslim_act_sim, check_weights=not skip_weight_check))
+            return
         if tensor_parallel_size != 1 or enable_expert_parallel or distributed_executor_backend is not None:
             if gpu_memory_utilization is not None:
                 log.info("gpu_memory_utilization is not applied under tensor parallelism yet: the KV pools hold "
@@ -198,6 +209,38 @@ class LLM:
         runner = self.executor.runner
         runner.max_model_len, runner.max_num_batched_tokens = self.max_model_len, self.max_num_batched_tokens
         return runner
+
+    def _start_dp(self, model, folder, numerics, seed, dequantize, block_size, dp, tp, max_num_seqs,
+                  max_num_batched_tokens, enable_prefix_caching, msm: dict) -> None:
+        """Data-parallel attention (``engine/executor_dp.py``): validate, start ``dp x tp`` worker ranks, one
+        engine per replica behind a :class:`~ascend_dsv4.engine.dp_engine.DPEngine`."""
+        from parallel.groups import visible_devices
+
+        from ..engine import model_runner
+        from ..engine.dp_engine import DPEngine
+        from ..engine.executor import RankSpec
+        from ..engine.executor_dp import DPExecutor
+        from ..parallel_plan import validate_dp_layout, validate_layout
+
+        validate_dp_layout(self.cfg, dp, tp, True, visible_devices=visible_devices(self.device.type),
+                           device=self.device.type)
+        validate_layout(self.cfg, tp, True, quantized_checkpoint=folder is not None, numerics=numerics)
+        sizes = model_runner.plan_pool_sizes(self.cfg, block_size, max_num_seqs, self.max_model_len,
+                                             max_num_batched_tokens)
+        spec = RankSpec(model=folder or model, cfg=self.cfg, dtype=self.dtype, numerics=numerics,
+                        device_type=self.device.type, seed=seed, pool_sizes=sizes, tensor_parallel_size=tp,
+                        enable_expert_parallel=True, backend=self.backend, dequantize=dequantize, **msm,
+                        timeout_s=float(os.environ.get("ASCEND_DSV4_MP_TIMEOUT", "300")), data_parallel_size=dp,
+                        env={k: v for k, v in os.environ.items() if k.startswith(("ASCEND_DSV4_", "ATB_OPS_", "HCCL_"))})
+        self.executor = DPExecutor(spec).start()
+        self.tokenizer = load_tokenizer(folder, self.cfg.bos_token_id, self.cfg.eos_token_id, self.cfg.vocab_size)
+        engines = []
+        for r in self.executor.runners:
+            r.max_model_len, r.max_num_batched_tokens = self.max_model_len, max_num_batched_tokens
+            engines.append(LLMEngine(r, self.tokenizer, self.max_model_len, max_num_seqs, max_num_batched_tokens,
+                                     enable_prefix_caching=enable_prefix_caching))
+        self.runner = self.executor.runners[0]
+        self.engine = DPEngine(engines, self.executor)
 
     def shutdown(self) -> None:
         """Stop the worker processes of a tensor-parallel LLM (no-op at world size 1; idempotent)."""
