@@ -244,12 +244,20 @@ class LLM:
 
     def shutdown(self) -> None:
         """Stop the worker processes of a tensor-parallel LLM (no-op at world size 1; idempotent)."""
+        if hasattr(self.engine, "shutdown"):  # the data-parallel front end's step threads
+            self.engine.shutdown()
         if self.executor is not None:
             self.executor.shutdown()
+
+    def _single_replica(self, what: str) -> None:
+        if self.executor is not None and getattr(self.executor, "dp", 1) > 1:
+            raise RequestError(f"LLM.{what} is not available with data_parallel_size > 1 (the model lives on the "
+                               f"replicas' ranks); use generate")
 
     @property
     def model(self) -> torch.nn.Module:
         """The runner's model (read-only access for inspection and tests)."""
+        self._single_replica("model")
         return self.runner.model
 
     @property
@@ -264,6 +272,7 @@ class LLM:
     def logits(self, token_ids: Sequence[int], prefill_len: int | None = None) -> torch.Tensor:
         """Logits [T, vocab] (float32, CPU) at every position of one sequence: the first ``prefill_len``
         tokens (default all) run as one prefill, the rest one decode step at a time."""
+        self._single_replica("logits")
         ids = check_prompt_ids(token_ids, self.cfg.vocab_size, self.max_model_len, "token_ids")
         p = len(ids) if prefill_len is None else prefill_len
         if not isinstance(p, int) or not 1 <= p <= len(ids):

@@ -5,9 +5,14 @@ prefix; bad layouts fail before any worker starts."""
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import pytest
 
 from ascend_dsv4 import LLM, SamplingParams
+from ascend_dsv4.engine.executor import ExecutorError
 from ascend_dsv4.errors import ConfigError
 
 pytestmark = pytest.mark.distributed
@@ -64,16 +69,40 @@ def test_dp2_tp1_ep_v4_equals_one_device_idle_replica_and_affinity():
         llm.shutdown()
 
 
-def test_dp2_tp2_ep_v3_equals_one_device():
+def test_dp2_tp2_ep_v3_equals_one_device_and_killed_worker():
     one = LLM("toy-v3", **KW)
     want = _ids(one.generate(PROMPTS, GREEDY, use_tqdm=False))
     llm = LLM("toy-v3", data_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True, **KW)
     try:
         assert llm.executor.world == 4
+        assert [i["replica"] for i in llm.executor.ready_info] == [0, 0, 1, 1]
         assert _ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == want
         assert all(e.stats.prompt_tokens > 0 for e in llm.engine.engines)
+        # a rank of replica 1 dies: the step fails with an error naming a rank, bounded; then the executor is down
+        os.kill(llm.executor.worker_pids[3], signal.SIGKILL)
+        t = time.monotonic()
+        with pytest.raises(ExecutorError, match=r"worker rank \d (died|closed|failed)"):
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert time.monotonic() - t < 30
+        with pytest.raises(ExecutorError, match="the dp executor is down"):
+            llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)
     finally:
         llm.shutdown()
+    assert not any(p.is_alive() for p in llm.executor.procs)
+
+
+def test_cli_generate_and_info_with_dp(capsys):
+    from ascend_dsv4.entrypoints.cli import main
+
+    args = ["generate", "--model", "toy-v4", "--prompt", "hello there", "--max-tokens", "4", "--device", "cpu"]
+    assert main(args) == 0
+    want = capsys.readouterr().out
+    assert main(args + ["--data-parallel-size", "2", "--enable-expert-parallel"]) == 0
+    assert capsys.readouterr().out == want
+    assert main(["info", "--model", "toy-v4", "-dp", "4", "--enable-expert-parallel"]) == 0
+    out = capsys.readouterr().out
+    assert "data_parallel_size=4 attention replicas x tensor_parallel_size=1" in out
+    assert "expert-parallel over all 4 ranks (4 per rank)" in out
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -87,3 +116,37 @@ def test_dp2_tp2_ep_v3_equals_one_device():
 def test_bad_dp_layout_fails_before_workers_start(kw, match):
     with pytest.raises(ConfigError, match=match):
         LLM("toy-v4", **KW, **kw)
+
+
+def test_serve_over_dp2_concurrent_completions_equal_one_device():
+    import concurrent.futures
+
+    import httpx
+
+    from ascend_dsv4.engine.async_engine import AsyncEngine
+    from ascend_dsv4.entrypoints.server import ServerThread, create_app
+    from ascend_dsv4.errors import RequestError
+
+    one = LLM("toy-v4", **KW)
+    want = _ids(one.generate(PROMPTS, GREEDY, use_tqdm=False))
+    llm = LLM("toy-v4", data_parallel_size=2, enable_expert_parallel=True, **KW)
+    with pytest.raises(RequestError, match="not available with data_parallel_size > 1"):
+        llm.logits(PROMPTS[0])
+    eng = AsyncEngine(llm.engine, max_queue=64, ops_context=llm._ops)
+    server = ServerThread(create_app(eng, ["toy-v4"])).start()
+    try:
+        def complete(p):
+            r = httpx.post(server.url + "/v1/completions", timeout=60,
+                           json={"model": "toy-v4", "prompt": p, "max_tokens": 6, "temperature": 0})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            texts = list(pool.map(complete, PROMPTS))
+        assert texts == [one.tokenizer.decode(w) for w in want]
+        assert httpx.get(server.url + "/health").status_code == 200
+        assert httpx.get(server.url + "/metrics").status_code == 200
+    finally:
+        server.stop()
+        eng.shutdown()
+        llm.shutdown()
