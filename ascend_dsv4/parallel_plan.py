@@ -174,9 +174,8 @@ def validate_dp_layout(cfg, data_parallel_size, tensor_parallel_size: int, enabl
     if not enable_expert_parallel:
         raise ConfigError(f"data_parallel_size = {dp} needs enable_expert_parallel (--enable-expert-parallel): the "
                           f"routed experts are partitioned over all {world} ranks of the replicas")
-    if executor not in (None, "mp"):
-        raise ConfigError(f"data_parallel_size = {dp} runs on the mp executor only (one node), got "
-                          f"distributed_executor_backend={executor!r}")
+    if executor not in (None, "mp", "ray"):
+        raise ConfigError(f"distributed_executor_backend must be 'mp' or 'ray', got {executor!r}")
     if num_speculative_tokens:
         raise ConfigError(f"data_parallel_size = {dp} does not support speculative decoding yet "
                           f"(num_speculative_tokens must be 0)")

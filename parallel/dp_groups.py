@@ -37,10 +37,11 @@ def local_dp_state(dp: int, tp: int, rank: int) -> ParallelState:
     return ParallelState(Group(rank, dp * tp), Group(t, tp), Group(rank, dp * tp), "", True, d, dp)
 
 
-def init_dp_parallel(data_parallel_size: int, tensor_parallel_size: int, rank: int, *, store,
+def init_dp_parallel(data_parallel_size: int, tensor_parallel_size: int, rank: int, *, store=None,
+                     init_method: str | None = None,
                      device: str | torch.device = "cpu", backend: str | None = None,
                      timeout_s: float | None = None, hccl_buffer_mb_: int | None = None) -> ParallelState:
-    """Join the world of ``D x T`` ranks through ``store`` and build this rank's TP group and the EP group over all
+    """Join the world of ``D x T`` ranks through ``store`` (or the ``tcp://`` ``init_method``) and build this rank's TP group and the EP group over all
     ranks. Raises :class:`ParallelError` naming the backend when the rendezvous or a group fails."""
     be = backend_for_device(device, backend)
     dp, tp = int(data_parallel_size), int(tensor_parallel_size)
@@ -50,7 +51,11 @@ def init_dp_parallel(data_parallel_size: int, tensor_parallel_size: int, rank: i
     timeout = datetime.timedelta(seconds=connect_timeout_s(be, timeout_s))
     kwargs: dict[str, Any] = {"pg_options": hccl_group_options("world", hccl_buffer_mb_)} if be == "hccl" else {}
     try:
-        dist.init_process_group(be, world_size=world, rank=rank, timeout=timeout, store=store, **kwargs)
+        if store is not None:
+            kwargs["store"] = store
+        else:
+            kwargs["init_method"] = init_method
+        dist.init_process_group(be, world_size=world, rank=rank, timeout=timeout, **kwargs)
     except Exception as e:  # noqa: BLE001
         raise ParallelError(f"backend {be}: rank {rank} of {world} could not join the process group: {e}") from e
 

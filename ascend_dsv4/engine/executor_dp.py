@@ -13,8 +13,9 @@ replica, so no "has work" all-reduce between ranks is needed.
 
 Failure: a worker that raises reports its traceback and exits; one that dies closes its pipe; either way the call
 raises :class:`ExecutorError` naming the rank, and every rank is stopped (the replicas share the EP collectives,
-so one lost rank stops them all). Not supported with DP (checked): speculative decoding (the MTP forward would
-need its own lock step) and the Ray executor.
+so one lost rank stops them all); a replica waiting on its ranks stops waiting as soon as another replica's
+failure marked the executor down. Not supported with DP (checked): speculative decoding (the MTP forward would
+need its own lock step). The same front end over Ray actors: ``executor_dp_ray.py``.
 """
 
 from __future__ import annotations

@@ -149,7 +149,7 @@ class LLM:
                            distributed_executor_backend, num_speculative_tokens)
         if data_parallel_size > 1:
             self._start_dp(model, folder, numerics, seed, dequantize, block_size, data_parallel_size,
-                           tensor_parallel_size, max_num_seqs, max_num_batched_tokens, enable_prefix_caching,
+                           tensor_parallel_size, distributed_executor_backend, max_num_seqs, max_num_batched_tokens, enable_prefix_caching,
                            dict(msmodelslim_path=msmodelslim_path, allow_float_mtp=allow_float_mtp,
                                 msmodelslim_act_sim=msmodelslim_act_sim, check_weights=not skip_weight_check))
             return
@@ -210,7 +210,7 @@ class LLM:
         runner.max_model_len, runner.max_num_batched_tokens = self.max_model_len, self.max_num_batched_tokens
         return runner
 
-    def _start_dp(self, model, folder, numerics, seed, dequantize, block_size, dp, tp, max_num_seqs,
+    def _start_dp(self, model, folder, numerics, seed, dequantize, block_size, dp, tp, executor, max_num_seqs,
                   max_num_batched_tokens, enable_prefix_caching, msm: dict) -> None:
         """Data-parallel attention (``engine/executor_dp.py``): validate, start ``dp x tp`` worker ranks, one
         engine per replica behind a :class:`~ascend_dsv4.engine.dp_engine.DPEngine`."""
@@ -222,8 +222,8 @@ class LLM:
         from ..engine.executor_dp import DPExecutor
         from ..parallel_plan import validate_dp_layout, validate_layout
 
-        validate_dp_layout(self.cfg, dp, tp, True, visible_devices=visible_devices(self.device.type),
-                           device=self.device.type)
+        local = None if executor == "ray" else visible_devices(self.device.type)  # Ray: devices of many nodes
+        validate_dp_layout(self.cfg, dp, tp, True, executor, visible_devices=local, device=self.device.type)
         validate_layout(self.cfg, tp, True, quantized_checkpoint=folder is not None, numerics=numerics)
         sizes = model_runner.plan_pool_sizes(self.cfg, block_size, max_num_seqs, self.max_model_len,
                                              max_num_batched_tokens)
@@ -232,7 +232,12 @@ class LLM:
                         enable_expert_parallel=True, backend=self.backend, dequantize=dequantize, **msm,
                         timeout_s=float(os.environ.get("ASCEND_DSV4_MP_TIMEOUT", "300")), data_parallel_size=dp,
                         env={k: v for k, v in os.environ.items() if k.startswith(("ASCEND_DSV4_", "ATB_OPS_", "HCCL_"))})
-        self.executor = DPExecutor(spec).start()
+        if executor == "ray":
+            from ..engine.executor_dp_ray import RayDPExecutor
+
+            self.executor = RayDPExecutor(spec).start()
+        else:
+            self.executor = DPExecutor(spec).start()
         self.tokenizer = load_tokenizer(folder, self.cfg.bos_token_id, self.cfg.eos_token_id, self.cfg.vocab_size)
         engines = []
         for r in self.executor.runners:

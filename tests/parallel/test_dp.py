@@ -110,7 +110,7 @@ def test_cli_generate_and_info_with_dp(capsys):
     (dict(data_parallel_size="2", enable_expert_parallel=True), "data_parallel_size must be a positive integer"),
     (dict(data_parallel_size=2), "needs enable_expert_parallel"),
     (dict(data_parallel_size=3, enable_expert_parallel=True), "n_routed_experts = 16 is not divisible"),
-    (dict(data_parallel_size=2, enable_expert_parallel=True, distributed_executor_backend="ray"), "mp executor only"),
+    (dict(data_parallel_size=2, enable_expert_parallel=True, distributed_executor_backend="spark"), "must be .mp. or .ray."),
     (dict(data_parallel_size=2, enable_expert_parallel=True, num_speculative_tokens=1), "speculative"),
 ])
 def test_bad_dp_layout_fails_before_workers_start(kw, match):
