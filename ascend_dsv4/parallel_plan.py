@@ -179,6 +179,12 @@ def validate_dp_layout(cfg, data_parallel_size, tensor_parallel_size: int, enabl
     if num_speculative_tokens:
         raise ConfigError(f"data_parallel_size = {dp} does not support speculative decoding yet "
                           f"(num_speculative_tokens must be 0)")
+    import os
+
+    if os.environ.get("ASCEND_DSV4_EP_COMM", "alltoall") != "alltoall":
+        raise ConfigError(f"data_parallel_size = {dp} needs ASCEND_DSV4_EP_COMM=alltoall (the replicas hold different "
+                          f"tokens; the all-reduce fallback would mix them), got "
+                          f"{os.environ['ASCEND_DSV4_EP_COMM']!r}")
     if visible_devices is not None and world > visible_devices:
         raise ConfigError(f"data_parallel_size x tensor_parallel_size = {world} needs {world} {device or 'devices'} on "
                           f"this node, but {visible_devices} are visible")

@@ -41,8 +41,8 @@ def init_dp_parallel(data_parallel_size: int, tensor_parallel_size: int, rank: i
                      init_method: str | None = None,
                      device: str | torch.device = "cpu", backend: str | None = None,
                      timeout_s: float | None = None, hccl_buffer_mb_: int | None = None) -> ParallelState:
-    """Join the world of ``D x T`` ranks through ``store`` (or the ``tcp://`` ``init_method``) and build this rank's TP group and the EP group over all
-    ranks. Raises :class:`ParallelError` naming the backend when the rendezvous or a group fails."""
+    """Join the world of ``D x T`` ranks through ``store`` (or the ``tcp://`` ``init_method``) and build this
+    rank's TP group and the EP group over all ranks. Raises :class:`ParallelError` naming the backend when the rendezvous or a group fails."""
     be = backend_for_device(device, backend)
     dp, tp = int(data_parallel_size), int(tensor_parallel_size)
     world = dp * tp

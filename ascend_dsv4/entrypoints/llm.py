@@ -149,7 +149,8 @@ class LLM:
                            distributed_executor_backend, num_speculative_tokens)
         if data_parallel_size > 1:
             self._start_dp(model, folder, numerics, seed, dequantize, block_size, data_parallel_size,
-                           tensor_parallel_size, distributed_executor_backend, max_num_seqs, max_num_batched_tokens, enable_prefix_caching,
+                           tensor_parallel_size, distributed_executor_backend, max_num_seqs, max_num_batched_tokens,
+                           enable_prefix_caching,
                            dict(msmodelslim_path=msmodelslim_path, allow_float_mtp=allow_float_mtp,
                                 msmodelslim_act_sim=msmodelslim_act_sim, check_weights=not skip_weight_check))
             return
@@ -222,6 +223,13 @@ class LLM:
         from ..engine.executor_dp import DPExecutor
         from ..parallel_plan import validate_dp_layout, validate_layout
 
+        if folder is not None:
+            from ..weights.msmodelslim_loader import is_msmodelslim_folder
+
+            if is_msmodelslim_folder(folder):
+                raise ConfigError(f"{folder}: msModelSlim checkpoints are not supported with data_parallel_size > 1 "
+                                  f"yet (their quantised experts have no zero-token step); use the official "
+                                  f"checkpoint or data_parallel_size=1")
         local = None if executor == "ray" else visible_devices(self.device.type)  # Ray: devices of many nodes
         validate_dp_layout(self.cfg, dp, tp, True, executor, visible_devices=local, device=self.device.type)
         validate_layout(self.cfg, tp, True, quantized_checkpoint=folder is not None, numerics=numerics)
@@ -231,7 +239,8 @@ class LLM:
                         device_type=self.device.type, seed=seed, pool_sizes=sizes, tensor_parallel_size=tp,
                         enable_expert_parallel=True, backend=self.backend, dequantize=dequantize, **msm,
                         timeout_s=float(os.environ.get("ASCEND_DSV4_MP_TIMEOUT", "300")), data_parallel_size=dp,
-                        env={k: v for k, v in os.environ.items() if k.startswith(("ASCEND_DSV4_", "ATB_OPS_", "HCCL_"))})
+                        env={k: v for k, v in os.environ.items()
+                             if k.startswith(("ASCEND_DSV4_", "ATB_OPS_", "HCCL_"))})
         if executor == "ray":
             from ..engine.executor_dp_ray import RayDPExecutor
 

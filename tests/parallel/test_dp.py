@@ -46,7 +46,8 @@ def test_dp2_tp1_ep_v4_equals_one_device_idle_replica_and_affinity():
         calls = [e.runner.calls for e in eng.engines]
         steps = [e.stats.steps for e in eng.engines]
         alone = [1, 2, 3, 4, 5] + [600 + j for j in range(30)]  # no shared prefix with PROMPTS
-        assert _ids(llm.generate([alone], GREEDY, use_tqdm=False)) == _ids(one.generate([alone], GREEDY, use_tqdm=False))
+        got = _ids(llm.generate([alone], GREEDY, use_tqdm=False))
+        assert got == _ids(one.generate([alone], GREEDY, use_tqdm=False))
         busy = [e.stats.steps - s for e, s in zip(eng.engines, steps)]
         assert sorted(busy)[0] == 0 and sorted(busy)[1] > 1
         idle = busy.index(0)
@@ -110,12 +111,19 @@ def test_cli_generate_and_info_with_dp(capsys):
     (dict(data_parallel_size="2", enable_expert_parallel=True), "data_parallel_size must be a positive integer"),
     (dict(data_parallel_size=2), "needs enable_expert_parallel"),
     (dict(data_parallel_size=3, enable_expert_parallel=True), "n_routed_experts = 16 is not divisible"),
-    (dict(data_parallel_size=2, enable_expert_parallel=True, distributed_executor_backend="spark"), "must be .mp. or .ray."),
+    (dict(data_parallel_size=2, enable_expert_parallel=True, distributed_executor_backend="spark"),
+     "must be .mp. or .ray."),
     (dict(data_parallel_size=2, enable_expert_parallel=True, num_speculative_tokens=1), "speculative"),
 ])
 def test_bad_dp_layout_fails_before_workers_start(kw, match):
     with pytest.raises(ConfigError, match=match):
         LLM("toy-v4", **KW, **kw)
+
+
+def test_dp_refuses_the_allreduce_ep_fallback(monkeypatch):
+    monkeypatch.setenv("ASCEND_DSV4_EP_COMM", "allreduce")
+    with pytest.raises(ConfigError, match="needs ASCEND_DSV4_EP_COMM=alltoall"):
+        LLM("toy-v4", data_parallel_size=2, enable_expert_parallel=True, **KW)
 
 
 def test_serve_over_dp2_concurrent_completions_equal_one_device():
