@@ -158,3 +158,21 @@ def test_serve_over_dp2_concurrent_completions_equal_one_device():
         server.stop()
         eng.shutdown()
         llm.shutdown()
+
+
+def test_dp2_preemption_inside_a_replica_equals_one_device(monkeypatch):
+    from ascend_dsv4.engine import model_runner
+    from ascend_dsv4.kv.blocks import PoolSizes
+
+    # 6 token pages of 16 per replica: three requests on a replica exhaust them -> preemption by recompute
+    monkeypatch.setattr(model_runner, "plan_pool_sizes", lambda cfg, B, *a: PoolSizes(B, 4, 1, 6, 64, 8))
+    prompts = PROMPTS + [p + [77, 78] for p in PROMPTS]
+    one = LLM("toy-v4", enable_prefix_caching=True, **KW)
+    want = _ids(one.generate(prompts, GREEDY, use_tqdm=False))
+    assert one.engine.scheduler.num_preemptions > 0
+    llm = LLM("toy-v4", data_parallel_size=2, enable_expert_parallel=True, enable_prefix_caching=True, **KW)
+    try:
+        assert _ids(llm.generate(prompts, GREEDY, use_tqdm=False)) == want
+        assert llm.engine.scheduler.num_preemptions > 0
+    finally:
+        llm.shutdown()
