@@ -102,7 +102,8 @@ def rank_weight_bytes(cfg, tensor_parallel_size: int, enable_expert_parallel: bo
     """Checkpoint-format weight bytes one rank holds (every rank holds the same amount; scales included);
     under data parallelism the routed experts are EP over all ``data_parallel_size x tensor_parallel_size``
     ranks."""
-    tp, ep = tensor_parallel_size, ep_size(tensor_parallel_size, enable_expert_parallel) * data_parallel_size
+    ep_on = enable_expert_parallel or data_parallel_size > 1
+    tp, ep = tensor_parallel_size, ep_size(tensor_parallel_size, ep_on) * data_parallel_size
     total = 0
     for t in family_of(cfg).tensor_inventory(cfg):
         if getattr(t, "copy", False):  # a stored duplicate (V3's MTP copies of embed / head) is not loaded twice
@@ -138,6 +139,7 @@ def format_layout_info(cfg, tensor_parallel_size: int, enable_expert_parallel: b
                        device_memory: int | None = None, dtype_bytes: int = 2, data_parallel_size: int = 1) -> str:
     tp, dp = tensor_parallel_size, data_parallel_size
     validate_dp_layout(cfg, dp, tp, enable_expert_parallel)
+    enable_expert_parallel = enable_expert_parallel or dp > 1
     ep = ep_size(tp, enable_expert_parallel) * dp
     validate_layout(cfg, tp, enable_expert_parallel)
     w = rank_weight_bytes(cfg, tp, enable_expert_parallel, dp)
@@ -163,17 +165,15 @@ def format_layout_info(cfg, tensor_parallel_size: int, enable_expert_parallel: b
 def validate_dp_layout(cfg, data_parallel_size, tensor_parallel_size: int, enable_expert_parallel: bool,
                        executor: str | None = None, num_speculative_tokens: int = 0,
                        visible_devices: int | None = None, device: str = "") -> None:
-    """Rules of data-parallel attention (``D`` replicas of ``T`` ranks, experts EP over all ``D x T`` ranks);
+    """Rules of data-parallel attention (``D`` replicas of ``T`` ranks, experts EP over all ``D x T`` ranks whether
+    or not ``enable_expert_parallel`` is set: the only MoE layout across replicas);
     raises :class:`ConfigError` naming the field. The per-replica TP rules are :func:`validate_layout`'s."""
     dp = data_parallel_size
     if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
         raise ConfigError(f"data_parallel_size must be a positive integer, got {dp!r}")
     if dp == 1:
         return
-    world = dp * tensor_parallel_size
-    if not enable_expert_parallel:
-        raise ConfigError(f"data_parallel_size = {dp} needs enable_expert_parallel (--enable-expert-parallel): the "
-                          f"routed experts are partitioned over all {world} ranks of the replicas")
+    world = dp * tensor_parallel_size  # the routed experts are EP over all of them (enable_expert_parallel implied)
     if executor not in (None, "mp", "ray"):
         raise ConfigError(f"distributed_executor_backend must be 'mp' or 'ray', got {executor!r}")
     if num_speculative_tokens:

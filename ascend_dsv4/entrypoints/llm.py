@@ -148,6 +148,10 @@ class LLM:
         validate_dp_layout(cfg, data_parallel_size, tensor_parallel_size, enable_expert_parallel,
                            distributed_executor_backend, num_speculative_tokens)
         if data_parallel_size > 1:
+            if not enable_expert_parallel:
+                log.info("data_parallel_size = %d: the routed experts are expert-parallel over all %d ranks "
+                         "(enable_expert_parallel implied)", data_parallel_size,
+                         data_parallel_size * tensor_parallel_size)
             self._start_dp(model, folder, numerics, seed, dequantize, block_size, data_parallel_size,
                            tensor_parallel_size, distributed_executor_backend, max_num_seqs, max_num_batched_tokens,
                            enable_prefix_caching,

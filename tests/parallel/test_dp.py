@@ -98,9 +98,9 @@ def test_cli_generate_and_info_with_dp(capsys):
     args = ["generate", "--model", "toy-v4", "--prompt", "hello there", "--max-tokens", "4", "--device", "cpu"]
     assert main(args) == 0
     want = capsys.readouterr().out
-    assert main(args + ["--data-parallel-size", "2", "--enable-expert-parallel"]) == 0
+    assert main(args + ["--data-parallel-size", "2"]) == 0  # EP implied
     assert capsys.readouterr().out == want
-    assert main(["info", "--model", "toy-v4", "-dp", "4", "--enable-expert-parallel"]) == 0
+    assert main(["info", "--model", "toy-v4", "-dp", "4"]) == 0
     out = capsys.readouterr().out
     assert "data_parallel_size=4 attention replicas x tensor_parallel_size=1" in out
     assert "expert-parallel over all 4 ranks (4 per rank)" in out
@@ -109,7 +109,6 @@ def test_cli_generate_and_info_with_dp(capsys):
 @pytest.mark.parametrize("kw, match", [
     (dict(data_parallel_size=0, enable_expert_parallel=True), "data_parallel_size must be a positive integer"),
     (dict(data_parallel_size="2", enable_expert_parallel=True), "data_parallel_size must be a positive integer"),
-    (dict(data_parallel_size=2), "needs enable_expert_parallel"),
     (dict(data_parallel_size=3, enable_expert_parallel=True), "n_routed_experts = 16 is not divisible"),
     (dict(data_parallel_size=2, enable_expert_parallel=True, distributed_executor_backend="spark"),
      "must be .mp. or .ray."),
