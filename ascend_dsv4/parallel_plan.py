@@ -97,9 +97,13 @@ def validate_layout(cfg, tensor_parallel_size: int, enable_expert_parallel: bool
                               f"checkpoint")
 
 
-def rank_weight_bytes(cfg, tensor_parallel_size: int, enable_expert_parallel: bool = False) -> int:
-    """Checkpoint-format weight bytes one rank holds (every rank holds the same amount; scales included)."""
-    tp, ep = tensor_parallel_size, ep_size(tensor_parallel_size, enable_expert_parallel)
+def rank_weight_bytes(cfg, tensor_parallel_size: int, enable_expert_parallel: bool = False,
+                      data_parallel_size: int = 1) -> int:
+    """Checkpoint-format weight bytes one rank holds (every rank holds the same amount; scales included);
+    under data parallelism the routed experts are EP over all ``data_parallel_size x tensor_parallel_size``
+    ranks."""
+    ep_on = enable_expert_parallel or data_parallel_size > 1
+    tp, ep = tensor_parallel_size, ep_size(tensor_parallel_size, ep_on) * data_parallel_size
     total = 0
     for t in family_of(cfg).tensor_inventory(cfg):
         if getattr(t, "copy", False):  # a stored duplicate (V3's MTP copies of embed / head) is not loaded twice
@@ -132,14 +136,18 @@ def parse_bytes(text: str) -> int:
 
 
 def format_layout_info(cfg, tensor_parallel_size: int, enable_expert_parallel: bool = False,
-                       device_memory: int | None = None, dtype_bytes: int = 2) -> str:
-    tp = tensor_parallel_size
-    ep = ep_size(tp, enable_expert_parallel)
+                       device_memory: int | None = None, dtype_bytes: int = 2, data_parallel_size: int = 1) -> str:
+    tp, dp = tensor_parallel_size, data_parallel_size
+    validate_dp_layout(cfg, dp, tp, enable_expert_parallel)
+    enable_expert_parallel = enable_expert_parallel or dp > 1
+    ep = ep_size(tp, enable_expert_parallel) * dp
     validate_layout(cfg, tp, enable_expert_parallel)
-    w = rank_weight_bytes(cfg, tp, enable_expert_parallel)
+    w = rank_weight_bytes(cfg, tp, enable_expert_parallel, dp)
     kv = kv_bytes_per_token_rank(cfg, dtype_bytes)
     lines = [f"parallel layout: tensor_parallel_size={tp}, expert parallel {'on' if ep > 1 else 'off'} "
-             f"(ep={ep}): {tp} rank(s)",
+             f"(ep={ep}): {tp} rank(s)" if dp == 1 else
+             f"parallel layout: data_parallel_size={dp} attention replicas x tensor_parallel_size={tp}, routed "
+             f"experts expert-parallel over all {ep} ranks ({cfg.n_routed_experts // ep} per rank)",
              f"  weights per rank (checkpoint format): {w / GiB:,.2f} GiB ({w:,} B)",
              f"  KV bytes per token per rank (replicated KV, {dtype_bytes}-byte pools): {kv:,.2f} B"]
     if device_memory is not None:
@@ -152,3 +160,33 @@ def format_layout_info(cfg, tensor_parallel_size: int, enable_expert_parallel: b
             lines.append(f"  tokens of KV that fit per rank: {math.floor(free / kv):,}" if kv else
                          "  tokens of KV that fit per rank: unlimited (no per-token KV)")
     return "\n".join(lines)
+
+
+def validate_dp_layout(cfg, data_parallel_size, tensor_parallel_size: int, enable_expert_parallel: bool,
+                       executor: str | None = None, num_speculative_tokens: int = 0,
+                       visible_devices: int | None = None, device: str = "") -> None:
+    """Rules of data-parallel attention (``D`` replicas of ``T`` ranks, experts EP over all ``D x T`` ranks whether
+    or not ``enable_expert_parallel`` is set: the only MoE layout across replicas);
+    raises :class:`ConfigError` naming the field. The per-replica TP rules are :func:`validate_layout`'s."""
+    dp = data_parallel_size
+    if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
+        raise ConfigError(f"data_parallel_size must be a positive integer, got {dp!r}")
+    if dp == 1:
+        return
+    world = dp * tensor_parallel_size  # the routed experts are EP over all of them (enable_expert_parallel implied)
+    if executor not in (None, "mp", "ray"):
+        raise ConfigError(f"distributed_executor_backend must be 'mp' or 'ray', got {executor!r}")
+    if num_speculative_tokens:
+        raise ConfigError(f"data_parallel_size = {dp} does not support speculative decoding yet "
+                          f"(num_speculative_tokens must be 0)")
+    import os
+
+    if os.environ.get("ASCEND_DSV4_EP_COMM", "alltoall") != "alltoall":
+        raise ConfigError(f"data_parallel_size = {dp} needs ASCEND_DSV4_EP_COMM=alltoall (the replicas hold different "
+                          f"tokens; the all-reduce fallback would mix them), got "
+                          f"{os.environ['ASCEND_DSV4_EP_COMM']!r}")
+    if visible_devices is not None and world > visible_devices:
+        raise ConfigError(f"data_parallel_size x tensor_parallel_size = {world} needs {world} {device or 'devices'} on "
+                          f"this node, but {visible_devices} are visible")
+    _divisible("n_routed_experts", cfg.n_routed_experts, world,
+               "data_parallel_size x tensor_parallel_size (the expert-parallel size)")

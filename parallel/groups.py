@@ -6,7 +6,8 @@ every expert over the same TP group (``enable_expert_parallel=False``: each rank
 expert) or partitioned whole over the expert-parallel (EP) group (``enable_expert_parallel=True``: EP size = TP
 size, ``E / ep`` consecutive experts per rank). Both groups span the world today; they are separate
 ``torch.distributed`` groups so that their communicators (and, on Ascend, their HCCL buffers) are separate,
-and so that a data-parallel dimension can be added later without changing the layers.
+and so that a data-parallel dimension could be added without changing the layers (``parallel/dp_groups.py``:
+one TP group per attention replica, the EP group over all replicas' ranks).
 
 Backend by device: ``npu`` -> ``hccl``, ``cuda`` -> ``nccl``, ``cpu`` -> ``gloo``; ``backend=`` overrides it.
 On ``hccl`` each group gets torch_npu's ``ProcessGroupHCCL.Options`` with ``hccl_config = {"hccl_buffer_size":
@@ -130,6 +131,8 @@ class ParallelState:
     ep: Group
     backend: str
     enable_expert_parallel: bool = False
+    dp_rank: int = 0  # data-parallel replica of this rank (parallel/dp_groups.py); 0 of 1 without DP
+    dp_size: int = 1
 
     @property
     def rank(self) -> int:

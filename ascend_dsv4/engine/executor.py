@@ -63,6 +63,7 @@ class RankSpec:
     msmodelslim_act_sim: str | None = None
     check_weights: bool = True  # NaN / Inf check of every tensor as it lands (weights/weight_check.py)
     timeout_s: float = 300.0
+    data_parallel_size: int = 1  # attention replicas (executor_dp.py); ranks = data x tensor parallel size
     env: dict = field(default_factory=dict)
 
 

@@ -93,7 +93,7 @@ class RankWorker:
 
     def init_rank(self, rank: int, world_size: int, local_rank: int, device_index: int | None, ip: str,
                   master: tuple[str, int], device: str, enable_expert_parallel: bool, backend: str | None,
-                  timeout_s: float, worker_cls: str, worker_kwargs: dict) -> int:
+                  timeout_s: float, worker_cls: str, worker_kwargs: dict, data_parallel_size: int = 1) -> int:
         from parallel import init_parallel
 
         os.environ.setdefault("HCCL_IF_IP", ip)  # the raylet's value (scripts/ray_*.sh) wins
@@ -101,8 +101,15 @@ class RankWorker:
             _set_rank_device(device, device_index)
         os.environ.update({"MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]), "RANK": str(rank),
                            "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world_size)})
-        state = init_parallel(world_size, rank, f"tcp://{master[0]}:{master[1]}", device=device,
-                              enable_expert_parallel=enable_expert_parallel, backend=backend, timeout_s=timeout_s)
+        if data_parallel_size > 1:  # D attention replicas, experts EP over all ranks (parallel/dp_groups.py)
+            from parallel.dp_groups import init_dp_parallel
+
+            state = init_dp_parallel(data_parallel_size, world_size // data_parallel_size, rank,
+                                     init_method=f"tcp://{master[0]}:{master[1]}", device=device, backend=backend,
+                                     timeout_s=timeout_s)
+        else:
+            state = init_parallel(world_size, rank, f"tcp://{master[0]}:{master[1]}", device=device,
+                                  enable_expert_parallel=enable_expert_parallel, backend=backend, timeout_s=timeout_s)
         self.rank = rank
         self.worker = _import(worker_cls)(rank=rank, local_rank=local_rank, device_index=device_index, state=state,
                                           **worker_kwargs)
@@ -132,7 +139,8 @@ class RayExecutor:
                  address: str | None = None, enable_expert_parallel: bool = False, backend: str | None = None,
                  cpus_per_rank: float = 1.0, start_timeout_s: float = 600.0, call_timeout_s: float = 600.0,
                  env: dict[str, str] | None = None, local_rank0: Callable[[tuple[str, int], int | None], None] | None
-                 = None) -> None:
+                 = None, data_parallel_size: int = 1) -> None:
+        self.data_parallel_size = data_parallel_size
         self.world_size, self.worker_cls, self.worker_kwargs = world_size, worker_cls, dict(worker_kwargs or {})
         self.device, self.address = device, address or os.environ.get("RAY_ADDRESS")
         self.enable_expert_parallel, self.backend = enable_expert_parallel, backend
@@ -229,7 +237,7 @@ class RayExecutor:
             dev = local_device_index(s.accelerator_ids, infos[s.bundle]["visible"].get(vis_var) if vis_var else None)
             calls.append(actors[s.bundle].init_rank.remote(
                 rank, self.world_size, local, dev, s.ip, master, self.device, self.enable_expert_parallel,
-                self.backend, self.start_timeout_s, self.worker_cls, self.worker_kwargs))
+                self.backend, self.start_timeout_s, self.worker_cls, self.worker_kwargs, self.data_parallel_size))
         if self.local_rank0:
             dev0 = local_device_index(slots[0].accelerator_ids, os.environ.get(vis_var) if vis_var else None)
             try:

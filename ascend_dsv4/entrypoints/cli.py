@@ -51,6 +51,9 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="ranks (devices) the model is split over")
     p.add_argument("--enable-expert-parallel", action="store_true",
                    help="partition the routed experts over the ranks instead of splitting every expert")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="attention replicas (each with its own scheduler and KV cache, TP inside); the routed "
+                        "experts are expert-parallel over all replicas' ranks (needs --enable-expert-parallel)")
     p.add_argument("--distributed-executor-backend", default=None, choices=("mp", "ray"),
                    help="how ranks run: mp = one worker process per rank on this node (default with -tp > 1); "
                         "ray = one actor per rank on the Ray cluster at $RAY_ADDRESS (scripts/ray_head.sh)")
@@ -58,7 +61,8 @@ def _add_parallel_args(p: argparse.ArgumentParser) -> None:
 
 def _parallel_kwargs(a: argparse.Namespace) -> dict:
     return {"tensor_parallel_size": a.tensor_parallel_size, "enable_expert_parallel": a.enable_expert_parallel,
-            "distributed_executor_backend": a.distributed_executor_backend}
+            "distributed_executor_backend": a.distributed_executor_backend,
+            "data_parallel_size": a.data_parallel_size}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -329,11 +333,12 @@ def _info(a: argparse.Namespace) -> int:
     if ctx < 1 or a.batch < 1:
         raise AscendDSV4Error("--context-len and --batch must be positive")
     print(family_of(cfg).format_info(cfg, ctx, a.batch))
-    if a.tensor_parallel_size != 1 or a.enable_expert_parallel or a.device_memory is not None:
+    dp = getattr(a, "data_parallel_size", 1)
+    if a.tensor_parallel_size != 1 or a.enable_expert_parallel or a.device_memory is not None or dp != 1:
         from ..parallel_plan import format_layout_info, parse_bytes
 
         mem = parse_bytes(a.device_memory) if a.device_memory is not None else None
-        print(format_layout_info(cfg, a.tensor_parallel_size, a.enable_expert_parallel, mem))
+        print(format_layout_info(cfg, a.tensor_parallel_size, a.enable_expert_parallel, mem, data_parallel_size=dp))
     import os
 
     if os.path.isdir(a.model):

@@ -111,6 +111,7 @@ class LLM:
         distributed_executor_backend: str | None = None,
         enforce_eager: bool = False,
         batch_invariant: bool = False,
+        data_parallel_size: int = 1,
     ):
         if numerics not in NUMERICS:
             raise ConfigError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
@@ -149,13 +150,30 @@ class LLM:
         folder = model if os.path.isdir(model) else (os.path.dirname(model) if os.path.isfile(model) else None)
         self.folder = folder
         self.executor = None
+        from ..parallel_plan import validate_dp_layout
+
+        validate_dp_layout(cfg, data_parallel_size, tensor_parallel_size, enable_expert_parallel,
+                           distributed_executor_backend, num_speculative_tokens)
+        parallel = (data_parallel_size > 1 or tensor_parallel_size != 1 or enable_expert_parallel
+                    or distributed_executor_backend is not None)
+        if self.batch_invariant and parallel:
+            raise ConfigError("batch_invariant=True is not supported with tensor / expert / data parallelism yet "
+                              "(the all-reduce order is not made batch-invariant); run it at world size 1")
+        if data_parallel_size > 1:
+            if not enable_expert_parallel:
+                log.info("data_parallel_size = %d: the routed experts are expert-parallel over all %d ranks "
+                         "(enable_expert_parallel implied)", data_parallel_size,
+                         data_parallel_size * tensor_parallel_size)
+            self._start_dp(model, folder, numerics, seed, dequantize, block_size, data_parallel_size,
+                           tensor_parallel_size, distributed_executor_backend, max_num_seqs, max_num_batched_tokens,
+                           enable_prefix_caching,
+                           dict(msmodelslim_path=msmodelslim_path, allow_float_mtp=allow_float_mtp,
+                                msmodelslim_act_sim=msmodelslim_act_sim, check_weights=not skip_weight_check))
+            return
         if tensor_parallel_size != 1 or enable_expert_parallel or distributed_executor_backend is not None:
             if gpu_memory_utilization is not None:
                 log.info("gpu_memory_utilization is not applied under tensor parallelism yet: the KV pools hold "
                          "max_num_seqs (%d) sequences of max_model_len (%d)", max_num_seqs, self.max_model_len)
-            if self.batch_invariant:
-                raise ConfigError("batch_invariant=True is not supported with tensor / expert parallelism yet "
-                                  "(the all-reduce order is not made batch-invariant); run it at world size 1")
             self.runner = self._start_parallel(model, folder, numerics, seed, dequantize, block_size,
                                                tensor_parallel_size, enable_expert_parallel,
                                                distributed_executor_backend,
@@ -212,14 +230,67 @@ class LLM:
         runner.max_model_len, runner.max_num_batched_tokens = self.max_model_len, self.max_num_batched_tokens
         return runner
 
+    def _start_dp(self, model, folder, numerics, seed, dequantize, block_size, dp, tp, executor, max_num_seqs,
+                  max_num_batched_tokens, enable_prefix_caching, msm: dict) -> None:
+        """Data-parallel attention (``engine/executor_dp.py``): validate, start ``dp x tp`` worker ranks, one
+        engine per replica behind a :class:`~ascend_dsv4.engine.dp_engine.DPEngine`."""
+        from parallel.groups import visible_devices
+
+        from ..engine import model_runner
+        from ..engine.dp_engine import DPEngine
+        from ..engine.executor import RankSpec
+        from ..engine.executor_dp import DPExecutor
+        from ..parallel_plan import validate_dp_layout, validate_layout
+
+        if folder is not None:
+            from ..weights.msmodelslim_loader import is_msmodelslim_folder
+
+            if is_msmodelslim_folder(folder):
+                raise ConfigError(f"{folder}: msModelSlim checkpoints are not supported with data_parallel_size > 1 "
+                                  f"yet (their quantised experts have no zero-token step); use the official "
+                                  f"checkpoint or data_parallel_size=1")
+        local = None if executor == "ray" else visible_devices(self.device.type)  # Ray: devices of many nodes
+        validate_dp_layout(self.cfg, dp, tp, True, executor, visible_devices=local, device=self.device.type)
+        validate_layout(self.cfg, tp, True, quantized_checkpoint=folder is not None, numerics=numerics)
+        sizes = model_runner.plan_pool_sizes(self.cfg, block_size, max_num_seqs, self.max_model_len,
+                                             max_num_batched_tokens)
+        spec = RankSpec(model=folder or model, cfg=self.cfg, dtype=self.dtype, numerics=numerics,
+                        device_type=self.device.type, seed=seed, pool_sizes=sizes, tensor_parallel_size=tp,
+                        enable_expert_parallel=True, backend=self.backend, dequantize=dequantize, **msm,
+                        timeout_s=float(os.environ.get("ASCEND_DSV4_MP_TIMEOUT", "300")), data_parallel_size=dp,
+                        env={k: v for k, v in os.environ.items()
+                             if k.startswith(("ASCEND_DSV4_", "ATB_OPS_", "HCCL_"))})
+        if executor == "ray":
+            from ..engine.executor_dp_ray import RayDPExecutor
+
+            self.executor = RayDPExecutor(spec).start()
+        else:
+            self.executor = DPExecutor(spec).start()
+        self.tokenizer = load_tokenizer(folder, self.cfg.bos_token_id, self.cfg.eos_token_id, self.cfg.vocab_size)
+        engines = []
+        for r in self.executor.runners:
+            r.max_model_len, r.max_num_batched_tokens = self.max_model_len, max_num_batched_tokens
+            engines.append(LLMEngine(r, self.tokenizer, self.max_model_len, max_num_seqs, max_num_batched_tokens,
+                                     enable_prefix_caching=enable_prefix_caching))
+        self.runner = self.executor.runners[0]
+        self.engine = DPEngine(engines, self.executor)
+
     def shutdown(self) -> None:
         """Stop the worker processes of a tensor-parallel LLM (no-op at world size 1; idempotent)."""
+        if hasattr(self.engine, "shutdown"):  # the data-parallel front end's step threads
+            self.engine.shutdown()
         if self.executor is not None:
             self.executor.shutdown()
+
+    def _single_replica(self, what: str) -> None:
+        if self.executor is not None and getattr(self.executor, "dp", 1) > 1:
+            raise RequestError(f"LLM.{what} is not available with data_parallel_size > 1 (the model lives on the "
+                               f"replicas' ranks); use generate")
 
     @property
     def model(self) -> torch.nn.Module:
         """The runner's model (read-only access for inspection and tests)."""
+        self._single_replica("model")
         return self.runner.model
 
     @property
@@ -234,6 +305,7 @@ class LLM:
     def logits(self, token_ids: Sequence[int], prefill_len: int | None = None) -> torch.Tensor:
         """Logits [T, vocab] (float32, CPU) at every position of one sequence: the first ``prefill_len``
         tokens (default all) run as one prefill, the rest one decode step at a time."""
+        self._single_replica("logits")
         ids = check_prompt_ids(token_ids, self.cfg.vocab_size, self.max_model_len, "token_ids")
         p = len(ids) if prefill_len is None else prefill_len
         if not isinstance(p, int) or not 1 <= p <= len(ids):

@@ -7,6 +7,12 @@ the MoE) or partitioned whole over the expert-parallel ranks (EP). Every rank ho
 is TP), so EP either computes its experts' share for all tokens and all-reduces (``allreduce``) or splits the
 tokens over the ranks, sends each (token, expert) row to the expert's rank and back (``alltoall``: dispatch /
 combine) and all-gathers the combined rows. ``ASCEND_DSV4_EP_COMM`` picks one (default ``alltoall``).
+
+Under data parallelism (``parallel/dp_groups.py``) the EP group spans every rank of every replica while the
+replicas hold different tokens: the tokens are then split over the ``split`` group (the replica's TP group, whose
+ranks hold the same tokens), dispatched / combined over the whole EP group, and all-gathered over ``split``.
+Without DP ``split`` has the EP group's ranks, so the two readings agree. A replica with no work in a step calls
+the experts with zero tokens (:func:`dummy_moe_step`) so that every EP collective is met.
 """
 
 from __future__ import annotations
@@ -35,9 +41,11 @@ class Experts(nn.Module):
     stack}``."""
 
     def __init__(self, n_experts: int, inter: int, dim: int, limit: float, dtype: torch.dtype, reference: bool,
-                 tp: Group | None = None, ep: Group | None = None, n_total: int | None = None):
+                 tp: Group | None = None, ep: Group | None = None, n_total: int | None = None,
+                 split: Group | None = None):
         super().__init__()
         self.tp, self.ep = tp or Group(), ep or Group()
+        self.split = split or self.ep  # the group whose ranks share the tokens (see the module docstring)
         if self.tp.size > 1 and self.ep.size > 1:
             raise ValueError("experts are split either inside (tp) or over the ranks (ep), not both")
         E, d = n_experts, dim
@@ -48,6 +56,9 @@ class Experts(nn.Module):
         self.ep_comm = os.environ.get("ASCEND_DSV4_EP_COMM", "alltoall")
         if self.ep_comm not in EP_COMM:
             raise ValueError(f"ASCEND_DSV4_EP_COMM must be one of {EP_COMM}, got {self.ep_comm!r}")
+        if self.split is not self.ep and self.ep_comm != "alltoall":
+            raise ValueError("data-parallel attention needs ASCEND_DSV4_EP_COMM=alltoall (the replicas hold different "
+                             "tokens, an all-reduce of expert outputs would mix them)")
         self.shard = {"w1": 1, "w3": 1, "w2": 2} if self.tp.size > 1 else {}
         self.fmt = "dense"
         self.w1 = nn.Parameter(torch.empty(E, I, d, dtype=dtype), requires_grad=False)
@@ -102,10 +113,10 @@ class Experts(nn.Module):
         """EP dispatch / combine: rank r takes the r-th chunk of the (replicated) tokens, sends each of its
         (token, expert) rows to the expert's rank, gets the weighted expert outputs back, sums them per token,
         and the chunks are all-gathered so that every rank ends with all T rows (complete, not partial)."""
-        g, T, k, d = self.ep, ids.shape[0], ids.shape[1], x.shape[1]
+        g, s, T, k, d = self.ep, self.split, ids.shape[0], ids.shape[1], x.shape[1]
         E = self.w1.shape[0]
-        per = -(-T // g.size)
-        lo, hi = min(g.rank * per, T), min((g.rank + 1) * per, T)
+        per = -(-T // s.size)
+        lo, hi = min(s.rank * per, T), min((s.rank + 1) * per, T)
         flat_ids, flat_w = ids[lo:hi].reshape(-1), weights[lo:hi].reshape(-1).float()
         dest = flat_ids // E
         order = torch.argsort(flat_ids, stable=True)  # by expert, hence by destination rank
@@ -123,7 +134,7 @@ class Experts(nn.Module):
         back = all_to_all(y, rc, sc, g)  # the rows this rank sent, in the order it sent them
         out = torch.zeros(per, d, dtype=torch.float32, device=x.device)
         out.index_add_(0, tok, back)
-        return all_gather(out, g, 0)[:T]
+        return all_gather(out, s, 0)[:T]
 
 
 def routed_experts(cfg, inter: int, limit: float, dtype: torch.dtype, reference: bool, parallel) -> Experts:
@@ -132,8 +143,26 @@ def routed_experts(cfg, inter: int, limit: float, dtype: torch.dtype, reference:
     if parallel is None or parallel.world_size == 1:
         return Experts(E, inter, cfg.dim, limit, dtype, reference)
     if parallel.ep.size > 1:
-        return Experts(E // parallel.ep.size, inter, cfg.dim, limit, dtype, reference, ep=parallel.ep, n_total=E)
+        split = parallel.tp if getattr(parallel, "dp_size", 1) > 1 else None
+        return Experts(E // parallel.ep.size, inter, cfg.dim, limit, dtype, reference, ep=parallel.ep, n_total=E,
+                       split=split)
     return Experts(E, inter, cfg.dim, limit, dtype, reference, tp=parallel.tp)
+
+
+def dummy_moe_step(model: nn.Module) -> int:
+    """The EP collectives of one forward with no tokens (a data-parallel replica with no work in a step): the
+    expert-parallel :class:`Experts` of every main layer (``model.layers``, in order; not the MTP layers) run on
+    zero rows. Returns how many layers took part."""
+    n = 0
+    for layer in model.layers:
+        for m in layer.modules():
+            if isinstance(m, Experts) and m.ep.size > 1:
+                dev = m.w1.device
+                x = torch.empty(0, m.w2.shape[1], dtype=model.dtype, device=dev)  # w2: [E, dim, *]
+                m(x, torch.empty(0, 1, dtype=torch.float32, device=dev), torch.empty(0, 1, dtype=torch.long,
+                                                                                      device=dev))
+                n += 1
+    return n
 
 
 def reduce_moe(routed: torch.Tensor, shared: torch.Tensor | None, experts: Experts, tp: Group) -> torch.Tensor:

@@ -1,0 +1,92 @@
+"""One rank of a data-parallel layout (``executor_dp``): join the groups, build its share, serve its replica's calls.
+
+Every rank of every replica is a worker process (the front end holds no model share). Calls (pickled over the
+rank's pipe):
+
+- ``("execute", (ids, ctx, rows))``: the replica's step: ``model(ids, ctx)`` then ``model.logits(hidden, rows)``;
+  the replica's rank 0 answers the float32 CPU logits, the others ``None``;
+- ``("dummy", None)``: no work for this replica in this step: the expert-parallel collectives of one forward on
+  zero tokens (:func:`ascend_dsv4.layers.experts.dummy_moe_step`), so that the other replicas' all-to-alls meet;
+- ``("copy_page", args)``: a prefix-cache page copy on this rank's pools;
+- ``("stop", None)``.
+
+A call that raises reports its traceback and ends the process, so that the other ranks' collectives fail at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import pickle
+import traceback
+
+import torch
+
+from .executor import RankSpec, restore
+
+
+def _send(conn, obj) -> None:
+    conn.send_bytes(pickle.dumps(obj))
+
+
+def dp_worker_main(rank: int, spec: RankSpec, port: int, conn) -> None:
+    """Process body of global rank ``rank`` of ``spec.data_parallel_size x spec.tensor_parallel_size``."""
+    os.environ.update(spec.env)
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    import torch.distributed as dist
+
+    import atb_ops
+
+    from parallel.dp_groups import init_dp_parallel
+    from parallel.groups import destroy_parallel, set_rank_device
+
+    from ..layers.experts import dummy_moe_step
+    from .rank_worker import build_rank_runner
+
+    dp, tp = spec.data_parallel_size, spec.tensor_parallel_size
+    try:
+        device = torch.device("cpu") if spec.device_type == "cpu" else torch.device(spec.device_type, rank)
+        set_rank_device(device)
+        store = dist.TCPStore("127.0.0.1", port, dp * tp + 1, False,
+                              timeout=datetime.timedelta(seconds=spec.timeout_s))
+        store.set(f"alive/{rank}", "1")
+        state = init_dp_parallel(dp, tp, rank, store=store, device=spec.device_type, backend=spec.comm_backend,
+                                 timeout_s=spec.timeout_s)
+        model, runner = build_rank_runner(spec, state, device)
+        _send(conn, ("ready", {"pid": os.getpid(), "replica": state.dp_rank,
+                               "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}))
+    except BaseException:  # noqa: BLE001 - reported to the front end
+        _send(conn, ("err", traceback.format_exc()))
+        os._exit(1)
+    leader = state.tp.rank == 0
+    ops = atb_ops.use_backend(spec.backend) if spec.backend else contextlib.nullcontext()
+    while True:
+        try:
+            op, args = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):  # the front end is gone
+            break
+        if op == "stop":
+            break
+        try:
+            out = None
+            with torch.inference_mode(), ops:
+                if op == "execute":
+                    ids, ctx, rows = restore(args, runner.pools, device)
+                    hidden = model(ids, ctx)
+                    logits = model.logits(hidden, rows)
+                    out = logits.float().cpu() if leader else None
+                elif op == "dummy":
+                    dummy_moe_step(model)
+                elif op == "copy_page":
+                    runner.pools.copy_page(*args)
+                else:
+                    raise ValueError(f"unknown call {op!r}")
+            _send(conn, ("ok", out))
+        except BaseException:  # noqa: BLE001
+            _send(conn, ("err", traceback.format_exc()))
+            os._exit(1)
+    try:
+        destroy_parallel()
+    finally:
+        os._exit(0)

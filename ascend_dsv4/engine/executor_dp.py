@@ -1,0 +1,217 @@
+"""The data-parallel ``mp`` executor: ``D`` attention replicas of ``T`` ranks each, one worker process per rank.
+
+Design (vLLM's ``--data-parallel-size D --enable-expert-parallel``): global rank ``r`` is rank ``r % T`` of replica
+``r // T`` (``parallel/dp_groups.py``): attention, dense layers, shared experts, embedding and head are TP inside a
+replica; the routed experts are EP over all ``D x T`` ranks. The front-end process holds no model share: it runs
+one :class:`~ascend_dsv4.engine.engine.LLMEngine` per replica (own scheduler, KV page bookkeeping, prefix cache)
+on a :class:`ReplicaRunner`, whose pools live on the ``meta`` device (page tables only: the KV lives on the
+replica's ranks, which get the same slots). :class:`~ascend_dsv4.engine.dp_engine.DPEngine` steps every replica
+together: one thread per replica runs its engine's step, whose forward is sent to the replica's ranks; a replica
+with no work sends a *dummy* step instead (its ranks run the expert all-to-alls on zero tokens), so that every
+rank meets every EP collective of the step. The lock step is decided by the front end, which sees every
+replica, so no "has work" all-reduce between ranks is needed.
+
+Failure: a worker that raises reports its traceback and exits; one that dies closes its pipe; either way the call
+raises :class:`ExecutorError` naming the rank, and every rank is stopped (the replicas share the EP collectives,
+so one lost rank stops them all); a replica waiting on its ranks stops waiting as soon as another replica's
+failure marked the executor down. Not supported with DP (checked): speculative decoding (the MTP forward would
+need its own lock step). The same front end over Ray actors: ``executor_dp_ray.py``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import logging
+import multiprocessing as mp
+import pickle
+import threading
+import time
+import weakref
+from typing import Sequence
+
+import torch
+
+from .executor import ExecutorError, RankSpec, sanitize
+from .executor_mp import _free_port
+
+log = logging.getLogger("ascend_dsv4")
+
+
+class ReplicaRunner:
+    """The runner interface the engine uses (``cfg``, ``pools``, ``has_mtp``, ``execute``, ``ops``), for one
+    replica whose model runs on its ranks. ``calls`` counts the forwards sent (the DP engine adds a dummy step
+    when a replica's engine step sent none)."""
+
+    def __init__(self, executor: "DPExecutor", replica: int, model_on_meta: torch.nn.Module, sizes):
+        self.executor, self.replica = executor, replica
+        self.cfg = model_on_meta.cfg
+        self.device = torch.device("cpu")  # where step inputs are built
+        self.backend = None
+        self.quant_summary = None
+        self.has_mtp = False
+        self.pools = model_on_meta.make_pools(sizes, model_on_meta.dtype, torch.device("meta"))
+        copy_page = self.pools.copy_page
+
+        def mirrored_copy(*args):
+            copy_page(*args)
+            executor.call(replica, "copy_page", args)
+
+        self.pools.copy_page = mirrored_copy
+        self.calls = 0
+        self.max_model_len: int | None = None
+        self.max_num_batched_tokens: int | None = None
+
+    def ops(self):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def execute(self, seqs, tokens: Sequence[Sequence[int]], rows: Sequence[int]):
+        """As :meth:`ModelRunner.execute`; ``hidden`` is None (no speculative decoding under DP)."""
+        for s, t in zip(seqs, tokens):
+            self.pools.ensure(s, s.num_tokens + len(t))
+        ctx = self.pools.build_context(list(seqs), [len(t) for t in tokens], "none", self.device)
+        ids = torch.tensor([x for t in tokens for x in t], dtype=torch.long)
+        self.calls += 1
+        logits = self.executor.call(self.replica, "execute", (ids, ctx, torch.tensor(list(rows), dtype=torch.long)))
+        return logits, None
+
+    def dummy(self) -> None:
+        self.calls += 1
+        self.executor.call(self.replica, "dummy", None)
+
+    def new_sequence(self):
+        from ..kv.blocks import SeqBlocks
+
+        return SeqBlocks()
+
+    def release(self, seq) -> None:
+        self.pools.free(seq)
+
+
+class DPExecutor:
+    def __init__(self, spec: RankSpec):
+        self.spec = spec
+        self.dp, self.tp = spec.data_parallel_size, spec.tensor_parallel_size
+        self.world = self.dp * self.tp
+        self.procs: list = []
+        self.conns: list = []
+        self.locks: list = []
+        self.runners: list[ReplicaRunner] = []
+        self.dead: str | None = None
+        self.ready_info: list[dict] = []
+        self._closed = False
+
+    def start(self) -> "DPExecutor":
+        import torch.distributed as dist
+
+        from ..models import build_model
+        from .dp_worker import dp_worker_main
+
+        spec = self.spec
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        store = dist.TCPStore("127.0.0.1", port, self.world + 1, True,
+                              timeout=datetime.timedelta(seconds=spec.timeout_s), wait_for_workers=False)
+        self._store = store
+        for r in range(self.world):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=dp_worker_main, args=(r, spec, port, child), daemon=True,
+                            name=f"ascend-dsv4-dp-rank{r}")
+            p.start()
+            child.close()
+            self.procs.append(p)
+            self.conns.append(parent)
+            self.locks.append(threading.Lock())
+        ref = weakref.ref(self)
+        atexit.register(lambda: ref() is not None and ref().shutdown())
+        try:
+            self.ready_info = [self._reply(r, "start-up", spec.timeout_s) for r in range(self.world)]
+        except BaseException as e:
+            err = e if isinstance(e, ExecutorError) else ExecutorError(f"start-up failed: {e}")
+            self.shutdown()
+            raise err from e
+        with torch.device("meta"):
+            meta = build_model(spec.cfg, spec.dtype, spec.numerics)
+        self.runners = [ReplicaRunner(self, d, meta, spec.pool_sizes) for d in range(self.dp)]
+        log.info("dp executor: %d replicas x %d ranks ready", self.dp, self.tp)
+        return self
+
+    def ranks_of(self, replica: int) -> range:
+        return range(replica * self.tp, (replica + 1) * self.tp)
+
+    def call(self, replica: int, op: str, args):
+        """Send ``op(args)`` to every rank of ``replica`` and wait for them; returns the replica rank 0's answer."""
+        self.check_health()
+        msg = pickle.dumps((op, sanitize(args)))
+        ranks = self.ranks_of(replica)
+        try:
+            for r in ranks:
+                self.conns[r].send_bytes(msg)
+        except (BrokenPipeError, OSError) as e:
+            raise self._die(ExecutorError(f"replica {replica}: could not send {op}: {e}"))
+        out = [self._reply(r, op, self.spec.timeout_s) for r in ranks]
+        return out[0]
+
+    def _reply(self, rank: int, what: str, timeout: float):
+        conn, proc = self.conns[rank], self.procs[rank]
+        deadline = time.monotonic() + timeout
+        while not conn.poll(0.05):
+            if self.dead:
+                raise ExecutorError(f"the dp executor is down ({self.dead})")
+            if not proc.is_alive() and not conn.poll(0):
+                raise self._die(ExecutorError(f"worker rank {rank} died (exit code {proc.exitcode}) during {what}"))
+            if time.monotonic() > deadline:
+                raise self._die(ExecutorError(f"worker rank {rank} did not answer within {timeout:.0f} s during "
+                                              f"{what}"))
+        try:
+            kind, payload = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            raise self._die(ExecutorError(f"worker rank {rank} closed its pipe during {what} (exit code "
+                                          f"{proc.exitcode})"))
+        if kind == "err":
+            last = payload.strip().splitlines()[-1] if payload.strip() else "?"
+            log.error("worker rank %d failed during %s:\n%s", rank, what, payload)
+            raise self._die(ExecutorError(f"worker rank {rank} failed during {what}: {last}"))
+        return payload
+
+    def _die(self, err: ExecutorError) -> ExecutorError:
+        if not self.dead:
+            self.dead = str(err)
+        self._kill()
+        return err
+
+    def check_health(self) -> None:
+        if self.dead:
+            raise ExecutorError(f"the dp executor is down ({self.dead}); restart the engine")
+        for r, p in enumerate(self.procs):
+            if not p.is_alive():
+                raise self._die(ExecutorError(f"worker rank {r} died (exit code {p.exitcode})"))
+
+    def _kill(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        for p in self.procs:
+            p.join(5)
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for c in self.conns:
+            try:
+                c.send_bytes(pickle.dumps(("stop", None)))
+            except (BrokenPipeError, OSError):
+                pass
+        deadline = time.monotonic() + 5
+        for p in self.procs:
+            p.join(max(0.1, deadline - time.monotonic()))
+        self._kill()
+        for c in self.conns:
+            c.close()
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self.procs]

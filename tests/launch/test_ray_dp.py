@@ -1,0 +1,42 @@
+"""Data-parallel attention + expert-parallel MoE on the ``ray`` executor across a real two-node Ray cluster on this
+machine (CPU, gloo): DP 2 x TP 1 with the experts over both nodes gives the greedy outputs of one process (an idle
+replica's dummy steps included); a killed rank actor ends the next call with an error naming the rank and its
+node, and the executor stays down."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.distributed
+
+PROMPTS = [[7, 8, 9, 10, 11, 12, 13, 14] + [(3 * i + j) % 500 + 3 for j in range(9 + 5 * i)] for i in range(2)]
+
+
+def test_dp2_ep_across_nodes_equals_one_process_and_killed_rank(ray_cluster, monkeypatch):
+    import ray
+
+    from ascend_dsv4 import LLM, SamplingParams
+    from ascend_dsv4.engine.executor import ExecutorError
+
+    c, _, _ = ray_cluster
+    monkeypatch.setenv("RAY_ADDRESS", c.address)
+    monkeypatch.setenv("ASCEND_DSV4_MP_TIMEOUT", "120")
+    greedy = SamplingParams(max_tokens=5, temperature=0.0)
+    kw = dict(max_model_len=128, max_num_batched_tokens=16, enable_prefix_caching=True)
+    one = LLM("toy-v4", **kw)
+    want = [o.token_ids for o in one.generate(PROMPTS, greedy, use_tqdm=False)]
+    alone = [o.token_ids for o in one.generate([[300 + j for j in range(20)]], greedy, use_tqdm=False)]
+    llm = LLM("toy-v4", data_parallel_size=2, enable_expert_parallel=True, distributed_executor_backend="ray", **kw)
+    try:
+        assert len({s.node_id for s in llm.executor.ray.slots}) == 2  # one rank (= one replica) per node
+        assert sorted(i["replica"] for i in llm.executor.ready_info) == [0, 1]
+        assert [o.token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)] == want
+        assert all(e.stats.prompt_tokens > 0 for e in llm.engine.engines)
+        assert [o.token_ids for o in llm.generate([[300 + j for j in range(20)]], greedy, use_tqdm=False)] == alone
+        ray.kill(llm.executor.ray.workers[1], no_restart=True)
+        with pytest.raises(ExecutorError, match=r"rank 1 \(replica 1, node [0-9.]+\) (died|failed)"):
+            llm.generate(PROMPTS, greedy, use_tqdm=False)
+        with pytest.raises(ExecutorError, match="the ray executor is down"):
+            llm.generate(PROMPTS[:1], greedy, use_tqdm=False)
+    finally:
+        llm.shutdown()
