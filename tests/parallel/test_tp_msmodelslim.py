@@ -49,7 +49,12 @@ def _worker(rank, world, init, result_dir, v4_folders):
                     want = _logits(folder, None)
                     err = ((got - want).abs().max() / want.abs().max()).item()
                     lines.append(f"{case} world={world} ep={ep} rel_err={err:.2e}")
-                    assert got.shape == want.shape and err <= 1e-5, lines[-1]
+                    # the real tool's fixtures: 1e-5. Our quantiser's V4 toys quantise activations statically
+                    # (W8A8): a last-ulp difference of the all-reduce order can flip one rounding (measured:
+                    # 4e-3 .. 6e-3 after the flip, depending on the calibration's thread count), so they get the
+                    # loose int-path bound of tests/quant (3e-2); quant_bias added on every rank gives 7e-1
+                    tol = 1e-5 if folder.startswith(FIX) else 3e-2
+                    assert got.shape == want.shape and err <= tol, lines[-1]
         finally:
             destroy_parallel()
     if rank == 0:
@@ -66,8 +71,8 @@ def test_msmodelslim_tp2_and_ep(tmp_path):
 
     # 3 layers (hash-routed, CSA, HCA): quantised activations are discontinuous, so the last-ulp differences of
     # the all-reduce order flip a rounding somewhere in a deep enough stack (measured on the 7-layer toy: ~3e-7
-    # per layer until one layer (the 4th under TP 2, the 7th under EP) jumps to ~4e-3, ~1e-2 at the end); this
-    # depth stays clear of it, so what the test sees is the split rules
+    # per layer until one layer (the 4th under TP 2, the 7th under EP) jumps to ~4e-3, ~1e-2 at the end); a
+    # shallow stack makes a flip rare, and the bound in _worker allows one
     src = str(tmp_path / "toy_v4_3l")
     write_checkpoint(preset("toy-v4").replace(n_layers=3, compress_ratios=(0, 4, 128, 0), n_hash_layers=1), src,
                      seed=5, progress=False)
