@@ -48,3 +48,25 @@ def ray_cluster(tmp_path_factory):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@pytest.fixture
+def kill_and_wait():
+    """``kill_and_wait(actor)``: ``ray.kill`` returns before the actor is gone, so a call made at once can still be
+    answered; wait (bounded) until the actor no longer answers, so the test sees the death it provoked."""
+    import time
+
+    import ray
+
+    def kill(actor, timeout_s: float = 60.0) -> None:
+        ray.kill(actor, no_restart=True)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                ray.get(actor.__ray_ready__.remote(), timeout=5)
+            except Exception:  # noqa: BLE001 - dead (ActorDiedError) or unreachable: gone for the caller
+                return
+            time.sleep(0.2)
+        raise AssertionError(f"actor {actor} still answers {timeout_s} s after ray.kill")
+
+    return kill

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.distributed
 PROMPTS = [[7, 8, 9, 10, 11, 12, 13, 14] + [(3 * i + j) % 500 + 3 for j in range(9 + 5 * i)] for i in range(2)]
 
 
-def test_dp2_ep_across_nodes_equals_one_process_and_killed_rank(ray_cluster, monkeypatch):
+def test_dp2_ep_across_nodes_equals_one_process_and_killed_rank(ray_cluster, monkeypatch, kill_and_wait):
     import ray
 
     from ascend_dsv4 import LLM, SamplingParams
@@ -33,7 +33,7 @@ def test_dp2_ep_across_nodes_equals_one_process_and_killed_rank(ray_cluster, mon
         assert [o.token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)] == want
         assert all(e.stats.prompt_tokens > 0 for e in llm.engine.engines)
         assert [o.token_ids for o in llm.generate([[300 + j for j in range(20)]], greedy, use_tqdm=False)] == alone
-        ray.kill(llm.executor.ray.workers[1], no_restart=True)
+        kill_and_wait(llm.executor.ray.workers[1])
         with pytest.raises(ExecutorError, match=r"rank 1 \(replica 1, node [0-9.]+\) (died|failed)"):
             llm.generate(PROMPTS, greedy, use_tqdm=False)
         with pytest.raises(ExecutorError, match="the ray executor is down"):

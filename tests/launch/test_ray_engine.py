@@ -37,7 +37,7 @@ def test_tp2_across_nodes_equals_one_process(ray_cluster, monkeypatch):
             llm.shutdown()
 
 
-def test_killed_rank_503_and_placement_shortfall(ray_cluster, monkeypatch):
+def test_killed_rank_503_and_placement_shortfall(ray_cluster, monkeypatch, kill_and_wait):
     import ray
 
     from ascend_dsv4 import LLM
@@ -55,7 +55,7 @@ def test_killed_rank_503_and_placement_shortfall(ray_cluster, monkeypatch):
         with httpx.Client(base_url=server.url, timeout=60) as http:
             ok = http.post("/v1/completions", json={"model": "toy-v4", "prompt": [5, 6, 7], "max_tokens": 3})
             assert ok.status_code == 200 and http.get("/health").status_code == 200
-            ray.kill(llm.executor.ray.workers[0], no_restart=True)
+            kill_and_wait(llm.executor.ray.workers[0])
             bad = http.post("/v1/completions", json={"model": "toy-v4", "prompt": [5, 6, 8], "max_tokens": 3})
             assert bad.status_code >= 500 and "rank 1" in bad.text, bad.text
             health = http.get("/health")

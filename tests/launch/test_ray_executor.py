@@ -45,7 +45,7 @@ def test_rank_order_and_device_index():
 
 
 @pytest.mark.distributed
-def test_two_node_executor(ray_cluster, monkeypatch):
+def test_two_node_executor(ray_cluster, monkeypatch, kill_and_wait):
     import ray
 
     from ascend_dsv4.engine.ray_executor import ExecutorError, RayExecutor
@@ -83,7 +83,7 @@ def test_two_node_executor(ray_cluster, monkeypatch):
     try:
         ex.start()
         assert ex.collective_rpc("all_reduce_ranks")[1] == {"world": 1.0, "tp": 1.0, "ep": 1.0}
-        ray.kill(ex.workers[1], no_restart=True)
+        kill_and_wait(ex.workers[1])
         with pytest.raises(ExecutorError, match=r"where: rank 1 \(node .*\) died"):
             ex.collective_rpc("where")
     finally:
