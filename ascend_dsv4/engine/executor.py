@@ -67,6 +67,15 @@ class RankSpec:
     env: dict = field(default_factory=dict)
 
 
+def kill_processes(procs, join_s: float = 5.0) -> None:
+    """Kill every live worker process, then reap each (bounded wait): what a dead or shut-down executor leaves."""
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(join_s)
+
+
 def strip_context(ctx) -> Any:
     """The step context without its pools (each rank has its own), for sending to other ranks."""
     import copy

@@ -32,7 +32,7 @@ from typing import Sequence
 
 import torch
 
-from .executor import ExecutorError, RankSpec, sanitize
+from .executor import ExecutorError, RankSpec, kill_processes, sanitize
 from .executor_mp import _free_port
 
 log = logging.getLogger("ascend_dsv4")
@@ -190,11 +190,7 @@ class DPExecutor:
                 raise self._die(ExecutorError(f"worker rank {r} died (exit code {p.exitcode})"))
 
     def _kill(self) -> None:
-        for p in self.procs:
-            if p.is_alive():
-                p.kill()
-        for p in self.procs:
-            p.join(5)
+        kill_processes(self.procs)
 
     def shutdown(self) -> None:
         if self._closed:

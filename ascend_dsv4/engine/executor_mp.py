@@ -23,7 +23,7 @@ import weakref
 
 import torch
 
-from .executor import MIRRORED_METHODS, ExecutorError, RankSpec, sanitize
+from .executor import MIRRORED_METHODS, ExecutorError, RankSpec, kill_processes, sanitize
 from .rank_worker import build_rank_runner, rank_device, worker_main
 
 log = logging.getLogger("ascend_dsv4")
@@ -188,11 +188,7 @@ class MPExecutor:
 
     # ---- shutdown -------------------------------------------------------------------------------------
     def _kill(self) -> None:
-        for p in self.procs:
-            if p.is_alive():
-                p.kill()
-        for p in self.procs:
-            p.join(5)
+        kill_processes(self.procs)
 
     def shutdown(self) -> None:
         if self._closed:
