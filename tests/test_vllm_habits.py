@@ -98,6 +98,24 @@ def test_pools_sized_from_device_memory():
         size_pools_for_memory(llm.model, base, torch.float32, 0.05, free, total)
 
 
+def test_pools_sized_from_device_memory_on_a_parallel_rank(monkeypatch):
+    """Under the mp executor every rank sizes its pools after loading its share (rank 0 runs in this process:
+    its device memory is faked here; the all-ranks minimum is tested in tests/parallel/test_parallel_layers.py)."""
+    from ascend_dsv4.engine import memory_sizing
+
+    mib = 2**20  # a small "device" (the pools are real CPU tensors here): a ~140 MiB KV budget
+    monkeypatch.setattr(memory_sizing, "device_memory", lambda device: (1014 * mib, 1024 * mib))
+    llm = LLM(model="toy-v4", tensor_parallel_size=1, distributed_executor_backend="mp", gpu_memory_utilization=0.2)
+    try:
+        base = LLM(model="toy-v4").runner.pools.sizes
+        want = size_pools_for_memory(llm.runner.model._model, base, torch.float32, 0.2, 1014 * mib, 1024 * mib)
+        assert llm.runner.pools.sizes == want and want.num_blocks > base.num_blocks
+        out = llm.generate("hello", SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)[0]
+        assert len(out.token_ids) == 3
+    finally:
+        llm.shutdown()
+
+
 # ---- item 8: the offline API ------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def llm():

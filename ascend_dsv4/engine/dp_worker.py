@@ -54,7 +54,7 @@ def dp_worker_main(rank: int, spec: RankSpec, port: int, conn) -> None:
         state = init_dp_parallel(dp, tp, rank, store=store, device=spec.device_type, backend=spec.comm_backend,
                                  timeout_s=spec.timeout_s)
         model, runner = build_rank_runner(spec, state, device)
-        _send(conn, ("ready", {"pid": os.getpid(), "replica": state.dp_rank,
+        _send(conn, ("ready", {"pid": os.getpid(), "replica": state.dp_rank, "pool_sizes": runner.pools.sizes,
                                "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}))
     except BaseException:  # noqa: BLE001 - reported to the front end
         _send(conn, ("err", traceback.format_exc()))

@@ -62,6 +62,9 @@ class RankSpec:
     allow_float_mtp: bool = False
     msmodelslim_act_sim: str | None = None
     check_weights: bool = True  # NaN / Inf check of every tensor as it lands (weights/weight_check.py)
+    # each rank sizes its KV pools from this fraction of its device's memory, then all agree on the minimum
+    # (engine/memory_sizing.py); None: pool_sizes as given
+    gpu_memory_utilization: float | None = None
     timeout_s: float = 300.0
     data_parallel_size: int = 1  # attention replicas (executor_dp.py); ranks = data x tensor parallel size
     env: dict = field(default_factory=dict)

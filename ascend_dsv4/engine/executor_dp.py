@@ -134,7 +134,8 @@ class DPExecutor:
             raise err from e
         with torch.device("meta"):
             meta = build_model(spec.cfg, spec.dtype, spec.numerics)
-        self.runners = [ReplicaRunner(self, d, meta, spec.pool_sizes) for d in range(self.dp)]
+        sizes = self.ready_info[0].get("pool_sizes", spec.pool_sizes)  # as the ranks agreed (memory_sizing.py)
+        self.runners = [ReplicaRunner(self, d, meta, sizes) for d in range(self.dp)]
         log.info("dp executor: %d replicas x %d ranks ready", self.dp, self.tp)
         return self
 

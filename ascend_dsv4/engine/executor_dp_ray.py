@@ -44,7 +44,7 @@ class DPEngineRank:
         self._ops = (lambda: atb_ops.use_backend(spec.backend)) if spec.backend else contextlib.nullcontext
 
     def info(self) -> dict:
-        return {"pid": os.getpid(), "replica": self.replica,
+        return {"pid": os.getpid(), "replica": self.replica, "pool_sizes": self.runner.pools.sizes,
                 "param_bytes": sum(p.numel() * p.element_size() for p in self.model.parameters())}
 
     def call(self, op: str, args):
@@ -97,7 +97,8 @@ class RayDPExecutor:
             raise
         with torch.device("meta"):
             meta = build_model(self.spec.cfg, self.spec.dtype, self.spec.numerics)
-        self.runners = [ReplicaRunner(self, d, meta, self.spec.pool_sizes) for d in range(self.dp)]
+        sizes = self.ready_info[0].get("pool_sizes", self.spec.pool_sizes)  # as the ranks agreed (memory_sizing.py)
+        self.runners = [ReplicaRunner(self, d, meta, sizes) for d in range(self.dp)]
         log.info("ray dp executor: %d replicas x %d ranks on %d node(s)", self.dp, self.tp,
                  len({s.node_id for s in self.ray.slots}))
         return self

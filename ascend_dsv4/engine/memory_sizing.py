@@ -9,6 +9,11 @@ the budget (pool bytes are linear in the page counts; they are measured by build
 device, so no memory is touched).
 
 CPU has no such budget: the flag is validated and ignored there (the pools keep their default sizing).
+
+Under tensor / expert / data parallelism every rank sizes its pools from its own device after loading its share
+(:func:`~.rank_worker.build_rank_runner`), then the ranks agree on the smallest page counts
+(:func:`agree_on_sizes`, an all-reduce MIN over the world group): the engine's allocator decides slots for all
+ranks, so their pools must have the same sizes (vLLM likewise takes the minimum of its workers' KV blocks).
 """
 
 from __future__ import annotations
@@ -22,8 +27,8 @@ from ..errors import ConfigError
 
 log = logging.getLogger("ascend_dsv4")
 
-__all__ = ["ACTIVATION_RESERVE", "check_utilization", "device_memory", "pool_bytes", "size_pools_for_memory",
-           "sized_for_memory"]
+__all__ = ["ACTIVATION_RESERVE", "agree_on_sizes", "check_utilization", "device_memory", "pool_bytes",
+           "size_pools_for_memory", "sized_for_memory"]
 
 ACTIVATION_RESERVE = 0.05
 
@@ -88,3 +93,21 @@ def sized_for_memory(model, base, dtype: torch.dtype, util: float, device: torch
                  "max_model_len (%d)", device, max_num_seqs, max_model_len)
         return base
     return size_pools_for_memory(model, base, dtype, util, *mem)
+
+
+def agree_on_sizes(sizes, device: torch.device):
+    """``sizes`` with each page count replaced by its minimum over the ranks of the default process group (an
+    all-reduce MIN of three int64 on ``device``, the rank's communication device); ``sizes`` itself at world
+    size 1 or without a process group."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return sizes
+    t = torch.tensor([sizes.num_blocks, sizes.num_c4_blocks, sizes.num_c128_blocks], dtype=torch.int64,
+                     device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    n, c4, c128 = (int(v) for v in t.tolist())
+    if (n, c4, c128) != (sizes.num_blocks, sizes.num_c4_blocks, sizes.num_c128_blocks):
+        log.info("KV pools: rank %d takes the smallest page counts of all ranks: %d token / %d c4 / %d c128 pages",
+                 dist.get_rank(), n, c4, c128)
+    return dataclasses.replace(sizes, num_blocks=n, num_c4_blocks=c4, num_c128_blocks=c128)

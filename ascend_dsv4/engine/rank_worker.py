@@ -56,7 +56,15 @@ def build_rank_runner(spec: RankSpec, parallel, device: torch.device):
                                     check_weights=spec.check_weights)
                 net.bytes_read = plan.bytes_read
         net = net.to(device).eval()
-    return net, ModelRunner(net, spec.pool_sizes, device, backend=spec.backend)
+    sizes = spec.pool_sizes
+    if spec.gpu_memory_utilization is not None:  # after the weights landed: what is left of this rank's device
+        from .memory_sizing import agree_on_sizes, device_memory, size_pools_for_memory
+
+        mem = device_memory(device)  # None on CPU: the flag is ignored there (LLM says so once)
+        if mem is not None:
+            sizes = size_pools_for_memory(net, sizes, spec.dtype, spec.gpu_memory_utilization, *mem)
+        sizes = agree_on_sizes(sizes, device)
+    return net, ModelRunner(net, sizes, device, backend=spec.backend)
 
 
 def _send(conn, obj) -> None:

@@ -168,18 +168,17 @@ class LLM:
                            tensor_parallel_size, distributed_executor_backend, max_num_seqs, max_num_batched_tokens,
                            enable_prefix_caching,
                            dict(msmodelslim_path=msmodelslim_path, allow_float_mtp=allow_float_mtp,
-                                msmodelslim_act_sim=msmodelslim_act_sim, check_weights=not skip_weight_check))
+                                msmodelslim_act_sim=msmodelslim_act_sim, check_weights=not skip_weight_check,
+                                gpu_memory_utilization=gpu_memory_utilization))
             return
         if tensor_parallel_size != 1 or enable_expert_parallel or distributed_executor_backend is not None:
-            if gpu_memory_utilization is not None:
-                log.info("gpu_memory_utilization is not applied under tensor parallelism yet: the KV pools hold "
-                         "max_num_seqs (%d) sequences of max_model_len (%d)", max_num_seqs, self.max_model_len)
             self.runner = self._start_parallel(model, folder, numerics, seed, dequantize, block_size,
                                                tensor_parallel_size, enable_expert_parallel,
                                                distributed_executor_backend,
                                                dict(msmodelslim_path=msmodelslim_path, allow_float_mtp=allow_float_mtp,
                                                     msmodelslim_act_sim=msmodelslim_act_sim,
-                                                    check_weights=not skip_weight_check))
+                                                    check_weights=not skip_weight_check,
+                                                    gpu_memory_utilization=gpu_memory_utilization))
         else:
             self.runner = ModelRunner.create(
                 model, cfg, device=self.device, dtype=self.dtype, numerics=numerics, backend=self.backend,

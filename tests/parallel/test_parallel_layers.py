@@ -14,7 +14,7 @@ pytestmark = pytest.mark.distributed
 
 
 def _close(a, b, tol=1e-5, what=""):
-    a, b = a.float(), b.float()
+    a, b = a.detach().cpu().float(), b.detach().cpu().float()
     err = (a - b).abs().max().item() if a.numel() else 0.0
     scale = max(b.abs().max().item() if b.numel() else 0.0, 1.0)
     assert a.shape == b.shape and err <= tol * scale, f"{what}: shape {tuple(a.shape)} vs {tuple(b.shape)}, err {err}"
@@ -34,7 +34,9 @@ def _naive_moe(x, w, b, off):
     return y.reshape(*x.shape[:-1], w.shape[1])
 
 
-def _checks(rank: int, world: int) -> None:
+def _checks(rank: int, world: int, dev: str = "cpu") -> None:
+    """Every layer on ``dev`` (cpu under gloo / the hccl test backend; cuda:rank under NCCL, tests/parallel/
+    test_nccl.py) against the single-device math computed on the CPU."""
     from parallel import (ColumnParallelLinear, MoeColumnParallelLinear, MoeRowParallelLinear, ParallelLMHead,
                           RowParallelLinear, VocabParallelEmbedding, resolve_group)
     from parallel.comm import all_to_all, exchange_counts
@@ -47,32 +49,35 @@ def _checks(rank: int, world: int) -> None:
     def rnd(*s, dtype=torch.float32):
         return torch.randn(*s, generator=gen).to(dtype)
 
+    def on(t):  # the layer's input / parameters on the device under test
+        return t.to(dev)
+
     sl = lambda n: slice(rank * n // world, (rank + 1) * n // world)  # noqa: E731
     x, W, b = rnd(3, 5, K), rnd(N, K), rnd(N)
 
-    col = ColumnParallelLinear(K, N, torch.float32)
+    col = ColumnParallelLinear(K, N, torch.float32).to(dev)
     col.weight.copy_(W[sl(N)])
-    _close(col(x), (x @ W.t())[..., sl(N)], what="column")
+    _close(col(on(x)), (x @ W.t())[..., sl(N)], what="column")
     col.gather_output = True
-    _close(col(x), x @ W.t(), what="column gather")
+    _close(col(on(x)), x @ W.t(), what="column gather")
 
     for inp_par in (False, True):
-        row = RowParallelLinear(K, N, torch.float32, input_is_parallel=inp_par, bias=True)
+        row = RowParallelLinear(K, N, torch.float32, input_is_parallel=inp_par, bias=True).to(dev)
         row.weight.copy_(W[:, sl(K)])
         row.bias.copy_(b)
-        _close(row(x[..., sl(K)] if inp_par else x), x @ W.t() + b, what=f"row input_is_parallel={inp_par}")
+        _close(row(on(x[..., sl(K)] if inp_par else x)), x @ W.t() + b, what=f"row input_is_parallel={inp_par}")
 
     table = rnd(V, D)
-    emb = VocabParallelEmbedding(V, D, torch.float32)
+    emb = VocabParallelEmbedding(V, D, torch.float32).to(dev)
     emb.weight.copy_(table[sl(V)])
-    ids = torch.tensor([[0, V - 1, V // world, V // world - 1], [1, 2, 3, V // 2]])
-    _close(emb(ids), table[ids], 0, what="vocab embedding")
-    _close(emb(ids[:0]), table[ids[:0]], 0, what="vocab embedding, no ids")
+    ids = torch.tensor([[0, V - 1, (V // world) % V, V // world - 1], [1, 2, 3, V // 2]])  # shard edges
+    _close(emb(on(ids)), table[ids], 0, what="vocab embedding")
+    _close(emb(on(ids[:0])), table[ids[:0]], 0, what="vocab embedding, no ids")
 
-    head = ParallelLMHead(D, V, torch.float32, compute_fp32=True)
+    head = ParallelLMHead(D, V, torch.float32, compute_fp32=True).to(dev)
     head.weight.copy_(table[sl(V)])
     h = rnd(4, D)
-    _close(head(h), h @ table.t(), what="lm head")
+    _close(head(on(h)), h @ table.t(), what="lm head")
 
     # MoeRowParallelLinear: dtypes x bias x input_is_parallel, an empty expert, 3-d input, empty input
     E = 4
@@ -88,11 +93,12 @@ def _checks(rank: int, world: int) -> None:
                 else:
                     xw, ww = rnd(3, 4, K, dtype=dtype), rnd(E, N, K, dtype=dtype)
                     bw = rnd(E, N, dtype=dtype) if bias else None
-                m = MoeRowParallelLinear(E, K, N, bias_term=bias, input_is_parallel=inp_par, params_dtype=dtype)
+                m = MoeRowParallelLinear(E, K, N, bias_term=bias, input_is_parallel=inp_par,
+                                         params_dtype=dtype).to(dev)
                 m.weight.copy_(ww[..., sl(K)])
                 if bias:
                     m.bias.copy_(bw)
-                y = m(xw[..., sl(K)] if inp_par else xw, off)
+                y = m(on(xw[..., sl(K)] if inp_par else xw), on(off)).cpu()
                 want = _naive_moe(xw, ww, bw, off)
                 what = f"moe row {dtype} bias={bias} input_is_parallel={inp_par}"
                 if dtype == torch.int8:
@@ -100,8 +106,8 @@ def _checks(rank: int, world: int) -> None:
                 else:
                     assert y.dtype == dtype, what
                     _close(y, want, tol, what)
-    m = MoeRowParallelLinear(E, K, N, params_dtype=torch.float32)
-    y = m(torch.zeros(0, K), torch.zeros(E + 1, dtype=torch.long))
+    m = MoeRowParallelLinear(E, K, N, params_dtype=torch.float32).to(dev)
+    y = m(on(torch.zeros(0, K)), on(torch.zeros(E + 1, dtype=torch.long)))
     assert y.shape == (0, N)
 
     for dtype in (torch.float32, torch.int8):
@@ -111,11 +117,11 @@ def _checks(rank: int, world: int) -> None:
             bw = torch.randint(-9, 9, (E, N), generator=gen, dtype=torch.int32)
         else:
             xw, ww, bw = rnd(12, K), rnd(E, N, K), rnd(E, N)
-        m = MoeColumnParallelLinear(E, K, N, bias_term=True, params_dtype=dtype)
+        m = MoeColumnParallelLinear(E, K, N, bias_term=True, params_dtype=dtype).to(dev)
         m.weight.copy_(ww[:, sl(N)])
         m.bias.copy_(bw[:, sl(N)])
         want = _naive_moe(xw, ww, bw, off)[..., sl(N)]
-        y = m(xw, off)
+        y = m(on(xw), on(off)).cpu()
         if dtype == torch.int8:
             assert y.dtype == torch.int32 and torch.equal(y.long(), want), "moe column int8"
         else:
@@ -123,12 +129,19 @@ def _checks(rank: int, world: int) -> None:
 
     # all-to-all: rank r sends (r + 1) rows to every rank, rows carry (source, dest)
     send = [rank + 1] * world
-    rows = torch.tensor([[rank, d] for d in range(world) for _ in range(rank + 1)], dtype=torch.float32)
-    recv_counts = exchange_counts(torch.tensor(send), g).tolist()
+    rows = on(torch.tensor([[rank, d] for d in range(world) for _ in range(rank + 1)], dtype=torch.float32))
+    recv_counts = exchange_counts(on(torch.tensor(send)), g).tolist()
     assert recv_counts == [s + 1 for s in range(world)]
     got = all_to_all(rows, send, recv_counts, g)
     want = torch.tensor([[s, rank] for s in range(world) for _ in range(s + 1)], dtype=torch.float32)
-    assert torch.equal(got, want), "all_to_all"
+    assert torch.equal(got.cpu(), want), "all_to_all"
+
+    # KV pool sizes sized per rank from its own device memory: every rank takes the smallest page counts
+    from ascend_dsv4.engine.memory_sizing import agree_on_sizes
+    from ascend_dsv4.kv.blocks import PoolSizes
+
+    mine = PoolSizes(16, 16, 2, 100 - rank, 50 + rank, 7 + 3 * ((rank + 1) % world))
+    assert agree_on_sizes(mine, torch.device(dev)) == PoolSizes(16, 16, 2, 101 - world, 50, 7)
 
 
 def _worker(rank: int, world: int, init: str, backend: str) -> None:

@@ -1,0 +1,169 @@
+"""Tensor / expert / data parallelism over NCCL on CUDA GPUs: the checks the CPU tests make over gloo, with rank r on
+``cuda:r`` and every group an NCCL communicator.
+
+World size 1 runs on one GPU (issue 11: the NCCL code path of ``parallel.groups``, the layers, the models and the
+``mp`` executor, on the device); world sizes 2 and 4 run where that many GPUs are visible (issue 16) and are skipped
+otherwise (NCCL refuses two ranks on one GPU). At world size 1 the layers' collectives are identities, so each
+rank also runs a real ``all_reduce`` on its TP and EP communicators.
+
+- layers: every parallel layer and MoE linear against the single-device math (``test_parallel_layers._checks``);
+- models: V4 (official FP8/FP4 and HF-named checkpoints) and V3 (FP8, BF16) logits of a prefill, two decode steps
+  and the MTP head under TP / TP + EP (all-to-all and all-reduce) / EP equal one GPU to 1e-5 relative in float32
+  (``test_tp_models._worker``), each rank reading only its slices;
+- engine: greedy outputs of ``LLM(..., tensor_parallel_size=N, distributed_executor_backend="mp")`` (prefix
+  caching, chunked prefill, MTP) and of data-parallel attention + EP equal one GPU.
+
+NVLink multicast stays off (the device machines' rule): NCCL_NVLS_ENABLE=0 and friends are set for every rank.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from ascend_dsv4.models import preset
+
+pytestmark = [pytest.mark.cuda, pytest.mark.distributed]
+
+NGPU = torch.cuda.device_count() if torch.cuda.is_available() else 0
+if os.environ.get("ASCEND_DSV4_TEST_NCCL_DEVICE") == "cpu":
+    NGPU = 4
+WORLDS = [pytest.param(w, marks=pytest.mark.skipif(NGPU < w, reason=f"needs {w} CUDA GPUs, {NGPU} visible"))
+          for w in (1, 2, 4)]
+DEVICE = os.environ.get("ASCEND_DSV4_TEST_NCCL_DEVICE", "cuda")  # "cpu": a smoke run of this file's logic (gloo)
+COMM = {"cuda": "nccl", "cpu": "gloo"}
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+@pytest.fixture(autouse=True)
+def _env(monkeypatch):
+    for k, v in NO_MULTICAST.items():  # inherited by every spawned rank
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("ASCEND_DSV4_MP_TIMEOUT", "180")
+
+
+# ---- layers -----------------------------------------------------------------------------------------------
+def _layers_worker(rank: int, world: int, init: str) -> None:
+    import torch.distributed as dist
+
+    from parallel.groups import destroy_parallel, init_parallel, set_rank_device
+    from test_parallel_layers import _checks
+
+    torch.set_num_threads(1)
+    dev = torch.device("cpu") if DEVICE == "cpu" else torch.device(DEVICE, rank)
+    set_rank_device(dev)
+    state = init_parallel(world, rank, init, device=DEVICE, enable_expert_parallel=True, timeout_s=120)
+    be = COMM[DEVICE]
+    try:
+        assert state.backend == be and dist.get_backend() == be, state.backend
+        for g in (state.tp, state.ep):
+            assert (g.size, g.backend, dist.get_backend(g.pg)) == (world, be, be), g
+            t = torch.full((5,), float(rank + 1), device=dev)
+            dist.all_reduce(t, group=g.pg)  # a real NCCL collective, at world size 1 too
+            assert torch.equal(t.cpu(), torch.full((5,), world * (world + 1) / 2)), t
+        _checks(rank, world, str(dev))
+    finally:
+        destroy_parallel()
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_nccl_parallel_layers(tmp_path, world):
+    mp.spawn(_layers_worker, args=(world, f"file://{tmp_path}/rdv"), nprocs=world, join=True)
+
+
+# ---- models -----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    from ascend_dsv4.weights.random_checkpoint import write_checkpoint
+    from test_tp_models import V3, V4
+
+    root = tmp_path_factory.mktemp("nccl_ckpts")
+    out = {}
+    for name, cfg, fmt, seed in (("v4_official", V4, "official", 1), ("v4_hf", V4, "hf", 2), ("v3_fp8", V3, "hf", 3),
+                                 ("v3_bf16", V3.replace(dtype="bf16"), "hf", 4)):
+        out[name] = str(root / name)
+        write_checkpoint(cfg, out[name], fmt, seed, progress=False)
+    return out
+
+
+def _cases(folders, world: int) -> list[tuple[str, bool, str]]:
+    """(folder, enable_expert_parallel, EP communication) of each model run at this world size."""
+    v4, v4hf, v3, v3b = folders["v4_official"], folders["v4_hf"], folders["v3_fp8"], folders["v3_bf16"]
+    if world == 4:
+        return [(v4, True, "alltoall"), (v4, False, "alltoall"), (v3, True, "alltoall")]
+    return [(v4, False, "alltoall"), (v4, True, "alltoall"), (v4, True, "allreduce"), (v4hf, False, "alltoall"),
+            (v3, False, "alltoall"), (v3b, True, "alltoall")]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_nccl_models_equal_one_gpu(folders, tmp_path, world):
+    from test_tp_models import _worker
+
+    mp.spawn(_worker, args=(world, f"file://{tmp_path}/rdv", _cases(folders, world), str(tmp_path), DEVICE),
+             nprocs=world, join=True)
+    print((tmp_path / f"{DEVICE}_world{world}.txt").read_text())
+
+
+# ---- engine -----------------------------------------------------------------------------------------------
+SHARED = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24]
+PROMPTS = [SHARED + [(5 * i + j) % 1000 + 3 for j in range(13 + 9 * i)] for i in range(3)]
+
+
+def _greedy(llm):
+    from ascend_dsv4 import SamplingParams
+
+    sp = SamplingParams(max_tokens=8, temperature=0.0)
+    first = llm.generate(PROMPTS[:1], sp)  # then all together: the later ones hit the prefix cache
+    return [o.token_ids for o in first + llm.generate(PROMPTS, sp)]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_nccl_llm_greedy_equals_one_gpu(world):
+    from ascend_dsv4 import LLM
+
+    kw = dict(device=DEVICE, dtype="float32", max_model_len=256, max_num_batched_tokens=24,
+              enable_prefix_caching=True)
+    v4 = dict(num_speculative_tokens=1, config_overrides=dict(o_groups=4))  # 4 output groups: TP 4 divides them
+    for model, extra, ep in (("toy-v4", v4, False), ("toy-v3", {}, True)):
+        want = _greedy(LLM(model, **kw, **extra))  # one GPU, no process group
+        llm = LLM(model, tensor_parallel_size=world, enable_expert_parallel=ep, distributed_executor_backend="mp",
+                  **kw, **extra)
+        try:
+            assert llm.executor.runner.model._model.parallel.backend == COMM[DEVICE]
+            assert _greedy(llm) == want, (model, world)
+        finally:
+            llm.shutdown()
+        assert not any(p.is_alive() for p in llm.executor.procs)
+
+
+@pytest.mark.parametrize("world", [w for w in WORLDS if w.values[0] > 1])
+def test_nccl_data_parallel_ep_greedy_equals_one_gpu(world):
+    from ascend_dsv4 import LLM
+
+    kw = dict(device=DEVICE, dtype="float32", max_model_len=256, max_num_batched_tokens=24)
+    want = _greedy(LLM("toy-v4", **kw))
+    llm = LLM("toy-v4", data_parallel_size=world, enable_expert_parallel=True, **kw)
+    try:
+        assert _greedy(llm) == want
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_nccl_gpu_memory_utilization_sizes_every_rank(world):
+    """Each rank sizes its pools from its GPU's free memory after loading; the ranks agree on the minimum."""
+    from ascend_dsv4 import LLM
+    from ascend_dsv4.engine.model_runner import plan_pool_sizes
+
+    kw = dict(device=DEVICE, dtype="bfloat16", max_model_len=256, max_num_batched_tokens=24)
+    llm = LLM("toy-v4", tensor_parallel_size=world, distributed_executor_backend="mp", gpu_memory_utilization=0.3,
+              config_overrides=dict(o_groups=4), **kw)
+    try:
+        base = plan_pool_sizes(llm.cfg, 16, 8, 256, 24)
+        assert llm.runner.pools.sizes.num_blocks > 10 * base.num_blocks, (llm.runner.pools.sizes, base)
+        assert len(_greedy(llm)) == 4
+    finally:
+        llm.shutdown()
