@@ -1,0 +1,110 @@
+#!/usr/bin/env python3
+"""Where a served decode step's time goes on a GPU: the engine (scheduling, sampling, detokenising) around the
+runner (step context, the model, logits to the host), for the Flash-shaped 3-layer model of ``bench_decode.py``.
+
+``LLM(...)`` with random weights (``deepseek-v4-flash`` with 3 layers: hash-routed SWA, CSA, HCA; 64 routed
+experts; BF16), ``batch`` greedy requests of ``ctx`` prompt tokens each, ``--output-len`` tokens generated with
+``ignore_eos``. Every engine step and every ``runner.execute`` inside it is timed (wall clock; ``execute`` ends
+with the logits copied to the host, so it includes the device time); pure decode steps (every request adds one
+token) are kept. Printed per batch: engine ms/step, runner ms/step (of which ``prepare``: page tables and the
+step context), engine-only ms (sampling, detokenising, scheduling: step - execute), output tokens/s.
+
+Usage: python scripts/bench_engine_step.py [--batches 1,8,32,64] [--ctx 2048] [--output-len 24] [--enforce-eager]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from ascend_dsv4 import LLM, SamplingParams  # noqa: E402
+
+FLASH3 = dict(n_layers=3, n_mtp_layers=0, n_hash_layers=1, compress_ratios=(0, 4, 128), n_routed_experts=64)
+
+
+def run(batch: int, ctx: int, out_len: int, device: str, eager: bool, toy: bool) -> dict:
+    model, over = ("toy-v4", {}) if toy else ("deepseek-v4-flash", FLASH3)
+    llm = LLM(model, config_overrides=over, device=device, dtype="bfloat16", max_num_seqs=batch,
+              max_model_len=ctx + out_len + 16, max_num_batched_tokens=max(2048, batch), enforce_eager=eager,
+              progress=False)
+    runner, engine = llm.runner, llm.engine
+    rec: dict[str, list] = {"execute": [], "prepare": [], "step": [], "decode": []}
+    orig_exec, orig_prep, orig_step = runner.execute, runner.prepare, engine.step
+
+    cur = [0.0]  # prepare time inside the current execute
+
+    def execute(seqs, tokens, rows):
+        cur[0] = 0.0
+        t = time.perf_counter()
+        out = orig_exec(seqs, tokens, rows)
+        rec["execute"].append(time.perf_counter() - t)
+        rec["prepare"].append(cur[0])
+        rec["decode"].append(len(tokens) == batch and all(len(x) == 1 for x in tokens))
+        return out
+
+    def prepare(*a, **k):
+        t = time.perf_counter()
+        out = orig_prep(*a, **k)
+        cur[0] += time.perf_counter() - t
+        return out
+
+    def step():
+        n = len(rec["execute"])
+        t = time.perf_counter()
+        out = orig_step()
+        if len(rec["execute"]) == n + 1:  # one forward in this step
+            rec["step"].append((n, time.perf_counter() - t))
+        return out
+
+    runner.execute, runner.prepare, engine.step = execute, prepare, step
+    vocab = llm.cfg.vocab_size
+    prompts = [[3 + (i * 131 + j * 17) % (vocab - 3) for j in range(ctx)] for i in range(batch)]
+    sp = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
+    t = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    wall = time.perf_counter() - t
+    assert all(len(o.token_ids) == out_len for o in outs)
+    dec = [(i, s) for i, s in rec["step"] if rec["decode"][i]][2:]  # skip the first (graph capture) steps
+    med = lambda xs: 1e3 * statistics.median(xs) if xs else float("nan")  # noqa: E731
+    step_ms = med([s for _, s in dec])
+    exec_ms = med([rec["execute"][i] for i, _ in dec])
+    prep_ms = med([rec["prepare"][i] for i, _ in dec])
+    eng_ms = med([s - rec["execute"][i] for i, s in dec])
+    llm.shutdown()
+    del llm, runner, engine
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return dict(batch=batch, steps=len(dec), step_ms=step_ms, exec_ms=exec_ms, prep_ms=prep_ms, eng_ms=eng_ms,
+                tok_s=batch / step_ms * 1e3, wall=wall)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batches", default="1,8,32,64")
+    ap.add_argument("--ctx", type=int, default=2048)
+    ap.add_argument("--output-len", type=int, default=24)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--toy", action="store_true", help="the toy model (smoke test of this script)")
+    a = ap.parse_args()
+    name = torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu"
+    print(f"# {name}; Flash-shaped 3-layer V4, bf16, prompts of {a.ctx} tokens, {a.output_len} greedy tokens, "
+          f"{'eager' if a.enforce_eager else 'CUDA-graph'} decode")
+    print("| batch | decode steps | engine ms/step | runner.execute ms | of which prepare ms | engine-only ms | "
+          "output tok/s |")
+    print("|---:|---:|---:|---:|---:|---:|---:|", flush=True)
+    for b in (int(x) for x in a.batches.split(",")):
+        r = run(b, a.ctx, a.output_len, a.device, a.enforce_eager, a.toy)
+        print(f"| {b} | {r['steps']} | {r['step_ms']:.2f} | {r['exec_ms']:.2f} | {r['prep_ms']:.2f} | "
+              f"{r['eng_ms']:.2f} | {r['tok_s']:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
