@@ -87,7 +87,7 @@ class CudaGraphDecoder:
             self.buckets = self.buckets + (max_batch,)
         self.graphs: dict[tuple, _Graph | bool] = {}
         self.mempool = None
-        self.replays = 0
+        self.replays = 0  # decode steps run from a bucket's static buffers (graph replays on CUDA)
         s = pools.sizes
         self.ratios = tuple(r for r, layers in ((4, pools.csa_layers), (128, pools.hca_layers)) if layers)
         # one reserved page per page space: padded tokens / entries write there (never read)

@@ -120,8 +120,9 @@ class DecodeInputs:
         d = _views(self.buf, layout)
         self.ids, self.positions, self.token_table = d["ids"], d["positions"], d["token_table"]
         self.tables = {r: d[f"table{r}"] for r, _ in layout.widths}
-        self._h["positions"][:] = -1
+        self._h["positions"][:] = -1  # every row padding until the first fill
         self._h["ids"][:] = 0
+        self.buf.copy_(self.host_buf)
         # what each host row holds now (copies of the page lists): unchanged rows are not rewritten
         self._seen = {name: [None] * layout.batch for name in ["token_table"] + [f"table{r}" for r, _ in layout.widths]}
         self._ent = [(_TABLE_OF[r], self._h[f"table{r}"], self._seen[f"table{r}"], layout.table_cols(r))

@@ -162,7 +162,7 @@ def test_fill_rewrites_only_what_changed_and_stays_exact():
 
 
 def test_shapes_are_static_per_bucket():
-    """Nothing of the derived context's shapes depends on the data (what a captured graph needs)."""
+    """Nothing of the derived context's shapes depends on the data (what a captured graph needs); int64, contiguous."""
     pools = _pools(128, (0, 4, 128), (64, 64, 8))
     layout = DecodeLayout.for_pools(pools, 16, {4: 512, 128: 16})
     inp = DecodeInputs(layout, "cpu")
@@ -171,8 +171,10 @@ def test_shapes_are_static_per_bucket():
         inp.fill([_seq(pools, t) for t in ts], [0] * len(ts))
         inp.upload()
         d = derive_decode_context(inp, pools, TRASH_TOKEN, TRASH_ENTRY)
-        got = [tuple(x.shape) for x in (d.positions, d.swa_slot, d.window)]
-        got += [tuple(x.shape) for cc in d.compress.values() for x in (cc.new_cand, cc.new_pos, cc.new_slot, cc.visible)]
+        tensors = [d.positions, d.swa_slot, d.window]
+        tensors += [x for cc in d.compress.values() for x in (cc.new_cand, cc.new_pos, cc.new_slot, cc.visible)]
+        assert all(x.is_contiguous() and x.dtype == torch.long for x in tensors)  # what the kernels index with
+        got = [tuple(x.shape) for x in tensors]
         assert shapes is None or got == shapes
         shapes = got
     assert shapes[:3] == [(16,), (16,), (16, 128)]
