@@ -15,9 +15,10 @@ Reported per (format, batch, ctx): ms/step (median of ``--steps`` after warm-up)
 the bytes a step must read (every non-routed weight, the weights of the routed experts the step's tokens
 actually selected, the KV rows it reads: window 128 + CSA top-512 entries + indexer keys of all ctx/4 entries
 + HCA ctx/128 entries, per sequence and layer) over the copy bandwidth measured in the same run; the ratio
-floor / measured is the "% of HBM floor". "host prepare ms" is the part of a step spent building the step
-context on the host (page tables, slot lists, copies to the device): it is not overlapped with the GPU yet. With ``--hf`` transformers' eager DeepseekV4ForCausalLM runs the
-same shapes (BF16) side by side at batch 8.
+floor / measured is the "% of HBM floor". "host prepare ms" is the host time of a step before its launch
+(``ModelRunner.last_prepare_s``: page allocation, then the step context in eager mode, or the compact inputs in
+one pinned buffer and their upload in graph mode); scripts/bench_host_step.py splits it into pieces on a CPU.
+With ``--hf`` transformers' eager DeepseekV4ForCausalLM runs the same shapes (BF16) side by side at batch 8.
 
 Usage: python scripts/bench_decode.py [--batches 1,8,32,64] [--ctx 2048,8192] [--formats bf16,fp8] [--hf]
 """
@@ -153,20 +154,12 @@ HOST_MS: list = []
 
 
 def time_decode(runner, seqs, steps: int, warmup: int, vocab: int, expert_log: list | None = None):
-    """Median ms of ``runner.step`` (host + device, synchronised); the host time of ``runner.prepare`` (page
-    tables and the step context, built on the host and copied) of the timed steps goes to HOST_MS."""
+    """Median ms of ``runner.step`` (host + device, synchronised); the host time of the timed steps' preparation
+    (``runner.last_prepare_s``: pages and the step context in eager mode; pages, the compact inputs and their
+    upload in graph mode) goes to HOST_MS."""
     g = torch.Generator().manual_seed(2)
     times = []
     prep = []
-    orig = runner.prepare
-
-    def timed_prepare(*a, **k):
-        t = time.perf_counter()
-        out = orig(*a, **k)
-        prep.append(time.perf_counter() - t)
-        return out
-
-    runner.prepare = timed_prepare
     for i in range(warmup + steps):
         toks = torch.randint(0, vocab, (len(seqs),), generator=g).tolist()
         if expert_log is not None:
@@ -177,9 +170,9 @@ def time_decode(runner, seqs, steps: int, warmup: int, vocab: int, expert_log: l
         torch.cuda.synchronize()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-    runner.prepare = orig
+            prep.append(runner.last_prepare_s)
     HOST_MS.clear()
-    HOST_MS.append(statistics.median(prep[warmup:]) * 1e3)
+    HOST_MS.append(statistics.median(prep) * 1e3)
     return statistics.median(times) * 1e3
 
 

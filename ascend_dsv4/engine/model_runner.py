@@ -20,7 +20,9 @@ are wanted. What comes out: float32 logits ``[rows, vocab]`` on the CPU (from ra
                                                         on this step's hidden states for :meth:`draft`
 ``runner.draft(seqs, counts, next_ids, hidden, rows)``  the MTP module over committed positions -> draft logits
 ``runner.step(seqs, tokens, logits="last"|"all")``      execute + commit + trim, for one-shot callers
-``runner.graphs``                                       captured CUDA-graph decode steps (engine/cuda_graphs.py)
+``runner.graphs``                                       captured CUDA-graph decode steps (engine/cuda_graphs.py): a
+                                                        pure decode step uploads compact inputs and replays
+``runner.last_prepare_s``                               host seconds of the last step before its launch
 ``runner.new_sequence()``, ``runner.release(seq)``      page tables of a new sequence; free its pages
 =====================================================  ==========================================================
 """
@@ -28,7 +30,9 @@ are wanted. What comes out: float32 logits ``[rows, vocab]`` on the CPU (from ra
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
+import time
 from typing import Sequence
 
 import torch
@@ -108,6 +112,7 @@ class ModelRunner:
         # captured decode steps (CUDA, DeepSeek-V4 pools, Triton kernels: the reference ops synchronise with the
         # host and cannot be captured), see engine/cuda_graphs.py
         self.graphs = None
+        self.last_prepare_s = 0.0  # host time of the last step's preparation (pages, context / static inputs)
         if (cuda_graphs and self.device.type == "cuda" and hasattr(self.pools, "csa_layers")
                 and backend in (None, "cuda")):
             from .cuda_graphs import CudaGraphDecoder
@@ -161,29 +166,45 @@ class ModelRunner:
     # ---- steps ---------------------------------------------------------------------------------------
     def prepare(self, seqs: Sequence[SeqBlocks], tokens: Sequence[Sequence[int]], logits: str = "last"):
         """Allocate the pages of the new tokens; (input ids [T], step context)."""
+        t0 = time.perf_counter()
         for s, t in zip(seqs, tokens):
             self.pools.ensure(s, s.num_tokens + len(t))
         ctx = self.pools.build_context(list(seqs), [len(t) for t in tokens], logits, self.device)
         ids = torch.tensor([x for t in tokens for x in t], dtype=torch.long, device=self.device)
+        self.last_prepare_s = time.perf_counter() - t0
         return ids, ctx
 
     def commit(self, seqs: Sequence[SeqBlocks], ctx) -> None:
         """Advance every sequence over its new tokens and free pages no later query can read."""
-        for s, n in zip(seqs, ctx.query_lens):
+        self._advance(seqs, ctx.query_lens)
+
+    def _advance(self, seqs: Sequence[SeqBlocks], lens: Sequence[int]) -> None:
+        for s, n in zip(seqs, lens):
             s.num_tokens += n
             self.pools.trim(s)
 
     def forward(self, ids: torch.Tensor, ctx, rows: Sequence[int]):
-        """(streams, float32 logits of token rows ``rows``): a captured graph for decode steps when enabled,
-        else the eager model."""
-        if self.graphs is not None:
-            key = self.graphs.key(ctx, rows)
-            if key is not None:
-                out = self.graphs.run(ids, ctx, key)
-                if out is not None:
-                    return out
+        """(streams, float32 logits of token rows ``rows``) of the eager model."""
         streams = self.model(ids, ctx)
         return streams, self.model.logits(streams, torch.tensor(list(rows), dtype=torch.long, device=ids.device))
+
+    def decode_graph(self, seqs: Sequence[SeqBlocks], tokens: Sequence[Sequence[int]], rows: Sequence[int]):
+        """(streams, float32 logits [T, vocab]) of a pure decode step replayed from a captured CUDA graph (pages
+        allocated here; the step context is derived on the device inside the graph), or None when the step must
+        run eagerly (no graphs, not a decode step with every row's logits, or its bucket could not be captured).
+        ``last_prepare_s``: the host time from the call to the graph's launch."""
+        g = self.graphs
+        key = g.key(seqs, tokens, rows) if g is not None else None
+        if key is None:
+            return None
+        t0 = time.perf_counter()
+        for s in seqs:
+            self.pools.ensure(s, s.num_tokens + 1)
+        staged = g.stage(seqs, tokens, key)
+        if staged is None:
+            return None
+        self.last_prepare_s = time.perf_counter() - t0
+        return g.replay(staged, len(seqs))
 
     @torch.inference_mode()
     def execute(self, seqs: Sequence[SeqBlocks], tokens: Sequence[Sequence[int]], rows: Sequence[int]):
@@ -193,8 +214,11 @@ class ModelRunner:
         [len(rows), vocab], hidden): ``hidden`` holds this step's hidden states, row ``i`` = new token ``i``,
         for :meth:`draft`."""
         with self.ops():
-            ids, _ctx = self.prepare(seqs, tokens, "none")
-            hidden, logits = self.forward(ids, _ctx, rows)  # a captured CUDA graph for decode steps
+            out = self.decode_graph(seqs, tokens, rows)  # a captured CUDA graph for decode steps
+            if out is None:
+                ids, _ctx = self.prepare(seqs, tokens, "none")
+                out = self.forward(ids, _ctx, rows)
+            hidden, logits = out
             logits = logits.float().cpu()
         return logits, hidden
 
@@ -217,13 +241,18 @@ class ModelRunner:
         (rows per ``logits``: "last" = one per sequence, "all" = every token), and the streams if asked."""
         lens = [len(t) for t in tokens]
         if logits == "last":
-            rows = [sum(lens[: i + 1]) - 1 for i in range(len(lens)) if lens[i] > 0]
+            ends = itertools.accumulate(lens)
+            rows = [e - 1 for e, n in zip(ends, lens) if n > 0]
         elif logits == "all":
             rows = list(range(sum(lens)))
         else:
             rows = []
         with self.ops():
-            ids, ctx = self.prepare(seqs, tokens, logits)
-            streams, out = self.forward(ids, ctx, rows)
-            self.commit(seqs, ctx)
+            graphed = None if return_streams else self.decode_graph(seqs, tokens, rows)
+            if graphed is not None:
+                streams, out = graphed
+            else:
+                ids, ctx = self.prepare(seqs, tokens, logits)
+                streams, out = self.forward(ids, ctx, rows)
+            self._advance(seqs, lens)
         return (out, streams, ctx, ids) if return_streams else out

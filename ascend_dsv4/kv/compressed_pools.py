@@ -120,6 +120,8 @@ class V4KVPools:
 
     def ensure(self, seq: SeqBlocks, new_len: int) -> None:
         """Allocate pages so that positions < new_len (and their compressed entries) have slots."""
+        if self.pages_needed(seq, new_len) == (0, 0, 0):  # most decode steps: nothing to allocate
+            return
         if not self.can_grow(seq, new_len):
             tok, c4, c128 = self.pages_needed(seq, new_len)
             raise CapacityError(
@@ -157,7 +159,10 @@ class V4KVPools:
         """Free token pages wholly older than :meth:`keep_from`; returns the number freed."""
         B = self.sizes.block_size
         last_dead = self.keep_from(seq.num_tokens) // B  # pages [0, last_dead) hold only dead positions
-        dead = [p for p in seq.token[:last_dead] if p >= 0]
+        head = seq.token[:last_dead]
+        if head.count(-1) == len(head):  # most steps: trimmed already (a C-level scan, no Python loop)
+            return 0
+        dead = [p for p in head if p >= 0]
         self.token_alloc.free(dead)
         for i in range(min(last_dead, len(seq.token))):
             seq.token[i] = -1

@@ -6,6 +6,10 @@ import pytest
 import torch
 
 from ascend_dsv4 import LLM, SamplingParams
+from ascend_dsv4.kv.context import build_step_context
+from ascend_dsv4.kv.decode_inputs import DecodeInputs, DecodeLayout, derive_decode_context
+from test_decode_inputs import TRASH_ENTRY, TRASH_TOKEN, _pools, _seq, assert_same_context
+import test_graph_decode_cpu as cpu_e2e
 from v4_helpers import rel_err
 
 pytestmark = pytest.mark.cuda
@@ -41,3 +45,39 @@ def test_graph_decode_generate_matches_eager_with_shrinking_batch():
     same = sum(x == y for x, y in zip(got, want))
     assert same >= len(prompts) - 1, (got, want)  # bf16: allow one near-tie flip
     assert [len(x) for x in got] == [4 + 3 * i for i in range(len(prompts))]
+
+
+@torch.inference_mode()
+def test_captured_context_derivation_follows_the_static_buffer():
+    """derive_decode_context captured once, replayed after each upload of a different batch (other positions,
+    fewer rows, other pages): equal to build_step_context every time (no host sync, no data-dependent shape)."""
+    import random
+
+    pools = _pools(128, (0, 4, 128), (64, 64, 8), device="cuda")
+    inp = DecodeInputs(DecodeLayout.for_pools(pools, 8, {4: 768, 128: 32}), "cuda")
+    inp.upload()
+    cur, side = torch.cuda.current_stream(), torch.cuda.Stream()
+    side.wait_stream(cur)
+    with torch.cuda.stream(side):
+        derive_decode_context(inp, pools, TRASH_TOKEN, TRASH_ENTRY)
+    cur.wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        d = derive_decode_context(inp, pools, TRASH_TOKEN, TRASH_ENTRY)
+    rng = random.Random(0)
+    for _ in range(6):
+        ts = [rng.choice([0, 127, 128, 255, 3071, 3, 7]) if rng.random() < 0.5 else rng.randint(0, 3071)
+              for _ in range(rng.randint(1, 8))]
+        seqs = [_seq(pools, t) for t in ts]
+        inp.fill(seqs, [1] * len(seqs))
+        inp.upload()
+        graph.replay()
+        assert_same_context(d, build_step_context(pools, seqs, [1] * len(seqs), "last", "cuda"), len(seqs), 8)
+        for s in seqs:
+            pools.free(s)
+
+
+def test_captured_runner_decode_matches_eager_runner():
+    """The CPU end-to-end check (tests/v4/test_graph_decode_cpu.py) with real capture: ragged positions through
+    the window / ratio boundaries, a shrinking batch, float32."""
+    cpu_e2e.test_graph_path_decode_equals_eager_decode("cuda")
