@@ -6,8 +6,8 @@ runner (step context, the model, logits to the host), for the Flash-shaped 3-lay
 experts; BF16), ``batch`` greedy requests of ``ctx`` prompt tokens each, ``--output-len`` tokens generated with
 ``ignore_eos``. Every engine step and every ``runner.execute`` inside it is timed (wall clock; ``execute`` ends
 with the logits copied to the host, so it includes the device time); pure decode steps (every request adds one
-token) are kept. Printed per batch: engine ms/step, runner ms/step (of which ``prepare``: page tables and the
-step context), engine-only ms (sampling, detokenising, scheduling: step - execute), output tokens/s.
+token) are kept. Printed per batch: engine ms/step, runner ms/step (of which ``prepare``: the host time up to the
+launch, ``runner.last_prepare_s``), engine-only ms (sampling, detokenising, scheduling: step - execute), output tokens/s.
 
 Usage: python scripts/bench_engine_step.py [--batches 1,8,32,64] [--ctx 2048] [--output-len 24] [--enforce-eager]
 """
@@ -37,23 +37,14 @@ def run(batch: int, ctx: int, out_len: int, device: str, eager: bool, toy: bool)
               progress=False)
     runner, engine = llm.runner, llm.engine
     rec: dict[str, list] = {"execute": [], "prepare": [], "step": [], "decode": []}
-    orig_exec, orig_prep, orig_step = runner.execute, runner.prepare, engine.step
-
-    cur = [0.0]  # prepare time inside the current execute
+    orig_exec, orig_step = runner.execute, engine.step
 
     def execute(seqs, tokens, rows):
-        cur[0] = 0.0
         t = time.perf_counter()
         out = orig_exec(seqs, tokens, rows)
         rec["execute"].append(time.perf_counter() - t)
-        rec["prepare"].append(cur[0])
+        rec["prepare"].append(runner.last_prepare_s)  # host time up to the launch (pages, context / inputs)
         rec["decode"].append(len(tokens) == batch and all(len(x) == 1 for x in tokens))
-        return out
-
-    def prepare(*a, **k):
-        t = time.perf_counter()
-        out = orig_prep(*a, **k)
-        cur[0] += time.perf_counter() - t
         return out
 
     def step():
@@ -64,7 +55,7 @@ def run(batch: int, ctx: int, out_len: int, device: str, eager: bool, toy: bool)
             rec["step"].append((n, time.perf_counter() - t))
         return out
 
-    runner.execute, runner.prepare, engine.step = execute, prepare, step
+    runner.execute, engine.step = execute, step
     vocab = llm.cfg.vocab_size
     prompts = [[3 + (i * 131 + j * 17) % (vocab - 3) for j in range(ctx)] for i in range(batch)]
     sp = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
