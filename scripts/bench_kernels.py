@@ -72,7 +72,7 @@ def ceilings(dev) -> dict:
 
 
 ROTATE = 8
-GEMM_PATHS = ("[gemm=tiled]", "[gemm=decode]")
+GEMM_PATHS = ["[gemm=tiled]", "[gemm=decode]"]  # + "[gemm=decode cfg=...]" per --decode-variants entry
 # tile variants of the attention kernel timed side by side: " [BH,BN,WARPS]" (see atb_ops/cuda/attention.py)
 ATTN_VARIANTS = ("", " [32,32,8]", " [64,32,8]", " [64,16,8]", " [64,32,16]")
 
@@ -245,7 +245,10 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="one shape per op")
     ap.add_argument("--no-reference", action="store_true", help="skip timing the reference ops")
     ap.add_argument("--only", default=None, help="time only the cases whose name matches this regular expression")
+    ap.add_argument("--decode-variants", default="",
+                    help="';'-separated ATB_CUDA_DECODE_CFG settings of the decode GEMM, each timed as its own row")
     a = ap.parse_args()
+    GEMM_PATHS.extend(f"[gemm=decode cfg={v}]" for v in filter(None, a.decode_variants.split(";")))
     dev = torch.device("cuda")
     name = torch.cuda.get_device_name(dev)
     ceil = ceilings(dev)
@@ -260,12 +263,13 @@ def main() -> None:
         if a.only and not re.search(a.only, case_name):
             continue
         os.environ["ATB_CUDA_FP4"] = "split" if "fp4-split" in case_name else "join"
-        gm = re.search(r"\[gemm=(\w+)(?: bm=(\d+))?\]", case_name)
+        gm = re.search(r"\[gemm=(\w+)(?: bm=(\d+))?(?: cfg=([^\]]+))?\]", case_name)
         os.environ["ATB_CUDA_GEMM"] = gm.group(1) if gm else "auto"
-        if gm and gm.group(2):
-            os.environ["ATB_CUDA_DECODE_BM"] = gm.group(2)
-        else:
-            os.environ.pop("ATB_CUDA_DECODE_BM", None)
+        for var, val in (("ATB_CUDA_DECODE_BM", gm and gm.group(2)), ("ATB_CUDA_DECODE_CFG", gm and gm.group(3))):
+            if val:
+                os.environ[var] = val
+            else:
+                os.environ.pop(var, None)
         if "[" in case_name and not gm:
             os.environ["ATB_CUDA_ATTN"] = case_name.split("[")[1].rstrip("]")
         else:

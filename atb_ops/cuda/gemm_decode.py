@@ -17,8 +17,9 @@ a tile of BN output columns and a range of K (split-K when there are too few pro
   added once at the end, in a fixed order;
 - FP4 on the GPU: four packed bytes are decoded at a time by PTX bit operations. A code (sign s, exponent bits e,
   mantissa bit m) placed as bfloat16 bits ``s << 15 | (e, m) << 6`` is exactly e2m1 * 2^-126 (code 1, 0.5, as a
-  bfloat16 subnormal); two packed bfloat16 multiplies by 2^126 and by the scale 2^(s - 127) give the weight
-  exactly (no rounding: powers of two, within range). The low nibbles multiply the even activation columns and the
+  bfloat16 subnormal); one packed bfloat16 multiply by 2^126 * 2^(s - 127) gives the weight exactly (powers of two,
+  within range) when every E8M0 byte s <= 128 (scales <= 2, checked once per scale tensor), else two (2^126, then
+  the scale). The low nibbles multiply the even activation columns and the
   high nibbles the odd ones (two dots; the activation row is read as int32 pairs and split in registers);
 - FP8 on the GPU: an e4m3 byte placed as bfloat16 bits ``sign << 15 | magnitude << 4`` is exactly e4m3 * 2^-120
   (subnormals included), times 2^120; the 128x128 block scale multiplies each slice's partial product (a slice
@@ -37,6 +38,7 @@ plain Triton arithmetic with the same values, and the activation columns are loa
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 import triton
@@ -113,7 +115,15 @@ fma.rn.bf16x2 $0, a0, k, z;
 fma.rn.bf16x2 $1, a1, k, z;
 }""")
 
+# the same with one multiply, by 2^126 * scale = 2^(s - 1) (bfloat16 bits (s + 126) << 7: E8M0 bytes s <= 128 only)
+_FP4_PTX_1MUL = tl.constexpr(_FP4_PTX.value.replace("""fma.rn.bf16x2 $0, $0, k, z;
+fma.rn.bf16x2 $2, $2, k, z;
+fma.rn.bf16x2 $1, $1, k, z;
+fma.rn.bf16x2 $3, $3, k, z;
+""", ""))
+
 FP4_PTX = _FP4_PTX.value  # for the PTX emulation test (tests/ops/test_gemm_decode.py)
+FP4_PTX_1MUL = _FP4_PTX_1MUL.value
 FP8_PTX = _FP8_PTX.value
 
 
@@ -128,14 +138,20 @@ def _e2m1(c):
 
 
 @triton.jit
-def _fp4_decode(b, s, ASM: tl.constexpr):
-    """b int8 [...] packed codes, s bfloat16 [...] scale 2^(e - 127) of each byte -> bfloat16 (low, high) weights."""
-    if ASM:
+def _fp4_decode(b, s, ASM: tl.constexpr, MUL1: tl.constexpr):
+    """b int8 [...] packed codes, s bfloat16 [...] scale of each byte -> bfloat16 (low, high) weights; s = 2^(e - 127)
+    (or 2^(e - 1) with MUL1, on the GPU)."""
+    if ASM and MUL1:
+        lo, hi = tl.inline_asm_elementwise(_FP4_PTX_1MUL, "=r,=r,=r,=r,r,r,r", [b, s],
+                                           dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+    elif ASM:
         lo, hi = tl.inline_asm_elementwise(_FP4_PTX, "=r,=r,=r,=r,r,r,r", [b, s], dtype=(tl.bfloat16, tl.bfloat16),
                                            is_pure=True, pack=4)
     else:
         c = b.to(tl.int32) & 0xFF
         sf = s.to(tl.float32)
+        if MUL1:
+            sf = sf * 1.1754943508222875e-38  # 2^-126
         lo = (_e2m1(c & 0xF) * sf).to(tl.bfloat16)
         hi = (_e2m1(c >> 4) * sf).to(tl.bfloat16)
     return lo, hi
@@ -163,10 +179,13 @@ def _ld(p, m, other, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _scale_bf16(sc):
-    """bfloat16 2^(sc - 127) of E8M0 bytes (sc = 0: the subnormal 2^-127)."""
+def _scale_bf16(sc, MUL1: tl.constexpr):
+    """bfloat16 2^(sc - 127) of E8M0 bytes (sc = 0: the subnormal 2^-127); with MUL1 2^(sc - 1) (sc <= 128)."""
     sc = sc.to(tl.int32) & 0xFF
-    bits = tl.where(sc == 0, 0x40, sc << 7)
+    if MUL1:
+        bits = (sc + 126) << 7
+    else:
+        bits = tl.where(sc == 0, 0x40, sc << 7)
     return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 
@@ -193,9 +212,9 @@ def _active_experts_kernel(ids_ptr, act_ptr, M, E, n_slots, MP: tl.constexpr, EB
 
 @triton.jit
 def _decode_gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, act_ptr,
-                        M, N, K, E, stride_we, stride_se, k_split, n_slots,
+                        M, N, K, E, stride_we, stride_se, stride_wn, stride_sn, stride_xw, k_split, n_slots,
                         FMT: tl.constexpr, SCALE_E8M0: tl.constexpr, GROUPED: tl.constexpr, ASM: tl.constexpr,
-                        EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+                        EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, S2D: tl.constexpr, MUL1: tl.constexpr,
                         MP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, S: tl.constexpr):
     pid_n = tl.program_id(0)
     slot = tl.program_id(1)
@@ -241,28 +260,37 @@ def _decode_gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, act_ptr,
             rows = tl.minimum(r, M - 1)
         rows3 = rows[None, :, None]  # rows past cnt repeat a valid row: loaded unmasked, never stored
         acc = tl.zeros((S, BM, BN), tl.float32)
-        # the scales are prefetched one K step ahead (register double buffering; the weight and activation tiles
-        # are pipelined by the compiler)
+        # fp4 scales: either one [BN, S * BS / 16] tile per K step (8 contiguous bytes a row: pipelined by the
+        # compiler with the weight and activation tiles), or [S, BN, BS / 16] prefetched one step ahead in registers;
+        # fp8 block scales: [S] prefetched one step ahead
         if FMT == 2:
             g0 = k_lo // 16 + sp[:, None, None] * (BS // 16) + tl.arange(0, BS // 16)[None, None, :]  # [S, 1, BS/16]
-            s_ptrs = s_base + n3 * (K // 32) + g0
-            sc_next = tl.load(s_ptrs, mask=nm3 & (g0 * 16 < k_hi), other=127)
+            s_ptrs = s_base + n3 * stride_sn + g0
+            sc_next = tl.load(s_ptrs, mask=nm3 & (g0 * 16 < k_hi) & (not S2D), other=127)
         else:
             s_row = s_base + (pid_n * BN // 128) * tl.cdiv(K, 128)  # this tile's row of 128x128 block scales
             sc_next = tl.load(s_row + (k_lo + sp * BS) // 128, mask=k_lo + sp * BS < k_hi, other=0)
         for k0 in range(k_lo, k_hi, S * BS):
+            k0 = tl.multiple_of(k0, S * BS)  # k_split is a multiple of the step
             kk = k0 + sp[:, None, None] * BS + c[None, None, :]  # [S, 1, BS] byte (fp4) / element (fp8) index
             km = kk < k_end
-            sc = sc_next
             if FMT == 2:
-                s_ptrs += S * BS // 16
-                g0 += S * BS // 16
-                sc_next = tl.load(s_ptrs, mask=nm3 & (g0 * 16 < k_hi), other=127)
-                b = _ld(w_base + n3 * k_end + kk, nm3 & km, 0, not (EVEN_K and EVEN_N))
-                s16 = tl.reshape(tl.broadcast_to(_scale_bf16(sc)[:, :, :, None], (S, BN, BS // 16, 16)), (S, BN, BS))
-                lo, hi = _fp4_decode(b, s16, ASM)
+                if S2D:
+                    g2 = tl.multiple_of(k0 // 16, S * BS // 16) + tl.arange(0, S * BS // 16)
+                    sc2 = _ld(s_base + n[:, None] * stride_sn + g2[None, :], nm[:, None] & (g2 * 16 < k_end)[None, :],
+                              127, not (EVEN_K and EVEN_N))
+                    sc = tl.permute(tl.reshape(sc2, (BN, S, BS // 16)), (1, 0, 2))
+                else:
+                    sc = sc_next
+                    s_ptrs += S * BS // 16
+                    g0 += S * BS // 16
+                    sc_next = tl.load(s_ptrs, mask=nm3 & (g0 * 16 < k_hi), other=127)
+                b = _ld(w_base + n3 * stride_wn + kk, nm3 & km, 0, not (EVEN_K and EVEN_N))
+                s16 = tl.reshape(tl.broadcast_to(_scale_bf16(sc, MUL1)[:, :, :, None], (S, BN, BS // 16, 16)),
+                                 (S, BN, BS))
+                lo, hi = _fp4_decode(b, s16, ASM, MUL1)
                 if ASM:  # activation columns (2c, 2c+1) as one int32, split in registers
-                    xw = _ld(x_ptr.to(tl.pointer_type(tl.int32)) + rows3 * k_end + kk, km, 0, not EVEN_K)
+                    xw = _ld(x_ptr.to(tl.pointer_type(tl.int32)) + rows3 * stride_xw + kk, km, 0, not EVEN_K)
                     xe = (xw & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
                     xo = (xw >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
                     acc += tl.dot(xe, tl.trans(lo, (0, 2, 1)))
@@ -273,9 +301,10 @@ def _decode_gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, act_ptr,
                     acc += tl.dot(xe, tl.trans(lo, (0, 2, 1)).to(tl.float32), input_precision="ieee")
                     acc += tl.dot(xo, tl.trans(hi, (0, 2, 1)).to(tl.float32), input_precision="ieee")
             else:
+                sc = sc_next
                 kb_next = k0 + S * BS + sp * BS
                 sc_next = tl.load(s_row + kb_next // 128, mask=kb_next < k_hi, other=0)
-                b = _ld(w_base + n3 * K + kk, nm3 & km, 0.0, not (EVEN_K and EVEN_N))
+                b = _ld(w_base + n3 * stride_wn + kk, nm3 & km, 0.0, not (EVEN_K and EVEN_N))
                 wv = _fp8_decode(b, ASM)
                 xv = _ld(x_ptr + rows3 * K + kk, km, 0.0, not EVEN_K)
                 if SCALE_E8M0:
@@ -315,15 +344,48 @@ def eligible(x: torch.Tensor, fmt: str, w_scale: torch.Tensor | None, rows: int)
     return fmt == "fp8_block"
 
 
-def _splits(programs: int, k_steps: int, device: torch.device) -> int:
-    """K splits so that about two programs per SM are started, each with at least 4 K steps."""
-    want = triton.cdiv(2 * sm_count(device), max(programs, 1))
+def _splits(programs: int, k_steps: int, device: torch.device, per_sm: int = 2) -> int:
+    """K splits so that about ``per_sm`` programs per SM are started, each with at least 4 K steps."""
+    want = triton.cdiv(per_sm * sm_count(device), max(programs, 1))
     return max(1, min(want, k_steps // 4))
+
+
+_SMALL_SCALES: dict[int, tuple] = {}
+
+
+def small_scales(w_scale: torch.Tensor) -> bool:
+    """Whether every E8M0 byte of an fp4 scale tensor is <= 128 (scales <= 2: one multiply by 2^(s - 1) decodes a
+    weight pair exactly, instead of 2^126 then 2^(s - 127)). Read once per tensor (and in-place version) with one
+    host synchronisation, then cached (weights are static); never read under CUDA-graph capture (the two-multiply
+    decoder is used there until the answer is known)."""
+    key = id(w_scale)
+    hit = _SMALL_SCALES.get(key)
+    if hit is not None and hit[0]() is w_scale and hit[1] == w_scale._version:
+        return hit[2]
+    if w_scale.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False
+    b = w_scale.view(torch.uint8)
+    ok = b.numel() == 0 or int(b.max()) <= 128
+    _SMALL_SCALES[key] = (weakref.ref(w_scale, lambda _, k=key: _SMALL_SCALES.pop(k, None)), w_scale._version, ok)
+    return ok
+
+
+def _config() -> dict:
+    """Tile / launch settings; ATB_CUDA_DECODE_CFG="bn=64,stages=3,regs=168,s2d=1,mul1=0,ctas=2" overrides some
+    (benchmarks: the variants are timed side by side); mul1=-1: one multiply per weight pair where
+    :func:`small_scales` allows it."""
+    cfg = dict(bn=BN, stages=3, regs=0, s2d=1, mul1=-1, ctas=2)
+    for kv in filter(None, os.environ.get("ATB_CUDA_DECODE_CFG", "").split(",")):
+        key, val = kv.split("=")
+        cfg[key.strip()] = int(val)
+    return cfg
 
 
 def _launch(x, w, w_scale, fmt, ids, n_exp, n_slots, act, grouped):
     m, k = x.shape
     bm = _rows_per_pass(m / n_slots)
+    cfg = _config()
+    bn = cfg["bn"]
     n = w.shape[-2]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if n == 0:
@@ -332,8 +394,8 @@ def _launch(x, w, w_scale, fmt, ids, n_exp, n_slots, act, grouped):
     k_end = k // 2 if fmt == "fp4" else k
     step = S * bs
     k_steps = triton.cdiv(k_end, step)
-    n_tiles = triton.cdiv(n, BN)
-    split = _splits(n_tiles * (n_slots if grouped else 1), k_steps, x.device)
+    n_tiles = triton.cdiv(n, bn)
+    split = _splits(n_tiles * (n_slots if grouped else 1), k_steps, x.device, cfg["ctas"])
     k_split = triton.cdiv(k_steps, split) * step
     split = triton.cdiv(k_end, k_split)
     xc = x.contiguous()
@@ -351,11 +413,14 @@ def _launch(x, w, w_scale, fmt, ids, n_exp, n_slots, act, grouped):
     stride_se = s.stride(0) if grouped else 0
     mp = triton.next_power_of_2(m)
     grid = (n_tiles, n_slots + 1 if grouped else 1, split)
+    regs = cfg["regs"] or MAX_REGS[bm]
+    mul1 = fmt == "fp4" and (small_scales(w_scale) if cfg["mul1"] < 0 else bool(cfg["mul1"]))
     _decode_gemm_kernel[grid](
         xc, wc, s, dst, ids if grouped else xc, act if grouped else xc, m, n, k, n_exp, stride_we, stride_se,
-        k_split, n_slots, FMT=2 if fmt == "fp4" else 1, SCALE_E8M0=e8, GROUPED=grouped, ASM=not INTERPRET,
-        EVEN_K=k_end % step == 0, EVEN_N=n % BN == 0, MP=mp, BM=bm, BN=BN, BS=bs, S=S, num_warps=S, num_stages=3,
-        **({} if INTERPRET else {"maxnreg": MAX_REGS[bm]}))
+        k_end, k // 32, k // 2, k_split, n_slots, FMT=2 if fmt == "fp4" else 1, SCALE_E8M0=e8, GROUPED=grouped,
+        ASM=not INTERPRET, EVEN_K=k_end % step == 0, EVEN_N=n % bn == 0, S2D=bool(cfg["s2d"]),
+        MUL1=mul1, MP=mp, BM=bm, BN=bn, BS=bs, S=S, num_warps=S, num_stages=cfg["stages"],
+        **({} if INTERPRET else {"maxnreg": regs}))
     if split > 1:
         total = m * n
         _sum_splits_kernel[(triton.cdiv(total, 1024),)](dst, out, total, split, BLOCK=1024, num_warps=4)

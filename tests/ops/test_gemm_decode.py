@@ -34,6 +34,8 @@ def _bf16x2_to_f32(v):
 
 
 def _f32_to_bf16_bits(f):
+    with np.errstate(over="ignore"):  # 6 * 2^127 is inf in float32, as in quant's dequantisation
+        f = np.asarray(f, dtype=np.float32)
     t = torch.from_numpy(np.ascontiguousarray(f, dtype=np.float32)).to(torch.bfloat16).view(torch.int16)
     return t.numpy().astype(np.uint16).astype(np.uint32)
 
@@ -108,14 +110,19 @@ def test_ptx_emulator_prmt_and_lop3():
     assert int(r[0]) == (0xF0F0F0F0 | 0x0F000F00) & 0xFFFF
 
 
+@pytest.mark.parametrize("one_mul", [False, True])
 @pytest.mark.parametrize("sc", [0, 1, 100, 118, 127, 128, 129, 200, 254])
-def test_fp4_ptx_decodes_every_byte(sc):
-    """All 256 bytes (both nibbles, every code and sign) under E8M0 scale byte sc, exactly as quant.fp4 does."""
+def test_fp4_ptx_decodes_every_byte(sc, one_mul):
+    """All 256 bytes (both nibbles, every code and sign) under E8M0 scale byte sc, exactly as quant.fp4 does; the
+    one-multiply decoder (multiplier 2^(sc - 1)) for sc <= 128."""
+    if one_mul and sc > 128:
+        pytest.skip("one multiply only for scale bytes <= 128")
     bytes_ = np.arange(256, dtype=np.uint32).reshape(64, 4)
     words = bytes_[:, 0] | bytes_[:, 1] << 8 | bytes_[:, 2] << 16 | bytes_[:, 3] << 24
-    sbits = np.uint32(0x40 if sc == 0 else sc << 7)
+    sbits = np.uint32((sc + 126) << 7 if one_mul else (0x40 if sc == 0 else sc << 7))
     s_pair = np.full(64, sbits | (sbits << 16), dtype=np.uint32)
-    lo01, lo23, hi01, hi23 = run_ptx(gd.FP4_PTX, [words, s_pair, s_pair], 4)
+    asm = gd.FP4_PTX_1MUL if one_mul else gd.FP4_PTX
+    lo01, lo23, hi01, hi23 = run_ptx(asm, [words, s_pair, s_pair], 4)
     got_lo = torch.stack([_bf16_bits_to_f32(lo01 & 0xFFFF), _bf16_bits_to_f32(lo01 >> 16),
                           _bf16_bits_to_f32(lo23 & 0xFFFF), _bf16_bits_to_f32(lo23 >> 16)], 1).flatten()
     got_hi = torch.stack([_bf16_bits_to_f32(hi01 & 0xFFFF), _bf16_bits_to_f32(hi01 >> 16),
@@ -172,9 +179,11 @@ def _ids(m, e, g, hot=None):
     return ids
 
 
+@pytest.mark.parametrize("one_mul", [0, 1])
 @pytest.mark.parametrize("fmt", ["fp4", "fp8_block"])
 @pytest.mark.parametrize("m", [1, 5, 37])
-def test_grouped_matmul_decode(fmt, m):
+def test_grouped_matmul_decode(fmt, m, one_mul, monkeypatch):
+    monkeypatch.setenv("ATB_CUDA_DECODE_CFG", f"mul1={one_mul}")
     g = torch.Generator().manual_seed(21)
     e, n, k = 5, 72, 320 if fmt == "fp4" else 384  # N, K not multiples of the tiles; experts without rows
     w, s = _weights(fmt, e, n, k, g)
@@ -220,10 +229,10 @@ def test_grouped_matmul_decode_ids_outside_range():
     x = torch.randn(9, k, generator=g).to(DEV, torch.bfloat16)
     ids = torch.tensor([0, -1, 2, 4, 2, 1, 7, 0, 3], dtype=torch.int32).to(DEV)
     got = gd.grouped_matmul(x, w, ids, s, "fp4")
-    bad = ((ids < 0) | (ids >= e)).cpu()
-    assert bool((got.cpu()[bad] == 0).all())
+    bad = (ids < 0) | (ids >= e)
+    assert bool((got[bad] == 0).all())
     good = ~bad
-    check_close(got.cpu()[good], x.cpu()[good], w, s, "fp4", ids.cpu()[good])
+    check_close(got[good], x[good], w, s, "fp4", ids[good])
 
 
 def test_dispatch_selects_decode_by_shape(monkeypatch):
@@ -268,3 +277,24 @@ def test_linear_decode_real_shapes(fmt, m):
     w, s = _weights(fmt, 1, 4096, 4096, g)
     x = torch.randn(m, 4096, generator=g).to(DEV, torch.bfloat16)
     check_close(gd.linear(x, w[0], s[0], fmt), x, w[0], s[0], fmt)
+
+
+def test_small_scales_is_cached_per_tensor_and_version():
+    s = torch.full((4, 8), 120, dtype=torch.uint8)
+    assert gd.small_scales(s)
+    s[0, 0] = 129  # in place: a new version, read again
+    assert not gd.small_scales(s)
+    t = torch.full((2,), 128, dtype=torch.uint8)
+    assert gd.small_scales(t) and gd.small_scales(torch.empty(0, dtype=torch.uint8))
+
+
+def test_fp4_large_scales_use_two_multiplies():
+    """Scale bytes above 128 (scales > 2) decode through the two-multiply path (the default picks it)."""
+    g = torch.Generator().manual_seed(27)
+    w, s = _weights("fp4", 2, 64, 128, g)
+    s = s.clone()
+    s[1, :5] = 140
+    x = torch.randn(4, 128, generator=g).to(DEV, torch.bfloat16)
+    ids = torch.tensor([0, 1, 1, 0]).to(DEV)
+    assert not gd.small_scales(s)
+    check_close(gd.grouped_matmul(x, w, ids, s, "fp4"), x, w, s, "fp4", ids)
