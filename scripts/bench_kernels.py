@@ -14,7 +14,7 @@ reference output.
 DeepSeek's TileLang kernels are not run side by side: TileLang is not installed on the device machine.
 
 FP8-block / FP4 linears and grouped matmuls are timed on both CUDA paths side by side: ``[gemm=tiled]`` (the
-tiled kernel, gemm.py) and ``[gemm=decode]`` (gemm_decode.py; ``bm=32``: 32 rows per pass); the grouped cases
+tiled kernel, gemm.py) and ``[gemm=decode]`` (gemm_decode.py; ``--decode-variants``: its tunables); the grouped cases
 rotate over 8 expert-id draws (and the linears over 8 weights) so that the weights are read from HBM.
 
 Usage: python scripts/bench_kernels.py [--out results.json] [--quick] [--only REGEX] [--no-reference]
@@ -231,8 +231,6 @@ def cases(dev, quick: bool):
                                      ("fp4", we4, se4, 0.5 + 1 / 32), ("fp4-split", we4, se4, 0.5 + 1 / 32)):
                 byt = int(active * Nw * Kw * bpw) + _nb(x) + rows * Nw * 2
                 paths = [""] if fmt == "dense" else (["[gemm=tiled]"] if fmt == "fp4-split" else list(GEMM_PATHS))
-                if fmt != "dense" and T >= 32:
-                    paths.append("[gemm=decode bm=32]")
                 for path in paths:
                     yield (f"grouped_matmul {fmt} T={T}x6 E={E} {Nw}x{Kw} ({name}) {path}".rstrip(), "grouped_matmul",
                            [(x, wt, d, sc, fmt.split("-")[0]) for d in draws], {}, byt, fl)

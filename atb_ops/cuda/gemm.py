@@ -35,7 +35,7 @@ _FMT = {"dense": 0, "fp8_block": 1, "fp4": 2}
 
 # rows per weight up to which the decode kernel is preferred to the tiled one (measured: see
 # scripts/bench_results/kernels_fp4_h100.txt)
-DECODE_ROWS = {"fp4": 64, "fp8_block": 32}
+DECODE_ROWS = {"fp4": 64, "fp8_block": 16}
 
 
 def _use_decode(x: torch.Tensor, fmt: str, w_scale, rows: int, rows_per_weight: float) -> bool:

@@ -25,7 +25,7 @@ a tile of BN output columns and a range of K (split-K when there are too few pro
   (subnormals included), times 2^120; the 128x128 block scale multiplies each slice's partial product (a slice
   never crosses a scale block);
 - rows: a tiny prologue kernel lists the experts that have rows (``act``, in increasing id, no host
-  synchronisation); program slot j takes expert act[j] and gathers its rows from ``expert_ids`` itself, BM = 16 at a
+  synchronisation; for a handful of rows each program finds them itself); program slot j takes expert act[j] and gathers its rows from ``expert_ids`` itself, BM = 16 at a
   time, or 32 when the weights average more than 16 rows (more rows: more passes over the same weight tile, from
   L2). The slot after the last active expert writes zeros to rows whose id lies outside [0, E) (outside the op's
   contract; defined here rather than left unwritten).
@@ -47,6 +47,7 @@ import triton.language as tl
 from ._util import INTERPRET, sm_count
 
 MAX_ROWS = 1024  # rows of one call (M) up to which the decode kernel is used (the rows are gathered in-kernel)
+FUSED_ACTIVE = 4096  # pow2(M) * pow2(E) up to which each program finds the active experts itself (no prologue)
 BN, S = 64, 4  # output columns per program, K slices (one per warp)
 BS = {"fp4": 32, "fp8_block": 64}  # bytes per K slice and step (fp4: 64 elements, fp8: 64 elements)
 # rows per pass (BM) -> registers per thread: BM = 16 fits 168 without spilling (three programs per SM; ptxas would
@@ -215,16 +216,23 @@ def _decode_gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, act_ptr,
                         M, N, K, E, stride_we, stride_se, stride_wn, stride_sn, stride_xw, k_split, n_slots,
                         FMT: tl.constexpr, SCALE_E8M0: tl.constexpr, GROUPED: tl.constexpr, ASM: tl.constexpr,
                         EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, S2D: tl.constexpr, MUL1: tl.constexpr,
+                        XMASK: tl.constexpr, EP: tl.constexpr,
                         MP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, S: tl.constexpr):
     pid_n = tl.program_id(0)
     slot = tl.program_id(1)
     split = tl.program_id(2)
     # rows of this program: cnt rows, the r-th one (r < cnt) = the r-th m with sel[m]
     if GROUPED:
-        n_act = tl.load(act_ptr + n_slots)
         m_all = tl.arange(0, MP)
-        ids = tl.load(ids_ptr + m_all, mask=m_all < M, other=0).to(tl.int32)
-        e = tl.load(act_ptr + tl.minimum(slot, n_slots - 1))
+        ids = tl.load(ids_ptr + m_all, mask=m_all < M, other=-1).to(tl.int32)
+        if EP > 0:  # small calls: the active experts listed here (no prologue kernel)
+            ev = tl.arange(0, EP)
+            has = tl.max((ids[:, None] == ev[None, :]).to(tl.int32), 0) * (ev < E).to(tl.int32)
+            n_act = tl.sum(has, 0)
+            e = tl.sum(tl.where((has > 0) & (tl.cumsum(has, 0) - 1 == slot), ev, 0), 0)
+        else:
+            n_act = tl.load(act_ptr + n_slots)
+            e = tl.load(act_ptr + tl.minimum(slot, n_slots - 1))
         sel = tl.where(slot < n_act, ids == e, (ids < 0) | (ids >= E)) & (m_all < M) & (slot <= n_act)
         sel_i = sel.to(tl.int32)
         cnt = tl.sum(sel_i, 0)
@@ -258,7 +266,10 @@ def _decode_gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, act_ptr,
             rows = tl.sum(tl.where(hit, m_all[None, :], 0), 1)
         else:
             rows = tl.minimum(r, M - 1)
-        rows3 = rows[None, :, None]  # rows past cnt repeat a valid row: loaded unmasked, never stored
+        rows3 = rows[None, :, None]
+        # activation rows past cnt (padding of the pass to BM) are not read (XMASK: the copies are predicated off,
+        # no memory traffic) or repeat a valid row (never stored)
+        xm3 = rm[None, :, None]
         acc = tl.zeros((S, BM, BN), tl.float32)
         # fp4 scales: either one [BN, S * BS / 16] tile per K step (8 contiguous bytes a row: pipelined by the
         # compiler with the weight and activation tiles), or [S, BN, BS / 16] prefetched one step ahead in registers;
@@ -290,14 +301,15 @@ def _decode_gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, act_ptr,
                                  (S, BN, BS))
                 lo, hi = _fp4_decode(b, s16, ASM, MUL1)
                 if ASM:  # activation columns (2c, 2c+1) as one int32, split in registers
-                    xw = _ld(x_ptr.to(tl.pointer_type(tl.int32)) + rows3 * stride_xw + kk, km, 0, not EVEN_K)
+                    xw = _ld(x_ptr.to(tl.pointer_type(tl.int32)) + rows3 * stride_xw + kk, km & xm3, 0,
+                             XMASK or not EVEN_K)
                     xe = (xw & 0xFFFF).to(tl.int16).to(tl.bfloat16, bitcast=True)
                     xo = (xw >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
                     acc += tl.dot(xe, tl.trans(lo, (0, 2, 1)))
                     acc += tl.dot(xo, tl.trans(hi, (0, 2, 1)))
                 else:  # float32 operands under the interpreter (exact for bfloat16 values)
-                    xe = _ld(x_ptr + rows3 * K + 2 * kk, km, 0.0, not EVEN_K).to(tl.float32)
-                    xo = _ld(x_ptr + rows3 * K + 2 * kk + 1, km, 0.0, not EVEN_K).to(tl.float32)
+                    xe = _ld(x_ptr + rows3 * K + 2 * kk, km & xm3, 0.0, XMASK or not EVEN_K).to(tl.float32)
+                    xo = _ld(x_ptr + rows3 * K + 2 * kk + 1, km & xm3, 0.0, XMASK or not EVEN_K).to(tl.float32)
                     acc += tl.dot(xe, tl.trans(lo, (0, 2, 1)).to(tl.float32), input_precision="ieee")
                     acc += tl.dot(xo, tl.trans(hi, (0, 2, 1)).to(tl.float32), input_precision="ieee")
             else:
@@ -306,7 +318,7 @@ def _decode_gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, act_ptr,
                 sc_next = tl.load(s_row + kb_next // 128, mask=kb_next < k_hi, other=0)
                 b = _ld(w_base + n3 * stride_wn + kk, nm3 & km, 0.0, not (EVEN_K and EVEN_N))
                 wv = _fp8_decode(b, ASM)
-                xv = _ld(x_ptr + rows3 * K + kk, km, 0.0, not EVEN_K)
+                xv = _ld(x_ptr + rows3 * K + kk, km & xm3, 0.0, XMASK or not EVEN_K)
                 if SCALE_E8M0:
                     sv = _e8m0_f32(sc)
                 else:
@@ -371,17 +383,17 @@ def small_scales(w_scale: torch.Tensor) -> bool:
 
 
 def _config() -> dict:
-    """Tile / launch settings; ATB_CUDA_DECODE_CFG="bn=64,stages=3,regs=168,s2d=1,mul1=0,ctas=2" overrides some
-    (benchmarks: the variants are timed side by side); mul1=-1: one multiply per weight pair where
+    """Tile / launch settings; ATB_CUDA_DECODE_CFG="bn=64,stages=3,regs=168,s2d=1,mul1=0,ctas=2,xmask=1" overrides
+    some (benchmarks: the variants are timed side by side); mul1=-1: one multiply per weight pair where
     :func:`small_scales` allows it."""
-    cfg = dict(bn=BN, stages=3, regs=0, s2d=1, mul1=-1, ctas=2)
+    cfg = dict(bn=BN, bs=0, stages=3, regs=0, s2d=1, mul1=-1, ctas=2, xmask=1)
     for kv in filter(None, os.environ.get("ATB_CUDA_DECODE_CFG", "").split(",")):
         key, val = kv.split("=")
         cfg[key.strip()] = int(val)
     return cfg
 
 
-def _launch(x, w, w_scale, fmt, ids, n_exp, n_slots, act, grouped):
+def _launch(x, w, w_scale, fmt, ids, n_exp, n_slots, act, grouped, ep=0):
     m, k = x.shape
     bm = _rows_per_pass(m / n_slots)
     cfg = _config()
@@ -390,7 +402,7 @@ def _launch(x, w, w_scale, fmt, ids, n_exp, n_slots, act, grouped):
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if n == 0:
         return out
-    bs = BS[fmt]
+    bs = cfg["bs"] or BS[fmt]
     k_end = k // 2 if fmt == "fp4" else k
     step = S * bs
     k_steps = triton.cdiv(k_end, step)
@@ -419,7 +431,7 @@ def _launch(x, w, w_scale, fmt, ids, n_exp, n_slots, act, grouped):
         xc, wc, s, dst, ids if grouped else xc, act if grouped else xc, m, n, k, n_exp, stride_we, stride_se,
         k_end, k // 32, k // 2, k_split, n_slots, FMT=2 if fmt == "fp4" else 1, SCALE_E8M0=e8, GROUPED=grouped,
         ASM=not INTERPRET, EVEN_K=k_end % step == 0, EVEN_N=n % bn == 0, S2D=bool(cfg["s2d"]),
-        MUL1=mul1, MP=mp, BM=bm, BN=bn, BS=bs, S=S, num_warps=S, num_stages=cfg["stages"],
+        MUL1=mul1, XMASK=bool(cfg["xmask"]), EP=ep, MP=mp, BM=bm, BN=bn, BS=bs, S=S, num_warps=S, num_stages=cfg["stages"],
         **({} if INTERPRET else {"maxnreg": regs}))
     if split > 1:
         total = m * n
@@ -435,12 +447,15 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor, w
     n_exp = w.shape[0]
     n_slots = min(n_exp, m)
     ids = expert_ids.contiguous()
-    act = torch.empty(n_slots + 1, dtype=torch.int32, device=x.device)
     mp = triton.next_power_of_2(m)
+    ep = triton.next_power_of_2(n_exp)
+    if mp * ep <= FUSED_ACTIVE:  # each program lists the active experts itself
+        return _launch(x, w, w_scale, fmt, ids, n_exp, n_slots, ids, True, ep)
+    act = torch.empty(n_slots + 1, dtype=torch.int32, device=x.device)
     _active_experts_kernel[(1,)](ids, act, m, n_exp, n_slots, MP=mp, EB=max(1, min(32, 8192 // mp)), num_warps=8)
-    return _launch(x, w, w_scale, fmt, ids, n_exp, n_slots, act, True)
+    return _launch(x, w, w_scale, fmt, ids, n_exp, n_slots, act, True, 0)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, fmt: str) -> torch.Tensor:
     """y = x @ W^T for bfloat16 x [M <= MAX_ROWS, K] over an fp4 / fp8_block weight [N, K] (fp4: [N, K/2])."""
-    return _launch(x, w, w_scale, fmt, None, 1, 1, None, False)
+    return _launch(x, w, w_scale, fmt, None, 1, 1, None, False, 0)

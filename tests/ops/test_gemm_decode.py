@@ -179,11 +179,14 @@ def _ids(m, e, g, hot=None):
     return ids
 
 
+@pytest.mark.parametrize("fused", [True, False])  # active experts found by each program / by the prologue kernel
 @pytest.mark.parametrize("one_mul", [0, 1])
 @pytest.mark.parametrize("fmt", ["fp4", "fp8_block"])
 @pytest.mark.parametrize("m", [1, 5, 37])
-def test_grouped_matmul_decode(fmt, m, one_mul, monkeypatch):
+def test_grouped_matmul_decode(fmt, m, one_mul, fused, monkeypatch):
     monkeypatch.setenv("ATB_CUDA_DECODE_CFG", f"mul1={one_mul}")
+    if not fused:
+        monkeypatch.setattr(gd, "FUSED_ACTIVE", 0)
     g = torch.Generator().manual_seed(21)
     e, n, k = 5, 72, 320 if fmt == "fp4" else 384  # N, K not multiples of the tiles; experts without rows
     w, s = _weights(fmt, e, n, k, g)
@@ -220,9 +223,12 @@ def test_linear_decode_with_split_k(fmt, monkeypatch):
         check_close(gd.linear(x, w[0], s[0], fmt), x, w[0], s[0], fmt)
 
 
-def test_grouped_matmul_decode_ids_outside_range():
+@pytest.mark.parametrize("fused", [True, False])
+def test_grouped_matmul_decode_ids_outside_range(fused, monkeypatch):
     """Ids outside [0, E) are outside the op's contract; the decode kernel writes those rows as zeros and leaves
     the others exact. int32 ids work as int64 ones do."""
+    if not fused:
+        monkeypatch.setattr(gd, "FUSED_ACTIVE", 0)
     g = torch.Generator().manual_seed(23)
     e, n, k = 4, 64, 128
     w, s = _weights("fp4", e, n, k, g)
