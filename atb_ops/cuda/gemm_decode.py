@@ -9,7 +9,8 @@ out[m, :] = x[m, :] @ W[e(m)]^T, x bfloat16 [M, K], W [E, N, K] stored as
 
 At decode sizes every weight byte is read once per step and there are only a handful of rows per weight, so
 the kernel is bound by how fast it turns weight bytes into tensor-core operands. Each program owns one expert,
-a tile of BN output columns and a range of K (split-K when there are too few programs to fill the GPU):
+a tile of BN output columns (64 fp4, 32 fp8) and a range of K (split-K when there are too few programs to fill the
+GPU):
 
 - the weight tile is loaded once per K step (cp.async, wide and coalesced) and decoded in registers;
 - the tile is cut into S K-slices, one per warp, and multiplied by a batched ``tl.dot`` [S, BM, BN]: each warp
@@ -19,16 +20,17 @@ a tile of BN output columns and a range of K (split-K when there are too few pro
   mantissa bit m) placed as bfloat16 bits ``s << 15 | (e, m) << 6`` is exactly e2m1 * 2^-126 (code 1, 0.5, as a
   bfloat16 subnormal); one packed bfloat16 multiply by 2^126 * 2^(s - 127) gives the weight exactly (powers of two,
   within range) when every E8M0 byte s <= 128 (scales <= 2, checked once per scale tensor), else two (2^126, then
-  the scale). The low nibbles multiply the even activation columns and the
-  high nibbles the odd ones (two dots; the activation row is read as int32 pairs and split in registers);
+  the scale). The low nibbles multiply the even activation columns and the high nibbles the odd ones (two dots;
+  the activation row is read as int32 pairs and split in registers);
 - FP8 on the GPU: an e4m3 byte placed as bfloat16 bits ``sign << 15 | magnitude << 4`` is exactly e4m3 * 2^-120
   (subnormals included), times 2^120; the 128x128 block scale multiplies each slice's partial product (a slice
   never crosses a scale block);
 - rows: a tiny prologue kernel lists the experts that have rows (``act``, in increasing id, no host
-  synchronisation; for a handful of rows each program finds them itself); program slot j takes expert act[j] and gathers its rows from ``expert_ids`` itself, BM = 16 at a
-  time, or 32 when the weights average more than 16 rows (more rows: more passes over the same weight tile, from
-  L2). The slot after the last active expert writes zeros to rows whose id lies outside [0, E) (outside the op's
-  contract; defined here rather than left unwritten).
+  synchronisation; for a handful of rows each program finds them itself); program slot j takes expert act[j] and
+  gathers its rows from ``expert_ids`` itself, BM = 16 at a time, or 32 when the weights average more than 16 rows
+  (more rows: more passes over the same weight tile, from L2); padding rows of a pass are not read. The slot after
+  the last active expert writes zeros to rows whose id lies outside [0, E) (outside the op's contract; defined
+  here rather than left unwritten).
 
 Products are exact (bfloat16 x bfloat16 into float32) and accumulation is float32, as in the reference op; the
 summation order differs from the reference's. Under TRITON_INTERPRET (no inline PTX) the weights are decoded by
@@ -48,8 +50,13 @@ from ._util import INTERPRET, sm_count
 
 MAX_ROWS = 1024  # rows of one call (M) up to which the decode kernel is used (the rows are gathered in-kernel)
 FUSED_ACTIVE = 4096  # pow2(M) * pow2(E) up to which each program finds the active experts itself (no prologue)
-BN, S = 64, 4  # output columns per program, K slices (one per warp)
-BS = {"fp4": 32, "fp8_block": 64}  # bytes per K slice and step (fp4: 64 elements, fp8: 64 elements)
+S = 4  # K slices per step, one per warp
+# output columns per program and bytes per K slice and step (fp4: 64 elements, fp8: 64 elements); chosen from the
+# variants timed in scripts/bench_results/kernels_fp4_h100.txt: fp8, 32 columns beat 64 in every row; fp4, 64 columns
+# of 32-byte slices beat 32 of 64 bytes from 8 tokens up (at one token: slower on w1 and the 1-row linear, faster on
+# w2)
+BN = {"fp4": 64, "fp8_block": 32}
+BS = {"fp4": 32, "fp8_block": 64}
 # rows per pass (BM) -> registers per thread: BM = 16 fits 168 without spilling (three programs per SM; ptxas would
 # otherwise take all 255 for the same code), BM = 32 needs 232 (two per SM)
 MAX_REGS = {16: 168, 32: 232}
@@ -383,10 +390,10 @@ def small_scales(w_scale: torch.Tensor) -> bool:
 
 
 def _config() -> dict:
-    """Tile / launch settings; ATB_CUDA_DECODE_CFG="bn=64,stages=3,regs=168,s2d=1,mul1=0,ctas=2,xmask=1" overrides
-    some (benchmarks: the variants are timed side by side); mul1=-1: one multiply per weight pair where
+    """Tile / launch settings; ATB_CUDA_DECODE_CFG="bn=64,bs=32,stages=3,regs=168,s2d=1,mul1=0,ctas=2,xmask=1"
+    overrides some (benchmarks: the variants are timed side by side); mul1=-1: one multiply per weight pair where
     :func:`small_scales` allows it."""
-    cfg = dict(bn=BN, bs=0, stages=3, regs=0, s2d=1, mul1=-1, ctas=2, xmask=1)
+    cfg = dict(bn=0, bs=0, stages=3, regs=0, s2d=1, mul1=-1, ctas=2, xmask=1)
     for kv in filter(None, os.environ.get("ATB_CUDA_DECODE_CFG", "").split(",")):
         key, val = kv.split("=")
         cfg[key.strip()] = int(val)
@@ -397,7 +404,7 @@ def _launch(x, w, w_scale, fmt, ids, n_exp, n_slots, act, grouped, ep=0):
     m, k = x.shape
     bm = _rows_per_pass(m / n_slots)
     cfg = _config()
-    bn = cfg["bn"]
+    bn = cfg["bn"] or BN[fmt]
     n = w.shape[-2]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if n == 0:
@@ -431,8 +438,8 @@ def _launch(x, w, w_scale, fmt, ids, n_exp, n_slots, act, grouped, ep=0):
         xc, wc, s, dst, ids if grouped else xc, act if grouped else xc, m, n, k, n_exp, stride_we, stride_se,
         k_end, k // 32, k // 2, k_split, n_slots, FMT=2 if fmt == "fp4" else 1, SCALE_E8M0=e8, GROUPED=grouped,
         ASM=not INTERPRET, EVEN_K=k_end % step == 0, EVEN_N=n % bn == 0, S2D=bool(cfg["s2d"]),
-        MUL1=mul1, XMASK=bool(cfg["xmask"]), EP=ep, MP=mp, BM=bm, BN=bn, BS=bs, S=S, num_warps=S, num_stages=cfg["stages"],
-        **({} if INTERPRET else {"maxnreg": regs}))
+        MUL1=mul1, XMASK=bool(cfg["xmask"]), EP=ep, MP=mp, BM=bm, BN=bn, BS=bs, S=S, num_warps=S,
+        num_stages=cfg["stages"], **({} if INTERPRET else {"maxnreg": regs}))
     if split > 1:
         total = m * n
         _sum_splits_kernel[(triton.cdiv(total, 1024),)](dst, out, total, split, BLOCK=1024, num_warps=4)

@@ -259,13 +259,20 @@ def test_dispatch_selects_decode_by_shape(monkeypatch):
 
 
 # ---- DeepSeek-V4 expert shapes on the GPU ---------------------------------------------------------------------------
+def _weights_on_device(fmt, e, n, k, seed):
+    """Random weights made and quantised on the GPU (64 experts of 2048 x 4096 take minutes on the host)."""
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    w = torch.randn(e, n, k, device=DEV, generator=g) * 0.1
+    return quant_fp4(w) if fmt == "fp4" else quant_fp8_block(w)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("fmt", ["fp4", "fp8_block"])
 @pytest.mark.parametrize("t", [1, 8, 64])
 def test_grouped_matmul_decode_real_shapes(fmt, t):
     g = torch.Generator().manual_seed(24)
     e, n, k = 64, 2048, 4096
-    w, s = _weights(fmt, e, n, k, g)
+    w, s = _weights_on_device(fmt, e, n, k, 24)
     x = (torch.randn(t * 6, k, generator=g) * 0.5).to(DEV, torch.bfloat16)
     ids = torch.stack([torch.randperm(e, generator=g)[:6] for _ in range(t)]).view(-1)
     ids[: min(len(ids), 40)] = 5  # a hot expert: several passes
@@ -280,7 +287,7 @@ def test_grouped_matmul_decode_real_shapes(fmt, t):
 @pytest.mark.parametrize("m", [1, 16, 64])
 def test_linear_decode_real_shapes(fmt, m):
     g = torch.Generator().manual_seed(25)
-    w, s = _weights(fmt, 1, 4096, 4096, g)
+    w, s = _weights_on_device(fmt, 1, 4096, 4096, 25)
     x = torch.randn(m, 4096, generator=g).to(DEV, torch.bfloat16)
     check_close(gd.linear(x, w[0], s[0], fmt), x, w[0], s[0], fmt)
 
