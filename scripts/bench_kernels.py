@@ -13,7 +13,11 @@ reference output.
 
 DeepSeek's TileLang kernels are not run side by side: TileLang is not installed on the device machine.
 
-Usage: python scripts/bench_kernels.py [--out results.json] [--quick]
+FP8-block / FP4 linears and grouped matmuls are timed on both CUDA paths side by side: ``[gemm=tiled]`` (the
+tiled kernel, gemm.py) and ``[gemm=decode]`` (gemm_decode.py; ``--decode-variants``: its tunables); the grouped cases
+rotate over 8 expert-id draws (and the linears over 8 weights) so that the weights are read from HBM.
+
+Usage: python scripts/bench_kernels.py [--out results.json] [--quick] [--only REGEX] [--no-reference]
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 
 import torch
@@ -67,6 +72,7 @@ def ceilings(dev) -> dict:
 
 
 ROTATE = 8
+GEMM_PATHS = ["[gemm=tiled]", "[gemm=decode]"]  # + "[gemm=decode cfg=...]" per --decode-variants entry
 # tile variants of the attention kernel timed side by side: " [BH,BN,WARPS]" (see atb_ops/cuda/attention.py)
 ATTN_VARIANTS = ("", " [32,32,8]", " [64,32,8]", " [64,16,8]", " [64,32,16]")
 
@@ -191,33 +197,44 @@ def cases(dev, quick: bool):
         x = r(M, Kl)
         w8, s8 = w8s[0]
         w4, s4 = w4s[0]
-        yield (f"linear fp8_block M={M} 4096x4096", "linear", [(x, w, s, "fp8_block") for w, s in w8s], {},
-               _nb(w8, s8, x) + M * Nl * 2, 2 * M * Nl * Kl)
+        for path in GEMM_PATHS:
+            yield (f"linear fp8_block M={M} 4096x4096 {path}", "linear", [(x, w, s, "fp8_block") for w, s in w8s], {},
+                   _nb(w8, s8, x) + M * Nl * 2, 2 * M * Nl * Kl)
         for variant in ("fp4", "fp4-split"):
-            yield (f"linear {variant} M={M} 4096x4096", "linear", [(x, w, s, "fp4") for w, s in w4s], {},
-                   _nb(w4, s4, x) + M * Nl * 2, 2 * M * Nl * Kl)
+            for path in (GEMM_PATHS if variant == "fp4" else ("[gemm=tiled]",)):
+                yield (f"linear {variant} M={M} 4096x4096 {path}", "linear", [(x, w, s, "fp4") for w, s in w4s], {},
+                       _nb(w4, s4, x) + M * Nl * 2, 2 * M * Nl * Kl)
         yield (f"linear bf16 (cuBLAS) M={M} 4096x4096", "linear", [(x, w) for w in wbs], {},
                Nl * Kl * 2 + 2 * _nb(x), 2 * M * Nl * Kl)
 
-    # grouped expert GEMM (w1 of the routed experts): E experts [2048, 4096], rows = T * 6 routed
+    # grouped expert GEMM, routed experts of DeepSeek-V4-Flash: w1 / w3 [E, 2048, 4096] and w2 [E, 4096, 2048],
+    # rows = T * 6 routed; 8 draws of expert ids per case (rotated) so that the experts are not L2-resident
     E, I = 64, 2048
-    we = torch.randn(E, I, Dm, device=dev, generator=g) * 0.02
-    we8, se8 = quant_fp8_block(we)
-    we4, se4 = quant_fp4(we)
-    web = we.to(bf)
-    del we
-    for T in ((32,) if quick else (1, 8, 32, 64, 512)):
-        rows = T * 6
-        ids = torch.stack([torch.randperm(E, device=dev, generator=g)[:6] for _ in range(T)]).view(-1)
-        ids = ids.sort().values
-        active = int(ids.unique().numel())
-        x = r(rows, Dm)
-        fl = 2 * rows * I * Dm
-        for fmt, wt, sc, bpw in (("dense", web, None, 2.0), ("fp8_block", we8, se8, 1.0 + 1 / 16384),
-                                 ("fp4", we4, se4, 0.5 + 1 / 32), ("fp4-split", we4, se4, 0.5 + 1 / 32)):
-            byt = int(active * I * Dm * bpw) + _nb(x) + rows * I * 2
-            yield (f"grouped_matmul {fmt} T={T}x6 E={E} 2048x4096", "grouped_matmul",
-                   (x, wt, ids, sc, fmt.split("-")[0]), {}, byt, fl)
+    for shape in (("w1", I, Dm), ("w2", Dm, I)):
+        name, Nw, Kw = shape
+        if quick and name == "w2":
+            continue
+        we = torch.randn(E, Nw, Kw, device=dev, generator=g) * 0.02
+        we8, se8 = quant_fp8_block(we)
+        we4, se4 = quant_fp4(we)
+        web = we.to(bf)
+        del we
+        for T in ((32,) if quick else ((1, 8, 32, 64, 512) if name == "w1" else (1, 32))):
+            rows = T * 6
+            draws = [torch.stack([torch.randperm(E, device=dev, generator=g)[:6] for _ in range(T)]).view(-1)
+                     for _ in range(ROTATE)]
+            draws = [d.sort().values for d in draws]
+            active = sum(int(d.unique().numel()) for d in draws) / ROTATE
+            x = r(rows, Kw)
+            fl = 2 * rows * Nw * Kw
+            for fmt, wt, sc, bpw in (("dense", web, None, 2.0), ("fp8_block", we8, se8, 1.0 + 1 / 16384),
+                                     ("fp4", we4, se4, 0.5 + 1 / 32), ("fp4-split", we4, se4, 0.5 + 1 / 32)):
+                byt = int(active * Nw * Kw * bpw) + _nb(x) + rows * Nw * 2
+                paths = [""] if fmt == "dense" else (["[gemm=tiled]"] if fmt == "fp4-split" else list(GEMM_PATHS))
+                for path in paths:
+                    yield (f"grouped_matmul {fmt} T={T}x6 E={E} {Nw}x{Kw} ({name}) {path}".rstrip(), "grouped_matmul",
+                           [(x, wt, d, sc, fmt.split("-")[0]) for d in draws], {}, byt, fl)
+        del we8, se8, we4, se4, web
 
 
 def main() -> None:
@@ -225,7 +242,11 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     ap.add_argument("--quick", action="store_true", help="one shape per op")
     ap.add_argument("--no-reference", action="store_true", help="skip timing the reference ops")
+    ap.add_argument("--only", default=None, help="time only the cases whose name matches this regular expression")
+    ap.add_argument("--decode-variants", default="",
+                    help="';'-separated ATB_CUDA_DECODE_CFG settings of the decode GEMM, each timed as its own row")
     a = ap.parse_args()
+    GEMM_PATHS.extend(f"[gemm=decode cfg={v}]" for v in filter(None, a.decode_variants.split(";")))
     dev = torch.device("cuda")
     name = torch.cuda.get_device_name(dev)
     ceil = ceilings(dev)
@@ -237,8 +258,17 @@ def main() -> None:
            "(eager) | speed-up (eager/eager) | rel err |")
     print(hdr + "\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)
     for case_name, op, args, kw, byt, fl in cases(dev, a.quick):
+        if a.only and not re.search(a.only, case_name):
+            continue
         os.environ["ATB_CUDA_FP4"] = "split" if "fp4-split" in case_name else "join"
-        if "[" in case_name:
+        gm = re.search(r"\[gemm=(\w+)(?: bm=(\d+))?(?: cfg=([^\]]+))?\]", case_name)
+        os.environ["ATB_CUDA_GEMM"] = gm.group(1) if gm else "auto"
+        for var, val in (("ATB_CUDA_DECODE_BM", gm and gm.group(2)), ("ATB_CUDA_DECODE_CFG", gm and gm.group(3))):
+            if val:
+                os.environ[var] = val
+            else:
+                os.environ.pop(var, None)
+        if "[" in case_name and not gm:
             os.environ["ATB_CUDA_ATTN"] = case_name.split("[")[1].rstrip("]")
         else:
             os.environ.pop("ATB_CUDA_ATTN", None)

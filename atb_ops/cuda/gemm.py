@@ -12,6 +12,10 @@ Accumulation is float32. For the grouped op, rows are sorted by expert (stable a
 of BM rows that never cross an expert; the tile table (expert, first row, end row) is built on the device
 with a static size ``ceil(M / BM) + min(E, M)`` (no host synchronisation; tiles past the end do nothing).
 Dense ``linear`` stays on cuBLAS (torch.matmul), which is the ceiling for that case.
+
+Decode-sized calls (bfloat16 activations, few rows per weight) over fp4 / fp8_block weights go to
+:mod:`.gemm_decode` instead (one pass over the weight bytes, decoded with PTX bit operations); ``ATB_CUDA_GEMM``
+= ``decode`` / ``tiled`` forces one path where both apply (benchmarks), ``auto`` (default) selects by shape.
 """
 
 from __future__ import annotations
@@ -23,9 +27,23 @@ import triton
 import triton.language as tl
 
 from .._registry import register
+from . import gemm_decode
 from ._util import INTERPRET, dot_precision, mma, pow2, tl_dtype
 
 _FMT = {"dense": 0, "fp8_block": 1, "fp4": 2}
+
+
+# rows per weight up to which the decode kernel is preferred to the tiled one (measured: see
+# scripts/bench_results/kernels_fp4_h100.txt)
+DECODE_ROWS = {"fp4": 64, "fp8_block": 16}
+
+
+def _use_decode(x: torch.Tensor, fmt: str, w_scale, rows: int, rows_per_weight: float) -> bool:
+    """Whether this fp4 / fp8_block call goes to the decode kernel (ATB_CUDA_GEMM = auto | decode | tiled)."""
+    mode = os.environ.get("ATB_CUDA_GEMM", "auto")
+    if mode == "tiled" or not gemm_decode.eligible(x, fmt, w_scale, rows):
+        return False
+    return mode == "decode" or rows_per_weight <= DECODE_ROWS.get(fmt, 0)
 
 
 def _fp4_split() -> bool:
@@ -163,6 +181,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None = None
             return x @ w.t()
         return (x.float() @ w.float().t()).to(x.dtype)
     _check(fmt, k)
+    if _use_decode(x, fmt, w_scale, m, m):
+        return gemm_decode.linear(x, w, w_scale, fmt)
     n = w.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
@@ -234,6 +254,8 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor, w
     m, k = x.shape
     _check(fmt, k)
     n_exp, n = w.shape[0], w.shape[1]
+    if _use_decode(x, fmt, w_scale, m, m / max(1, min(n_exp, m))):
+        return gemm_decode.grouped_matmul(x, w, expert_ids, w_scale, fmt)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out

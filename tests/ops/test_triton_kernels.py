@@ -271,10 +271,12 @@ def _weights(fmt, n, k, g, e=None):
     return q.to(DEV), s.to(DEV)
 
 
+@pytest.mark.parametrize("path", ["auto", "tiled"])  # bfloat16 decode shapes: gemm_decode.py under "auto"
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("fmt", ["fp8_block", "fp4"])
 @pytest.mark.parametrize("m,n,k", [(3, 136, 160), (20, 64, 256), (0, 64, 128)])
-def test_linear_quantised(dtype, fmt, m, n, k):
+def test_linear_quantised(dtype, fmt, m, n, k, path, monkeypatch):
+    monkeypatch.setenv("ATB_CUDA_GEMM", path)
     cu, ref = impls("linear")
     g = gen(11)
     w, s = _weights(fmt, n, k, g)
@@ -285,9 +287,11 @@ def test_linear_quantised(dtype, fmt, m, n, k):
         assert rel(a, b) < (2e-5 if dtype == torch.float32 else 1e-2)
 
 
+@pytest.mark.parametrize("path", ["auto", "tiled"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("fmt", ["dense", "fp8_block", "fp4"])
-def test_grouped_matmul(dtype, fmt):
+def test_grouped_matmul(dtype, fmt, path, monkeypatch):
+    monkeypatch.setenv("ATB_CUDA_GEMM", path)
     cu, ref = impls("grouped_matmul")
     g = gen(12)
     e, n, k = 6, 72, 128
@@ -315,6 +319,7 @@ def test_every_hot_op_has_a_cuda_kernel():
 
 def test_fp4_split_variant(monkeypatch):
     monkeypatch.setenv("ATB_CUDA_FP4", "split")
+    monkeypatch.setenv("ATB_CUDA_GEMM", "tiled")  # the split variant is one of the tiled kernel
     cu, ref = impls("grouped_matmul")
     g = gen(13)
     w, s = _weights("fp4", 64, 160, g, e=3)
