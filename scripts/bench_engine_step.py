@@ -30,11 +30,14 @@ from ascend_dsv4 import LLM, SamplingParams  # noqa: E402
 FLASH3 = dict(n_layers=3, n_mtp_layers=0, n_hash_layers=1, compress_ratios=(0, 4, 128), n_routed_experts=64)
 
 
-def run(batch: int, ctx: int, out_len: int, device: str, eager: bool, toy: bool) -> dict:
+def make_llm(max_batch: int, ctx: int, out_len: int, device: str, eager: bool, toy: bool) -> LLM:
     model, over = ("toy-v4", {}) if toy else ("deepseek-v4-flash", FLASH3)
-    llm = LLM(model, config_overrides=over, device=device, dtype="bfloat16", max_num_seqs=batch,
-              max_model_len=ctx + out_len + 16, max_num_batched_tokens=max(2048, batch), enforce_eager=eager,
-              progress=False)
+    return LLM(model, config_overrides=over, device=device, dtype="bfloat16", max_num_seqs=max_batch,
+               max_model_len=ctx + out_len + 16, max_num_batched_tokens=max(2048, max_batch), enforce_eager=eager,
+               progress=False)
+
+
+def run(llm: LLM, batch: int, ctx: int, out_len: int) -> dict:
     runner, engine = llm.runner, llm.engine
     rec: dict[str, list] = {"execute": [], "prepare": [], "step": [], "decode": []}
     orig_exec, orig_step = runner.execute, engine.step
@@ -57,23 +60,19 @@ def run(batch: int, ctx: int, out_len: int, device: str, eager: bool, toy: bool)
 
     runner.execute, engine.step = execute, step
     vocab = llm.cfg.vocab_size
-    prompts = [[3 + (i * 131 + j * 17) % (vocab - 3) for j in range(ctx)] for i in range(batch)]
+    prompts = [[3 + (i * 131 + j * 17 + batch) % (vocab - 3) for j in range(ctx)] for i in range(batch)]
     sp = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
-    t = time.perf_counter()
-    outs = llm.generate(prompts, sp, use_tqdm=False)
-    wall = time.perf_counter() - t
+    try:
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+    finally:
+        runner.execute, engine.step = orig_exec, orig_step
     assert all(len(o.token_ids) == out_len for o in outs)
     dec = [(i, s) for i, s in rec["step"] if rec["decode"][i]][2:]  # skip the first (graph capture) steps
     med = lambda xs: 1e3 * statistics.median(xs) if xs else float("nan")  # noqa: E731
     step_ms = med([s for _, s in dec])
-    exec_ms = med([rec["execute"][i] for i, _ in dec])
-    prep_ms = med([rec["prepare"][i] for i, _ in dec])
-    eng_ms = med([s - rec["execute"][i] for i, s in dec])
-    llm.shutdown()
-    del llm, runner, engine
-    torch.cuda.empty_cache() if torch.cuda.is_available() else None
-    return dict(batch=batch, steps=len(dec), step_ms=step_ms, exec_ms=exec_ms, prep_ms=prep_ms, eng_ms=eng_ms,
-                tok_s=batch / step_ms * 1e3, wall=wall)
+    return dict(batch=batch, steps=len(dec), step_ms=step_ms, exec_ms=med([rec["execute"][i] for i, _ in dec]),
+                prep_ms=med([rec["prepare"][i] for i, _ in dec]),
+                eng_ms=med([s - rec["execute"][i] for i, s in dec]), tok_s=batch / step_ms * 1e3)
 
 
 def main() -> None:
@@ -91,8 +90,10 @@ def main() -> None:
     print("| batch | decode steps | engine ms/step | runner.execute ms | of which prepare ms | engine-only ms | "
           "output tok/s |")
     print("|---:|---:|---:|---:|---:|---:|---:|", flush=True)
-    for b in (int(x) for x in a.batches.split(",")):
-        r = run(b, a.ctx, a.output_len, a.device, a.enforce_eager, a.toy)
+    batches = [int(x) for x in a.batches.split(",")]
+    llm = make_llm(max(batches), a.ctx, a.output_len, a.device, a.enforce_eager, a.toy)
+    for b in batches:
+        r = run(llm, b, a.ctx, a.output_len)
         print(f"| {b} | {r['steps']} | {r['step_ms']:.2f} | {r['exec_ms']:.2f} | {r['prep_ms']:.2f} | "
               f"{r['eng_ms']:.2f} | {r['tok_s']:.0f} |", flush=True)
 
