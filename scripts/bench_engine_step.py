@@ -33,7 +33,7 @@ FLASH3 = dict(n_layers=3, n_mtp_layers=0, n_hash_layers=1, compress_ratios=(0, 4
 def make_llm(max_batch: int, ctx: int, out_len: int, device: str, eager: bool, toy: bool) -> LLM:
     model, over = ("toy-v4", {}) if toy else ("deepseek-v4-flash", FLASH3)
     return LLM(model, config_overrides=over, device=device, dtype="bfloat16", max_num_seqs=max_batch,
-               max_model_len=ctx + out_len + 16, max_num_batched_tokens=max(2048, max_batch), enforce_eager=eager,
+               max_model_len=ctx + out_len + max_batch + 16, max_num_batched_tokens=max(2048, max_batch), enforce_eager=eager,
                progress=False)
 
 
@@ -61,6 +61,9 @@ def run(llm: LLM, batch: int, ctx: int, out_len: int) -> dict:
     runner.execute, engine.step = execute, step
     vocab = llm.cfg.vocab_size
     prompts = [[3 + (i * 131 + j * 17 + batch) % (vocab - 3) for j in range(ctx)] for i in range(batch)]
+    # prompts are prefilled one step each (max_num_batched_tokens = ctx): the first request decodes while the
+    # others prefill, so each generates ``batch`` more tokens to leave ``out_len`` steps that decode them all
+    out_len += batch
     sp = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
     try:
         outs = llm.generate(prompts, sp, use_tqdm=False)
@@ -91,7 +94,7 @@ def main() -> None:
           "output tok/s |")
     print("|---:|---:|---:|---:|---:|---:|---:|", flush=True)
     batches = [int(x) for x in a.batches.split(",")]
-    llm = make_llm(max(batches), a.ctx, a.output_len, a.device, a.enforce_eager, a.toy)
+    llm = make_llm(max(batches), a.ctx, a.output_len, a.device, a.enforce_eager, a.toy)  # max_num_batched_tokens 2048
     for b in batches:
         r = run(llm, b, a.ctx, a.output_len)
         print(f"| {b} | {r['steps']} | {r['step_ms']:.2f} | {r['exec_ms']:.2f} | {r['prep_ms']:.2f} | "

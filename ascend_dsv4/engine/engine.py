@@ -158,6 +158,7 @@ class LLMEngine:
         for j, i in enumerate(owner):
             by_req.setdefault(i, []).append(j)
         bad_rows = set(bad_logit_rows(logits))
+        plain = self._plain_greedy(reqs, drafts, by_req, bad_rows, logits)
         for i, js in by_req.items():
             r, d = reqs[i], drafts[i]
             # one request's failure (non-finite logits, sampling, stop strings, detokenising) ends that request
@@ -168,6 +169,9 @@ class LLMEngine:
                               f"({describe_bad_row(logits[bad[0]])})", outputs)
                 continue
             try:
+                if i in plain:  # the batched argmax (the same token _verify would pick)
+                    outputs.append(self._append(r, plain[i], None))
+                    continue
                 acc = self._verify(r, logits[js], d, outputs)
             except Exception as e:  # noqa: BLE001 - isolate the request, keep the engine alive
                 log.exception("request %s failed while sampling / detokenising", r.request_id)
@@ -196,6 +200,19 @@ class LLMEngine:
                     self.prefix_cache.cache_unfinished(r)  # prompt chunks become shareable at once
                 pools.trim(r.seq)
         return outputs
+
+    @staticmethod
+    def _plain_greedy(reqs, drafts, by_req, bad_rows, logits) -> dict[int, int]:
+        """{request index: token} for the requests whose next token is the argmax of their one logits row:
+        greedy, no penalties, no logprobs, no draft to verify. One batched argmax instead of a sampler call per
+        request (at a vocabulary of 129280 the per-request path cost ~1 ms of host time each)."""
+        pick = [i for i, js in by_req.items()
+                if len(js) == 1 and not drafts[i] and js[0] not in bad_rows and _is_plain_greedy(reqs[i].params)]
+        if not pick:
+            return {}
+        rows = torch.tensor([by_req[i][0] for i in pick])
+        # torch.argmax returns the first maximal index: ties go to the lowest token id, as in Sampler.sample
+        return dict(zip(pick, torch.argmax(logits[rows], dim=-1).tolist()))
 
     def _verify(self, r: Request, lg: torch.Tensor, draft: list[int], outputs: list) -> int:
         """Sample the next token(s) of ``r`` from its logits rows (row j follows the j-th verified token);
@@ -297,3 +314,8 @@ class LLMEngine:
             for o in self.step():
                 if on_output:
                     on_output(o)
+
+
+def _is_plain_greedy(p) -> bool:
+    return (p.greedy and p.logprobs is None and not p.presence_penalty and not p.frequency_penalty
+            and p.repetition_penalty == 1.0)

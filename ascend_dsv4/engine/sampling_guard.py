@@ -1,8 +1,9 @@
 """Guards that keep one request's bad numbers from reaching the sampler (and from stopping the engine).
 
 * :func:`bad_logit_rows` -- which rows of a logits batch [R, V] the sampler must not see: a row holding NaN or
-  +inf, or no finite value at all. ``-inf`` entries alone are a legitimate mask and pass. One fused reduction
-  over the batch, on the logits' device.
+  +inf, or no finite value at all. ``-inf`` entries alone are a legitimate mask and pass. One reduction over
+  the batch (the row maximum: NaN if the row holds a NaN, +inf if it holds +inf, -inf if nothing in it is
+  finite, else finite), on the logits' device.
 * :func:`check_distribution` -- a row of probabilities [V] (or a batch [R, V]) is a distribution
   ``torch.multinomial`` can draw from: every entry finite and >= 0, the sum > 0. Raises
   :class:`~ascend_dsv4.errors.RequestFailed` otherwise (e.g. logits that overflowed after the division by a
@@ -26,7 +27,7 @@ def bad_logit_rows(logits: torch.Tensor) -> list[int]:
     """Indices of the rows of ``logits`` [R, V] holding NaN or +inf, or no finite value."""
     if logits.numel() == 0:
         return []
-    bad = torch.isnan(logits).any(-1) | torch.isposinf(logits).any(-1) | ~torch.isfinite(logits).any(-1)
+    bad = ~torch.isfinite(torch.amax(logits, dim=-1))  # amax propagates NaN
     return torch.nonzero(bad).flatten().tolist()
 
 

@@ -221,3 +221,27 @@ def test_property_sample_in_support(b, v, seed, temp, top_k, top_p, min_p):
         assert out[r].item() in topk[r].tolist()
     again = _sample(x, [p] * b, [seed + i for i in range(b)])
     assert torch.equal(out, again)
+
+
+def test_engine_batched_greedy_picks_what_the_sampler_picks():
+    """The engine's batched argmax for plain greedy requests (LLMEngine._plain_greedy) gives the token the
+    per-request path (penalties, Sampler.sample) gives, ties included; requests with penalties, logprobs, a
+    sampled temperature, a draft or a bad row stay on the per-request path."""
+    from types import SimpleNamespace
+
+    from ascend_dsv4.engine.engine import LLMEngine
+    from ascend_dsv4.engine.sampling import apply_penalties
+
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randint(0, 4, (7, 50), generator=g).float()  # many ties
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, logprobs=2),
+              SamplingParams(temperature=0.0, repetition_penalty=1.2), SamplingParams(temperature=0.7),
+              SamplingParams(temperature=0.0), SamplingParams(temperature=0.0), SamplingParams(temperature=0.0)]
+    reqs = [SimpleNamespace(params=p) for p in params]
+    drafts = [[], [], [], [], [3], [], []]
+    by_req = {i: [i] for i in range(7)}
+    got = LLMEngine._plain_greedy(reqs, drafts, by_req, {5}, logits)
+    assert sorted(got) == [0, 6]
+    for i, tok in got.items():
+        row = apply_penalties(logits[i:i + 1], [params[i]], [[1, 2]], [[]])
+        assert tok == int(Sampler().sample(row, [params[i]], [None])[0])
