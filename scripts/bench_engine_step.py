@@ -20,6 +20,8 @@ import statistics
 import sys
 import time
 
+import logging
+
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -59,6 +61,8 @@ def run(llm: LLM, batch: int, ctx: int, out_len: int) -> dict:
         return out
 
     runner.execute, engine.step = execute, step
+    graphs = runner.graphs
+    replays0 = graphs.replays if graphs is not None else 0
     vocab = llm.cfg.vocab_size
     prompts = [[3 + (i * 131 + j * 17 + batch) % (vocab - 3) for j in range(ctx)] for i in range(batch)]
     # prompts are prefilled one step each (max_num_batched_tokens = ctx): the first request decodes while the
@@ -73,7 +77,9 @@ def run(llm: LLM, batch: int, ctx: int, out_len: int) -> dict:
     dec = [(i, s) for i, s in rec["step"] if rec["decode"][i]][2:]  # skip the first (graph capture) steps
     med = lambda xs: 1e3 * statistics.median(xs) if xs else float("nan")  # noqa: E731
     step_ms = med([s for _, s in dec])
-    return dict(batch=batch, steps=len(dec), step_ms=step_ms, exec_ms=med([rec["execute"][i] for i, _ in dec]),
+    failed = [k for k, g in graphs.graphs.items() if g is False] if graphs is not None else []
+    replays = (graphs.replays - replays0) if graphs is not None else 0
+    return dict(batch=batch, steps=len(dec), step_ms=step_ms, replays=replays, failed=failed, exec_ms=med([rec["execute"][i] for i, _ in dec]),
                 prep_ms=med([rec["prepare"][i] for i, _ in dec]),
                 eng_ms=med([s - rec["execute"][i] for i, s in dec]), tok_s=batch / step_ms * 1e3)
 
@@ -87,18 +93,21 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--toy", action="store_true", help="the toy model (smoke test of this script)")
     a = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="# %(name)s: %(message)s")
     name = torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu"
     print(f"# {name}; Flash-shaped 3-layer V4, bf16, prompts of {a.ctx} tokens, {a.output_len} greedy tokens, "
           f"{'eager' if a.enforce_eager else 'CUDA-graph'} decode")
-    print("| batch | decode steps | engine ms/step | runner.execute ms | of which prepare ms | engine-only ms | "
-          "output tok/s |")
-    print("|---:|---:|---:|---:|---:|---:|---:|", flush=True)
+    print("| batch | decode steps | graph replays | engine ms/step | runner.execute ms | of which prepare ms | "
+          "engine-only ms | output tok/s |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)
     batches = [int(x) for x in a.batches.split(",")]
     llm = make_llm(max(batches), a.ctx, a.output_len, a.device, a.enforce_eager, a.toy)  # max_num_batched_tokens 2048
     for b in batches:
         r = run(llm, b, a.ctx, a.output_len)
-        print(f"| {b} | {r['steps']} | {r['step_ms']:.2f} | {r['exec_ms']:.2f} | {r['prep_ms']:.2f} | "
+        print(f"| {b} | {r['steps']} | {r['replays']} | {r['step_ms']:.2f} | {r['exec_ms']:.2f} | {r['prep_ms']:.2f} | "
               f"{r['eng_ms']:.2f} | {r['tok_s']:.0f} |", flush=True)
+        if r["failed"]:
+            print(f"# graph buckets that could not be captured (ran eagerly): {r['failed']}", flush=True)
 
 
 if __name__ == "__main__":

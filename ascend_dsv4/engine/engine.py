@@ -151,14 +151,23 @@ class LLMEngine:
                 rows.extend(range(off + len(t) - m, off + len(t)))
                 owner.extend([i] * m)
             off += len(t)
-        logits, hidden = runner.execute(seqs, tokens, rows)
-        self.stats.steps += 1
-        committed = [len(c) for c in chunks]
         by_req: dict[int, list[int]] = {}
         for j, i in enumerate(owner):
             by_req.setdefault(i, []).append(j)
-        bad_rows = set(bad_logit_rows(logits))
-        plain = self._plain_greedy(reqs, drafts, by_req, bad_rows, logits)
+        if hasattr(runner, "execute_rows"):  # greedy picks and the non-finite check on the device
+            plain_reqs = {i for i, js in by_req.items()
+                          if len(js) == 1 and not drafts[i] and _is_plain_greedy(reqs[i].params)}
+            out = runner.execute_rows(seqs, tokens, rows,
+                                      [j for i, js in by_req.items() if i not in plain_reqs for j in js])
+            hidden, bad_rows = out.hidden, set(out.bad_rows)
+            logits = _KeptRows(out.logits, out.kept)
+            plain = {i: out.row_argmax[by_req[i][0]] for i in plain_reqs if by_req[i][0] not in bad_rows}
+        else:  # a runner without it (the data-parallel front end's replicas): every row on the host
+            logits, hidden = runner.execute(seqs, tokens, rows)
+            bad_rows = set(bad_logit_rows(logits))
+            plain = self._plain_greedy(reqs, drafts, by_req, bad_rows, logits)
+        self.stats.steps += 1
+        committed = [len(c) for c in chunks]
         for i, js in by_req.items():
             r, d = reqs[i], drafts[i]
             # one request's failure (non-finite logits, sampling, stop strings, detokenising) ends that request
@@ -319,3 +328,16 @@ class LLMEngine:
 def _is_plain_greedy(p) -> bool:
     return (p.greedy and p.logprobs is None and not p.presence_penalty and not p.frequency_penalty
             and p.repetition_penalty == 1.0)
+
+
+class _KeptRows:
+    """Logits rows by their index among the step's rows when only some rows came to the host
+    (:meth:`ModelRunner.execute_rows`): ``kr[j]`` / ``kr[[j, ...]]`` for kept rows j."""
+
+    def __init__(self, logits: torch.Tensor, kept: list[int]):
+        self.logits, self.pos = logits, {j: k for k, j in enumerate(kept)}
+
+    def __getitem__(self, js):
+        if isinstance(js, int):
+            return self.logits[self.pos[js]]
+        return self.logits[[self.pos[j] for j in js]]

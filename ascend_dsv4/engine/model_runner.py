@@ -19,6 +19,8 @@ are wanted. What comes out: float32 logits ``[rows, vocab]`` on the CPU (from ra
                                                         commits what it accepts); ``hidden`` is an opaque handle
                                                         on this step's hidden states for :meth:`draft`
 ``runner.draft(seqs, counts, next_ids, hidden, rows)``  the MTP module over committed positions -> draft logits
+``runner.execute_rows(seqs, tokens, rows, full)``       execute with every row's argmax and non-finite check on the
+                                                        device; only rows ``full`` (and bad ones) copied in full
 ``runner.step(seqs, tokens, logits="last"|"all")``      execute + commit + trim, for one-shot callers
 ``runner.graphs``                                       captured CUDA-graph decode steps (engine/cuda_graphs.py): a
                                                         pure decode step uploads compact inputs and replays
@@ -33,7 +35,7 @@ import contextlib
 import itertools
 import os
 import time
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -88,6 +90,16 @@ def build_model(model: str, cfg, dtype: torch.dtype, device: torch.device, numer
             load_weights(net, folder, device, dequantize=dequantize or npu, progress=progress,
                          check_weights=check_weights)
     return net.to(device).eval(), summary
+
+
+class StepLogits(NamedTuple):
+    """What :meth:`ModelRunner.execute_rows` returns. ``R`` = number of requested rows."""
+
+    logits: torch.Tensor  # float32 CPU [len(kept), V]: the kept rows' logits, in ``kept`` order
+    kept: list[int]  # which of the R rows ``logits`` holds (ascending): the asked ones and every bad one
+    row_argmax: list[int]  # [R] first maximal index of every row (the greedy token), computed on the device
+    bad_rows: list[int]  # rows holding NaN or +inf, or nothing finite (sampling_guard.bad_logit_rows)
+    hidden: object  # as execute's ``hidden``
 
 
 class ModelRunner:
@@ -214,13 +226,35 @@ class ModelRunner:
         [len(rows), vocab], hidden): ``hidden`` holds this step's hidden states, row ``i`` = new token ``i``,
         for :meth:`draft`."""
         with self.ops():
-            out = self.decode_graph(seqs, tokens, rows)  # a captured CUDA graph for decode steps
-            if out is None:
-                ids, _ctx = self.prepare(seqs, tokens, "none")
-                out = self.forward(ids, _ctx, rows)
-            hidden, logits = out
-            logits = logits.float().cpu()
-        return logits, hidden
+            hidden, logits = self._run(seqs, tokens, rows)
+            return logits.float().cpu(), hidden
+
+    def _run(self, seqs, tokens, rows):
+        """(hidden, logits on the device) of one step: a captured CUDA graph for decode steps, else eager."""
+        out = self.decode_graph(seqs, tokens, rows)
+        if out is None:
+            ids, _ctx = self.prepare(seqs, tokens, "none")
+            out = self.forward(ids, _ctx, rows)
+        return out
+
+    @torch.inference_mode()
+    def execute_rows(self, seqs: Sequence[SeqBlocks], tokens: Sequence[Sequence[int]], rows: Sequence[int],
+                     full_rows: Sequence[int]) -> StepLogits:
+        """:meth:`execute` with the greedy pick and the non-finite check made where the logits are (the device):
+        only the rows ``full_rows`` (indices into ``rows``) and the bad rows travel to the host in full; every
+        row's argmax and badness come as two small vectors. At a vocabulary of 129280 this saves the engine a
+        host copy of 0.5 MB and a host scan per greedy row."""
+        with self.ops():
+            hidden, logits = self._run(seqs, tokens, rows)
+            row_max = torch.amax(logits, -1).float().cpu()  # amax propagates NaN
+            arg = torch.argmax(logits, -1).cpu()  # first maximal index, as Sampler.sample's greedy pick
+            bad = torch.nonzero(~torch.isfinite(row_max)).flatten().tolist()
+            kept = sorted(set(full_rows) | set(bad))
+            if len(kept) == logits.shape[0]:
+                logits = logits.float().cpu()
+            else:
+                logits = logits[torch.tensor(kept, dtype=torch.long, device=logits.device)].float().cpu()
+        return StepLogits(logits, kept, arg.tolist(), bad, hidden)
 
     @torch.inference_mode()
     def draft(self, seqs: Sequence[SeqBlocks], counts: Sequence[int], next_ids: Sequence[int], hidden,

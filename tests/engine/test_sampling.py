@@ -245,3 +245,28 @@ def test_engine_batched_greedy_picks_what_the_sampler_picks():
     for i, tok in got.items():
         row = apply_penalties(logits[i:i + 1], [params[i]], [[1, 2]], [[]])
         assert tok == int(Sampler().sample(row, [params[i]], [None])[0])
+
+
+def test_execute_rows_matches_execute_and_keeps_bad_rows(monkeypatch):
+    """ModelRunner.execute_rows: every row's argmax and badness from the device, full logits only for the asked
+    rows and the bad ones, equal to execute's rows."""
+    from ascend_dsv4 import LLM
+
+    runner = LLM("toy-v4", max_model_len=128).runner
+    seqs = [runner.new_sequence() for _ in range(3)]
+    toks = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    rows = [2, 4, 8]
+    want, _ = runner.execute(seqs, toks, rows)
+    out = runner.execute_rows(seqs, toks, rows, [1])
+    assert out.kept == [1] and out.bad_rows == [] and torch.equal(out.logits, want[[1]])
+    assert out.row_argmax == torch.argmax(want, -1).tolist()
+    logits_fn = runner.model.logits
+
+    def poisoned(*a):  # row 2 gets a NaN: it travels in full although not asked for
+        y = logits_fn(*a).clone()
+        y[2, 3] = float("nan")
+        return y
+
+    monkeypatch.setattr(runner.model, "logits", poisoned)
+    out = runner.execute_rows(seqs, toks, rows, [0])
+    assert out.kept == [0, 2] and out.bad_rows == [2] and torch.isnan(out.logits[1, 3])
