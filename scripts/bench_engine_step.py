@@ -4,8 +4,8 @@ runner (step context, the model, logits to the host), for the Flash-shaped 3-lay
 
 ``LLM(...)`` with random weights (``deepseek-v4-flash`` with 3 layers: hash-routed SWA, CSA, HCA; 64 routed
 experts; BF16), ``batch`` greedy requests of ``ctx`` prompt tokens each, ``--output-len`` tokens generated with
-``ignore_eos``. Every engine step and every ``runner.execute`` inside it is timed (wall clock; ``execute`` ends
-with the logits copied to the host, so it includes the device time); pure decode steps (every request adds one
+``ignore_eos``. Every engine step and every ``runner.execute_rows`` inside it is timed (wall clock; it ends with
+the greedy picks and the logits the engine needs copied to the host, so it includes the device time); pure decode steps (every request adds one
 token) are kept. Printed per batch: engine ms/step, runner ms/step (of which ``prepare``: the host time up to the
 launch, ``runner.last_prepare_s``), engine-only ms (sampling, detokenising, scheduling: step - execute), output tokens/s.
 
@@ -42,11 +42,12 @@ def make_llm(max_batch: int, ctx: int, out_len: int, device: str, eager: bool, t
 def run(llm: LLM, batch: int, ctx: int, out_len: int) -> dict:
     runner, engine = llm.runner, llm.engine
     rec: dict[str, list] = {"execute": [], "prepare": [], "step": [], "decode": []}
-    orig_exec, orig_step = runner.execute, engine.step
+    name = "execute_rows" if hasattr(runner, "execute_rows") else "execute"  # the call the engine makes
+    orig_exec, orig_step = getattr(runner, name), engine.step
 
-    def execute(seqs, tokens, rows):
+    def execute(seqs, tokens, rows, *more):
         t = time.perf_counter()
-        out = orig_exec(seqs, tokens, rows)
+        out = orig_exec(seqs, tokens, rows, *more)
         rec["execute"].append(time.perf_counter() - t)
         rec["prepare"].append(runner.last_prepare_s)  # host time up to the launch (pages, context / inputs)
         rec["decode"].append(len(tokens) == batch and all(len(x) == 1 for x in tokens))
@@ -60,7 +61,8 @@ def run(llm: LLM, batch: int, ctx: int, out_len: int) -> dict:
             rec["step"].append((n, time.perf_counter() - t))
         return out
 
-    runner.execute, engine.step = execute, step
+    setattr(runner, name, execute)
+    engine.step = step
     graphs = runner.graphs
     replays0 = graphs.replays if graphs is not None else 0
     vocab = llm.cfg.vocab_size
@@ -72,7 +74,8 @@ def run(llm: LLM, batch: int, ctx: int, out_len: int) -> dict:
     try:
         outs = llm.generate(prompts, sp, use_tqdm=False)
     finally:
-        runner.execute, engine.step = orig_exec, orig_step
+        setattr(runner, name, orig_exec)
+        engine.step = orig_step
     assert all(len(o.token_ids) == out_len for o in outs)
     dec = [(i, s) for i, s in rec["step"] if rec["decode"][i]][2:]  # skip the first (graph capture) steps
     med = lambda xs: 1e3 * statistics.median(xs) if xs else float("nan")  # noqa: E731
