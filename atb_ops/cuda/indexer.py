@@ -20,7 +20,8 @@ it in candidate order (a prefix count), compacts the k survivors into a [T, KP] 
 (bitonic ``tl.sort``, KP = next power of two of k) and writes ``cand[t, n]`` (-1 for -inf keys).
 
 ATB_CUDA_INDEXER=old selects the previous path (int64 keys + torch.topk), kept for side-by-side benchmarks;
-ATB_CUDA_INDEXER="BN,WARPS,STAGES,CTAS_PER_SM" overrides the score kernel's tiles.
+ATB_CUDA_INDEXER="BN,WARPS,STAGES,CTAS_PER_SM[,PRE]" overrides the score kernel's tiles (PRE=1: the register
+prefetch loop instead of Triton's pipeliner); ATB_CUDA_INDEXER_SEL_WARPS the selection kernel's warps.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ from .._registry import register
 from ._util import INTERPRET, mma, dot_precision, pow2, sm_count
 
 KEY_ABSENT = -(2**63)
-ORD_NEG_INF = -2139095041  # order key of -inf: bits 0xFF800000 ^ 0x7FFFFFFF as int32
+ORD_NEG_INF_INT = -2139095041  # order key of -inf: bits 0xFF800000 ^ 0x7FFFFFFF as int32
+ORD_NEG_INF = tl.constexpr(ORD_NEG_INF_INT)
 
 
 # ----------------------------------------------------------------------------------------------- previous path
@@ -88,7 +90,7 @@ def _indexer_topk_old(q, weights, k_cache, cand, topk):
 @triton.jit
 def _score_keys_kernel(q_ptr, w_ptr, k_ptr, cand_ptr, key_ptr, N, Hi, Di, stride_k, BPP, BH: tl.constexpr,
                        BD: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr,
-                       F32: tl.constexpr):
+                       F32: tl.constexpr, PRE: tl.constexpr):
     """key[t, n] (int32) for the BPP blocks of BN candidates starting at block program_id(1) * BPP; the product
     runs in float32 when F32 (either operand float32, or mixed 16-bit dtypes), else in k_cache's 16-bit dtype."""
     t = tl.program_id(0).to(tl.int64)
@@ -103,22 +105,46 @@ def _score_keys_kernel(q_ptr, w_ptr, k_ptr, cand_ptr, key_ptr, N, Hi, Di, stride
         op_ty = k_ptr.dtype.element_ty
     q = tl.load(q_ptr + (t * Hi + h[:, None]) * Di + d[None, :], mask=hm[:, None] & dm[None, :], other=0.0).to(op_ty)
     w = tl.load(w_ptr + t * Hi + h, mask=hm, other=0.0).to(tl.float32)
-    for i in tl.range(0, BPP, num_stages=STAGES):
-        n = (blk0 + i) * BN + tl.arange(0, BN)
-        nm = n < N
-        rows = tl.load(cand_ptr + t * N + n, mask=nm, other=-1)
-        valid = rows >= 0
-        keys = tl.load(k_ptr + rows.to(tl.int64)[:, None] * stride_k + d[None, :], mask=valid[:, None] & dm[None, :],
-                       other=0.0).to(op_ty)
-        dots = mma(q, tl.trans(keys), PREC)  # [BH, BN]
-        dots = tl.where(dots < 0.0, 0.0, dots)  # ReLU (NaN stays NaN, as in torch)
-        score = tl.sum(dots * w[:, None], 0)
-        score = tl.where(score == 0.0, 0.0, score)  # -0.0 and +0.0 are one tie
-        bits = score.to(tl.int32, bitcast=True)
-        bits = tl.where(score != score, 0x7FC00000, bits)  # one NaN, above +inf
-        ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-        ordered = tl.where(valid, ordered, ORD_NEG_INF)
-        tl.store(key_ptr + t * N + n, ordered, mask=nm)
+    if PRE:
+        # software pipeline in registers: the key rows of block i + 1 and the candidate ids of block i + 2 are
+        # requested before block i's product (Triton does not pipeline the gather through ``cand`` itself)
+        ar = tl.arange(0, BN)
+        n_c = blk0 * BN + ar
+        rows_c = tl.load(cand_ptr + t * N + n_c, mask=n_c < N, other=-1)
+        keys_c = tl.load(k_ptr + rows_c.to(tl.int64)[:, None] * stride_k + d[None, :],
+                         mask=(rows_c >= 0)[:, None] & dm[None, :], other=0.0)
+        n_end = tl.minimum((blk0 + BPP) * BN, N)  # this program's candidates end here
+        n_n = n_c + BN
+        rows_n = tl.load(cand_ptr + t * N + n_n, mask=n_n < n_end, other=-1)
+        for i in range(0, BPP):
+            keys_n = tl.load(k_ptr + rows_n.to(tl.int64)[:, None] * stride_k + d[None, :],
+                             mask=(rows_n >= 0)[:, None] & dm[None, :], other=0.0)
+            n_nn = n_n + BN
+            rows_nn = tl.load(cand_ptr + t * N + n_nn, mask=n_nn < n_end, other=-1)
+            _score_block(q, w, keys_c.to(op_ty), rows_c, n_c, key_ptr + t * N, N, PREC)
+            keys_c, rows_c, n_c = keys_n, rows_n, n_n
+            rows_n, n_n = rows_nn, n_nn
+    else:
+        for i in tl.range(0, BPP, num_stages=STAGES):
+            n = (blk0 + i) * BN + tl.arange(0, BN)
+            rows = tl.load(cand_ptr + t * N + n, mask=n < N, other=-1)
+            keys = tl.load(k_ptr + rows.to(tl.int64)[:, None] * stride_k + d[None, :],
+                           mask=(rows >= 0)[:, None] & dm[None, :], other=0.0).to(op_ty)
+            _score_block(q, w, keys, rows, n, key_ptr + t * N, N, PREC)
+
+
+@triton.jit
+def _score_block(q, w, keys, rows, n, key_row, N, PREC: tl.constexpr):
+    """Order keys of one block: keys [BN, BD] gathered rows, rows [BN] (-1 = absent), n [BN] positions."""
+    dots = mma(q, tl.trans(keys), PREC)  # [BH, BN]
+    dots = tl.where(dots < 0.0, 0.0, dots)  # ReLU (NaN stays NaN, as in torch)
+    score = tl.sum(dots * w[:, None], 0)
+    score = tl.where(score == 0.0, 0.0, score)  # -0.0 and +0.0 are one tie
+    bits = score.to(tl.int32, bitcast=True)
+    bits = tl.where(score != score, 0x7FC00000, bits)  # one NaN, above +inf
+    ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    ordered = tl.where(rows >= 0, ordered, ORD_NEG_INF)
+    tl.store(key_row + n, ordered, mask=n < N)
 
 
 @triton.jit
@@ -181,18 +207,20 @@ def _select_kernel(key_ptr, cand_ptr, scratch_ptr, out_ptr, N, KW, CH: tl.conste
 
 # ----------------------------------------------------------------------------------------------------- wrapper
 def _score_cfg(device, n, t_count):
-    """(BN, warps, stages, programs per token) of the score kernel."""
-    bn, warps, stages, per_sm = 128, 4, 3, 2
+    """(BN, warps, stages, blocks per program, programs per token, register prefetch) of the score kernel."""
+    bn, warps, stages, per_sm, pre = 128, 4, 3, 2, 0
     env = os.environ.get("ATB_CUDA_INDEXER")
     if env and env != "old":
-        bn, warps, stages, per_sm = (int(v) for v in env.split(","))
+        vals = [int(v) for v in env.split(",")]
+        bn, warps, stages, per_sm = vals[:4]
+        pre = vals[4] if len(vals) > 4 else 0
     if INTERPRET:
         bn, stages = 16, 1
     bn = min(bn, pow2(n, 16))
     nblk = triton.cdiv(n, bn)
     splits = min(nblk, max(1, triton.cdiv(per_sm * sm_count(device), t_count)))
     bpp = triton.cdiv(nblk, splits)
-    return bn, warps, stages, bpp, triton.cdiv(nblk, bpp)
+    return bn, warps, stages, bpp, triton.cdiv(nblk, bpp), bool(pre)
 
 
 def score_keys(q, weights, kc, cand):
@@ -200,11 +228,11 @@ def score_keys(q, weights, kc, cand):
     t_count, n = cand.shape
     hi, di = q.shape[1], q.shape[2]
     keys = torch.empty(t_count, n, dtype=torch.int32, device=q.device)
-    bn, warps, stages, bpp, splits = _score_cfg(q.device, n, t_count)
+    bn, warps, stages, bpp, splits, pre = _score_cfg(q.device, n, t_count)
     f32 = torch.float32 in (q.dtype, kc.dtype) or q.dtype != kc.dtype
     _score_keys_kernel[(t_count, splits)](q, weights, kc, cand, keys, n, hi, di, kc.stride(0), bpp,
                                           BH=pow2(hi, 16), BD=pow2(di, 16), BN=bn, PREC=dot_precision(q.dtype, kc.dtype),
-                                          STAGES=stages, F32=f32, num_warps=warps)
+                                          STAGES=stages, F32=f32, PRE=pre, num_warps=warps)
     return keys
 
 
@@ -218,6 +246,7 @@ def select_topk(keys, cand, k):
     one = pow2(n, 16) <= ch_max
     ch = pow2(n, 16) if one else ch_max // 2
     warps = 16 if ch >= 8192 else (8 if ch >= 2048 else 4)
+    warps = int(os.environ.get("ATB_CUDA_INDEXER_SEL_WARPS", warps))
     _select_kernel[(t_count,)](keys, cand, scratch, out, n, k, CH=ch, KP=kp, ONE=one, num_warps=warps)
     return out
 

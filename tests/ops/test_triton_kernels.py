@@ -247,11 +247,24 @@ def test_indexer_topk_negative_weights_and_minus_zero():
     assert torch.equal(a.cpu(), b.cpu())
 
 
+
+@pytest.mark.parametrize("cfg", ["128,4,3,1,1", "64,4,2,1,0", "32,4,1,2,1"])
+def test_indexer_topk_score_variants(monkeypatch, cfg):
+    # score-kernel variants (ATB_CUDA_INDEXER="BN,WARPS,STAGES,CTAS_PER_SM,PRE"; the interpreter keeps BN=16):
+    # several blocks per program, with and without the register prefetch loop, a ragged last program
+    monkeypatch.setenv("ATB_CUDA_INDEXER", cfg)
+    cu, ref = impls("indexer_topk")
+    g = gen(37)
+    q, w, keys, _ = _indexer_inputs(g, 2, 1, p=200, hi=3, di=16, integer=True)
+    cand = _prefix_cand(2, 150, 200, g, torch.tensor([150, 97]))
+    a, b = cu(q, w, keys, cand, 40), ref(q, w, keys, cand, 40)
+    assert torch.equal(a.cpu(), b.cpu())
+
 @pytest.mark.parametrize("t,n,k", [(3, 40, 9), (2, 300, 37), (1, 600, 64), (4, 257, 256)])
 def test_indexer_select_matches_stable_sort(t, n, k):
     # the selection kernel alone on int32 order keys with many duplicates (n > 256: the multi-chunk path of the
     # interpreter's 256-key chunks), against a stable descending sort
-    from atb_ops.cuda.indexer import ORD_NEG_INF, select_topk
+    from atb_ops.cuda.indexer import ORD_NEG_INF_INT as ORD_NEG_INF, select_topk
 
     g = gen(34 + n)
     keys = torch.randint(-6, 6, (t, n), generator=g, dtype=torch.int32) * 1000003
