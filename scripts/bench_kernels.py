@@ -77,7 +77,7 @@ GEMM_PATHS = ["[gemm=tiled]", "[gemm=decode]"]  # + "[gemm=decode cfg=...]" per 
 ATTN_VARIANTS = ("", " [32,32,8]", " [64,32,8]", " [64,16,8]", " [64,32,16]")
 # indexer_topk variants: the previous path (int64 keys + torch.topk) and score-kernel tiles
 # " [indexer=BN,WARPS,STAGES,CTAS_PER_SM]" (see atb_ops/cuda/indexer.py)
-INDEXER_VARIANTS = ("", " [indexer=old]", " [indexer=64,4,3,8]", " [indexer=128,4,1,4,1]")
+INDEXER_VARIANTS = ("", " [indexer=old]", " [indexer=128,4,3,2,0]", " [indexer=64,4,3,8,0]")
 
 
 class Rotating:

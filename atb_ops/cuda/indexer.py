@@ -8,12 +8,14 @@ candidate order (the reference's stable descending sort), -1 where the score is 
 Two kernels, no host synchronisation and no data-dependent shapes (CUDA-graph safe):
 
 ``_score_keys_kernel`` (grid [T, S]: S programs per token, each looping over a contiguous range of blocks of BN
-candidates with q [Hi, Di] and w [Hi] loaded once) gathers the key rows through ``cand`` (a software-pipelined
-loop, each row read once from HBM), runs the [Hi, Di] x [Di, BN] product on the tensor cores and writes one int32
+candidates with q [Hi, Di] and w [Hi] loaded once) gathers the key rows through ``cand`` (each row read once
+from HBM; by default a register-prefetch loop requests block i + 1's rows and block i + 2's ids before block i's
+product, PRE=0 leaves the pipelining to Triton), runs the [Hi, Di] x [Di, BN] product on the tensor cores and writes one int32
 order key per candidate: the score's order-preserving integer image (-0.0 folded into +0.0, NaN made the positive
 quiet NaN that the reference's descending sort puts first), ``ORD_NEG_INF`` for absent candidates.
 
-``_select_kernel`` (one program per token) finds the k-th largest key by a 32-step MSB-first bit search of
+``_select_kernel`` (one program per token; rows of up to 16384 candidates, longer ones go through torch.topk
+over int64 composites, see ``_SELECT_MAX``) finds the k-th largest key by a 32-step MSB-first bit search of
 counts (``count(key >= c) >= k``), keeps every key above it and the first ``k - count(key > thr)`` keys equal to
 it in candidate order (a prefix count), compacts the k survivors into a [T, KP] int64 scratch row as
 ``(key << 32) | (2^32 - 1 - n)`` (all distinct; larger = earlier in the reference's order), sorts that row
@@ -208,7 +210,7 @@ def _select_kernel(key_ptr, cand_ptr, scratch_ptr, out_ptr, N, KW, CH: tl.conste
 # ----------------------------------------------------------------------------------------------------- wrapper
 def _score_cfg(device, n, t_count):
     """(BN, warps, stages, blocks per program, programs per token, register prefetch) of the score kernel."""
-    bn, warps, stages, per_sm, pre = 128, 4, 3, 2, 0
+    bn, warps, stages, per_sm, pre = 128, 4, 1, 4, 1  # best of the H100 sweep (scripts/bench_indexer.py)
     env = os.environ.get("ATB_CUDA_INDEXER")
     if env and env != "old":
         vals = [int(v) for v in env.split(",")]
@@ -245,7 +247,7 @@ def select_topk(keys, cand, k):
     ch_max = 256 if INTERPRET else 16384
     one = pow2(n, 16) <= ch_max
     ch = pow2(n, 16) if one else ch_max // 2
-    warps = 16 if ch >= 8192 else (8 if ch >= 2048 else 4)
+    warps = 8 if ch >= 2048 else 4  # H100, N = 2048 / 16384: 8 warps beat 4 and 16
     warps = int(os.environ.get("ATB_CUDA_INDEXER_SEL_WARPS", warps))
     _select_kernel[(t_count,)](keys, cand, scratch, out, n, k, CH=ch, KP=kp, ONE=one, num_warps=warps)
     return out
@@ -267,4 +269,23 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, 
         kc = kc.float()
     cand = cand.contiguous()
     keys = score_keys(q.contiguous(), weights.contiguous(), kc, cand)
-    return select_topk(keys, cand, k)
+    if pow2(n, 16) <= _SELECT_MAX:
+        return select_topk(keys, cand, k)
+    return _select_torch(keys, cand, k)
+
+
+# Longest candidate row that the one-program selection keeps in registers. Longer rows (contexts beyond 64K tokens
+# at ratio 4) take torch.topk over int64 composites: on the H100 at T=4, N=65536 the chunked selection kernel took
+# 200 us against 106 us for torch.topk.
+_SELECT_MAX = 256 if INTERPRET else 16384
+
+
+def _select_torch(keys, cand, k):
+    """select_topk through torch.topk: composite (key << 32) | (2^32 - 1 - n) int64 keys are all distinct, so the
+    order is the reference's (ties by candidate order)."""
+    n = keys.shape[1]
+    low = 4294967295 - torch.arange(n, device=keys.device, dtype=torch.int64)
+    vals = torch.topk(keys.long() * 4294967296 + low, k, dim=-1, sorted=True).values
+    picked = cand.gather(1, 4294967295 - (vals & 4294967295))
+    absent = torch.div(vals, 4294967296, rounding_mode="floor") == ORD_NEG_INF_INT
+    return torch.where(absent, torch.full_like(picked, -1), picked)

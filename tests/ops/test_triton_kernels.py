@@ -248,6 +248,18 @@ def test_indexer_topk_negative_weights_and_minus_zero():
 
 
 
+def test_indexer_topk_long_rows_through_torch_topk():
+    # rows longer than the one-program selection (256 under the interpreter, 16384 on a GPU): torch.topk path
+    cu, ref = impls("indexer_topk")
+    g = gen(38)
+    for integer in (True, False):
+        q, w, keys, cand = _indexer_inputs(g, 3, 300, p=400, hi=2, di=16, integer=integer)
+        cand[1] = -1
+        cand[2, 250:] = -1
+        a, b = cu(q, w, keys, cand, 280), ref(q, w, keys, cand, 280)
+        assert torch.equal(a.cpu(), b.cpu())
+
+
 @pytest.mark.parametrize("cfg", ["128,4,3,1,1", "64,4,2,1,0", "32,4,1,2,1"])
 def test_indexer_topk_score_variants(monkeypatch, cfg):
     # score-kernel variants (ATB_CUDA_INDEXER="BN,WARPS,STAGES,CTAS_PER_SM,PRE"; the interpreter keeps BN=16):
