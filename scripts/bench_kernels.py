@@ -75,6 +75,9 @@ ROTATE = 8
 GEMM_PATHS = ["[gemm=tiled]", "[gemm=decode]"]  # + "[gemm=decode cfg=...]" per --decode-variants entry
 # tile variants of the attention kernel timed side by side: " [BH,BN,WARPS]" (see atb_ops/cuda/attention.py)
 ATTN_VARIANTS = ("", " [32,32,8]", " [64,32,8]", " [64,16,8]", " [64,32,16]")
+# indexer_topk variants: the previous path (int64 keys + torch.topk) and score-kernel tiles
+# " [indexer=BN,WARPS,STAGES,CTAS_PER_SM]" (see atb_ops/cuda/indexer.py)
+INDEXER_VARIANTS = ("", " [indexer=old]", " [indexer=128,4,3,2,0]", " [indexer=64,4,3,8,0]")
 
 
 class Rotating:
@@ -182,8 +185,9 @@ def cases(dev, quick: bool):
         q, wts = r(T, 64, 128), r(T, 64, dtype=torch.float32)
         keys = r(T * n, 128)
         cand = torch.arange(T * n, device=dev).view(T, n)
-        yield (f"indexer_topk T={T} N={n} top-512", "indexer_topk", (q, wts, keys, cand, 512), {},
-               _nb(keys, cand, q) + T * 512 * 8, 2 * T * 64 * n * 128)
+        for var in INDEXER_VARIANTS:
+            yield (f"indexer_topk T={T} N={n} top-512{var}", "indexer_topk", (q, wts, keys, cand, 512), {},
+                   _nb(keys, cand, q) + T * 512 * 8, 2 * T * 64 * n * 128)
 
     # linears: FP8 block (attention / shared expert) and FP4 (experts), N=K=4096. A 4096^2 weight fits in the
     # 50 MB L2: each case rotates over 8 weight copies (ROTATE) so that every call streams its weight from HBM
@@ -268,7 +272,12 @@ def main() -> None:
                 os.environ[var] = val
             else:
                 os.environ.pop(var, None)
-        if "[" in case_name and not gm:
+        im = re.search(r"\[indexer=([\w,]+)\]", case_name)
+        if im:
+            os.environ["ATB_CUDA_INDEXER"] = im.group(1)
+        else:
+            os.environ.pop("ATB_CUDA_INDEXER", None)
+        if "[" in case_name and not gm and not im:
             os.environ["ATB_CUDA_ATTN"] = case_name.split("[")[1].rstrip("]")
         else:
             os.environ.pop("ATB_CUDA_ATTN", None)

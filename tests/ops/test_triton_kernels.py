@@ -187,6 +187,149 @@ def test_indexer_topk(integer, t, n, topk):
     assert torch.equal(a.cpu(), b.cpu())
 
 
+
+def _prefix_cand(t, n, p, g, lens=None):
+    """Decode-shaped candidates: token i sees a contiguous run of rows, -1 padding last."""
+    cand = torch.full((t, n), -1, dtype=torch.int64)
+    for i in range(t):
+        ln = int(lens[i]) if lens is not None else int(torch.randint(0, n + 1, (1,), generator=g))
+        start = int(torch.randint(0, max(1, p - ln + 1), (1,), generator=g))
+        cand[i, :ln] = torch.arange(start, start + ln)
+    return cand.to(DEV)
+
+
+@pytest.mark.parametrize("integer", [False, True])
+@pytest.mark.parametrize("t,n,topk,p", [(1, 33, 8, 40), (7, 45, 16, 60), (2, 20, 32, 25), (9, 17, 17, 30)])
+def test_indexer_topk_prefix_candidates(integer, t, n, topk, p):
+    # N not a multiple of the tile, N < topk (width N), N == topk, T = 1 and several tokens, -1 padding last
+    cu, ref = impls("indexer_topk")
+    g = gen(31)
+    q, w, keys, _ = _indexer_inputs(g, t, 1, p=p, hi=3, di=16, integer=integer)
+    lens = torch.randint(0, n + 1, (t,), generator=g)
+    lens[0] = n  # a full row
+    if t > 2:
+        lens[1] = 0  # nothing visible yet
+        lens[2] = 1
+    cand = _prefix_cand(t, n, p, g, lens)
+    a, b = cu(q, w, keys, cand, topk), ref(q, w, keys, cand, topk)
+    assert a.shape == b.shape == (t, min(topk, n))
+    assert torch.equal(a.cpu(), b.cpu())
+
+
+def test_indexer_topk_all_ties_and_mixed_dtypes():
+    cu, ref = impls("indexer_topk")
+    g = gen(32)
+    t, n, p = 3, 40, 50
+    q = torch.zeros(t, 2, 16, device=DEV)  # every score 0: the selection is the first topk candidates
+    keys = rnd(p, 16, g=g)
+    w = rnd(t, 2, g=g)
+    cand = torch.randint(0, p, (t, n), generator=g)
+    cand[1, 25:] = -1
+    cand = cand.to(DEV)
+    a, b = cu(q, w, keys, cand, 30), ref(q, w, keys, cand, 30)
+    assert torch.equal(a.cpu(), b.cpu())
+    assert torch.equal(a[0].cpu(), cand[0, :30].cpu())
+    # float32 queries against bf16 keys: float32 products (as the reference)
+    q32, _, kb, _ = _indexer_inputs(g, t, 1, p=p, hi=2, di=16, integer=True)
+    kb = kb.to(torch.bfloat16)
+    q32 = q32 + 0.125
+    a, b = cu(q32, w, kb, cand, 7), ref(q32, w, kb, cand, 7)
+    assert torch.equal(a.cpu(), b.cpu())
+
+
+def test_indexer_topk_negative_weights_and_minus_zero():
+    # negative weights give negative scores; exact zeros from ReLU (and -0.0 from negative weights) are one tie
+    cu, ref = impls("indexer_topk")
+    g = gen(33)
+    q, w, keys, cand = _indexer_inputs(g, 4, 24, p=30, hi=2, di=8, integer=True)
+    w = -w.abs()
+    a, b = cu(q, w, keys, cand, 12), ref(q, w, keys, cand, 12)
+    assert torch.equal(a.cpu(), b.cpu())
+
+
+
+def test_indexer_topk_long_rows_through_torch_topk():
+    # rows longer than the one-program selection (256 under the interpreter, 16384 on a GPU): torch.topk path
+    cu, ref = impls("indexer_topk")
+    g = gen(38)
+    for integer in (True, False):
+        q, w, keys, cand = _indexer_inputs(g, 3, 300, p=400, hi=2, di=16, integer=integer)
+        cand[1] = -1
+        cand[2, 250:] = -1
+        a, b = cu(q, w, keys, cand, 280), ref(q, w, keys, cand, 280)
+        assert torch.equal(a.cpu(), b.cpu())
+
+
+@pytest.mark.parametrize("cfg", ["128,4,3,1,1", "64,4,2,1,0", "32,4,1,2,1"])
+def test_indexer_topk_score_variants(monkeypatch, cfg):
+    # score-kernel variants (ATB_CUDA_INDEXER="BN,WARPS,STAGES,CTAS_PER_SM,PRE"; the interpreter keeps BN=16):
+    # several blocks per program, with and without the register prefetch loop, a ragged last program
+    monkeypatch.setenv("ATB_CUDA_INDEXER", cfg)
+    cu, ref = impls("indexer_topk")
+    g = gen(37)
+    q, w, keys, _ = _indexer_inputs(g, 2, 1, p=200, hi=3, di=16, integer=True)
+    cand = _prefix_cand(2, 150, 200, g, torch.tensor([150, 97]))
+    a, b = cu(q, w, keys, cand, 40), ref(q, w, keys, cand, 40)
+    assert torch.equal(a.cpu(), b.cpu())
+
+@pytest.mark.parametrize("t,n,k", [(3, 40, 9), (2, 300, 37), (1, 600, 64), (4, 257, 256)])
+def test_indexer_select_matches_stable_sort(t, n, k):
+    # the selection kernel alone on int32 order keys with many duplicates (n > 256: the multi-chunk path of the
+    # interpreter's 256-key chunks), against a stable descending sort
+    from atb_ops.cuda.indexer import ORD_NEG_INF_INT as ORD_NEG_INF, select_topk
+
+    g = gen(34 + n)
+    keys = torch.randint(-6, 6, (t, n), generator=g, dtype=torch.int32) * 1000003
+    keys[torch.rand(t, n, generator=g) < 0.15] = ORD_NEG_INF
+    keys[0, :3] = 2**31 - 1
+    keys[-1, -5:] = -2**31 + 1  # smallest order keys above the padding value
+    cand = torch.randperm(10 * n, generator=g)[: t * n].view(t, n)
+    order = torch.sort(keys.long(), dim=1, descending=True, stable=True).indices[:, :k]
+    want = cand.gather(1, order)
+    want = torch.where(keys.long().gather(1, order) == ORD_NEG_INF, torch.full_like(want, -1), want)
+    got = select_topk(keys.to(DEV), cand.to(DEV), k)
+    assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("t,n,topk", [(1, 2048, 512), (32, 2048, 512), (32, 16384, 512), (3, 40000, 512),
+                                      (5, 300, 512), (64, 8192, 512)])
+def test_indexer_topk_real_shapes(t, n, topk):
+    # 64 heads x 128 dims, bf16; integer-valued inputs make every score exact (ties included), so the
+    # selection must equal the reference's bit for bit
+    cu, ref = impls("indexer_topk")
+    g = gen(35)
+    p = t * n
+    q = torch.randint(-2, 3, (t, 64, 128), generator=g).to(DEV, torch.bfloat16)
+    keys = torch.randint(-2, 3, (p, 128), generator=g).to(DEV, torch.bfloat16)
+    w = torch.randint(-3, 4, (t, 64), generator=g).float().to(DEV)
+    cand = _prefix_cand(t, n, p, g)
+    cand[0, : n // 2] = torch.randperm(p, generator=g)[: n // 2].to(DEV)  # a gathered, scattered row
+    a, b = cu(q, w, keys, cand, topk), ref(q, w, keys, cand, topk)
+    assert torch.equal(a, b)
+    # random bf16 inputs: the scores differ from the reference's only by summation order
+    q, keys, w = rnd(t, 64, 128, g=g, dtype=torch.bfloat16), rnd(p, 128, g=g, dtype=torch.bfloat16), rnd(t, 64, g=g)
+    a, b = cu(q, w, keys, cand, topk), ref(q, w, keys, cand, topk)
+    assert (a == b).float().mean() > 0.99
+    for i in range(t):
+        assert set(a[i].tolist()) == set(b[i].tolist()) or len(set(a[i].tolist()) ^ set(b[i].tolist())) <= 4
+
+
+@pytest.mark.cuda
+def test_indexer_topk_graph_capture():
+    cu, ref = impls("indexer_topk")
+    g = gen(36)
+    q, w, keys, cand = _indexer_inputs(g, 8, 3000, p=5000, hi=64, di=128, dtype=torch.bfloat16, integer=True)
+    want = ref(q, w, keys, cand, 512)
+    cu(q, w, keys, cand, 512)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = cu(q, w, keys, cand, 512)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
+
 def _attn_inputs(g, t, h, d, p, k, dtype, neg=0.3):
     q, kv = rnd(t, h, d, g=g, dtype=dtype), rnd(p, d, g=g, dtype=dtype)
     idx = torch.randint(0, p, (t, k), generator=g)
