@@ -97,13 +97,15 @@ def sized_for_memory(model, base, dtype: torch.dtype, util: float, device: torch
 
 def agree_on_sizes(sizes, device: torch.device):
     """``sizes`` with each page count replaced by its minimum over the ranks of the default process group (an
-    all-reduce MIN of three int64 on ``device``, the rank's communication device); ``sizes`` itself at world
-    size 1 or without a process group."""
+    all-reduce MIN of three int32 on ``device``, the rank's communication device: gloo, NCCL and HCCL all reduce
+    int32 with min, while CANN's HcclAllReduce reference lists int64 for training / A2 / A3 products only, not the
+    300I Duo: hiascend.com .../apiref/hcclapiref/hcclcpp_07_0021.html); ``sizes`` itself at world size 1 or
+    without a process group."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return sizes
-    t = torch.tensor([sizes.num_blocks, sizes.num_c4_blocks, sizes.num_c128_blocks], dtype=torch.int64,
+    t = torch.tensor([sizes.num_blocks, sizes.num_c4_blocks, sizes.num_c128_blocks], dtype=torch.int32,
                      device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     n, c4, c128 = (int(v) for v in t.tolist())
