@@ -1,6 +1,6 @@
 """Find, check and stream the shards of a safetensors checkpoint (any checkpoint: the model's own, msModelSlim's).
 
-About 600 lines for one job, the safetensors container: the hand-parsed header, shard discovery, the memory-mapped
+About 650 lines for one job, the safetensors container: the hand-parsed header, shard discovery, the memory-mapped
 reader and streaming all share the header's validation and its error messages, so they stay together.
 
 The safetensors header is parsed here by hand (8-byte little-endian length, then a UTF-8 JSON object), so

@@ -155,8 +155,7 @@ class LLMEngine:
         for j, i in enumerate(owner):
             by_req.setdefault(i, []).append(j)
         if hasattr(runner, "execute_rows"):  # greedy picks and the non-finite check on the device
-            plain_reqs = {i for i, js in by_req.items()
-                          if len(js) == 1 and not drafts[i] and _is_plain_greedy(reqs[i].params)}
+            plain_reqs = set(self._plain_requests(reqs, drafts, by_req))
             out = runner.execute_rows(seqs, tokens, rows,
                                       [j for i, js in by_req.items() if i not in plain_reqs for j in js])
             hidden, bad_rows = out.hidden, set(out.bad_rows)
@@ -211,12 +210,17 @@ class LLMEngine:
         return outputs
 
     @staticmethod
+    def _plain_requests(reqs, drafts, by_req) -> list[int]:
+        """Indices of the requests whose next token is the argmax of their one logits row: greedy, no penalties,
+        no logprobs, no draft to verify."""
+        return [i for i, js in by_req.items() if len(js) == 1 and not drafts[i] and _is_plain_greedy(reqs[i].params)]
+
+    @staticmethod
     def _plain_greedy(reqs, drafts, by_req, bad_rows, logits) -> dict[int, int]:
         """{request index: token} for the requests whose next token is the argmax of their one logits row:
         greedy, no penalties, no logprobs, no draft to verify. One batched argmax instead of a sampler call per
         request (at a vocabulary of 129280 the per-request path cost ~1 ms of host time each)."""
-        pick = [i for i, js in by_req.items()
-                if len(js) == 1 and not drafts[i] and js[0] not in bad_rows and _is_plain_greedy(reqs[i].params)]
+        pick = [i for i in LLMEngine._plain_requests(reqs, drafts, by_req) if by_req[i][0] not in bad_rows]
         if not pick:
             return {}
         rows = torch.tensor([by_req[i][0] for i in pick])

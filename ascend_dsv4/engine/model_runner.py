@@ -42,6 +42,7 @@ import torch
 import atb_ops
 
 from ..errors import ConfigError
+from .sampling_guard import bad_rows_of_max
 from ..kv.blocks import PoolSizes, SeqBlocks
 from ..models import family_of
 
@@ -248,7 +249,7 @@ class ModelRunner:
             hidden, logits = self._run(seqs, tokens, rows)
             row_max = torch.amax(logits, -1).float().cpu()  # amax propagates NaN
             arg = torch.argmax(logits, -1).cpu()  # first maximal index, as Sampler.sample's greedy pick
-            bad = torch.nonzero(~torch.isfinite(row_max)).flatten().tolist()
+            bad = bad_rows_of_max(row_max)
             kept = sorted(set(full_rows) | set(bad))
             if len(kept) == logits.shape[0]:
                 logits = logits.float().cpu()

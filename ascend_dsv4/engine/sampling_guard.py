@@ -19,7 +19,7 @@ import torch
 
 from ..errors import RequestFailed
 
-__all__ = ["bad_logit_rows", "check_distribution", "describe_bad_row"]
+__all__ = ["bad_logit_rows", "bad_rows_of_max", "check_distribution", "describe_bad_row"]
 
 
 @torch.no_grad()
@@ -27,8 +27,12 @@ def bad_logit_rows(logits: torch.Tensor) -> list[int]:
     """Indices of the rows of ``logits`` [R, V] holding NaN or +inf, or no finite value."""
     if logits.numel() == 0:
         return []
-    bad = ~torch.isfinite(torch.amax(logits, dim=-1))  # amax propagates NaN
-    return torch.nonzero(bad).flatten().tolist()
+    return bad_rows_of_max(torch.amax(logits, dim=-1))  # amax propagates NaN
+
+
+def bad_rows_of_max(row_max: torch.Tensor) -> list[int]:
+    """The bad rows given each row's maximum [R]: NaN (a NaN in the row), +inf, or -inf (nothing finite)."""
+    return torch.nonzero(~torch.isfinite(row_max)).flatten().tolist()
 
 
 def describe_bad_row(row: torch.Tensor) -> str:
