@@ -39,7 +39,7 @@ class DPEngine:
     @staticmethod
     def outstanding(engine: LLMEngine) -> int:
         """Tokens a replica still has to compute: pending prompt tokens + tokens left to generate."""
-        return sum(len(r.pending) + max(0, r.params.max_tokens - len(r.output_ids))
+        return sum(r.num_pending + max(0, r.params.max_tokens - len(r.output_ids))
                    for r in engine.requests.values() if not r.finished)
 
     def pick(self, req: Request) -> int:

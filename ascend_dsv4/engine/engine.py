@@ -132,8 +132,8 @@ class LLMEngine:
         # a decoding request with a draft verifies it in the same forward
         drafts: list[list[int]] = []
         for r, c in zip(reqs, chunks):
-            d = r.draft if (self.num_spec and r.draft and len(c) == 1 and len(r.pending) == 1) else []
-            if d and (len(r.all_ids) + len(d) >= self.max_model_len
+            d = r.draft if (self.num_spec and r.draft and len(c) == 1 and r.num_pending == 1) else []
+            if d and (r.num_ids + len(d) >= self.max_model_len
                       or not pools.can_grow(r.seq, r.seq.num_tokens + 1 + len(d))):
                 d = []
             drafts.append(d)
@@ -145,7 +145,7 @@ class LLMEngine:
         rows, owner = [], []
         off = 0
         for i, (r, t, d) in enumerate(zip(reqs, tokens, drafts)):
-            done = len(chunks[i]) == len(r.pending)
+            done = len(chunks[i]) == r.num_pending
             if done:
                 m = 1 + len(d)
                 rows.extend(range(off + len(t) - m, off + len(t)))
@@ -268,7 +268,7 @@ class LLMEngine:
             r.finish_reason = "stop"
         else:
             delta = self._push_text(r, r.detok.push(tok))
-        if r.finish_reason is None and (len(r.output_ids) >= sp.max_tokens or len(r.all_ids) >= self.max_model_len):
+        if r.finish_reason is None and (len(r.output_ids) >= sp.max_tokens or r.num_ids >= self.max_model_len):
             r.finish_reason = "length"
         if r.finish_reason is not None:
             if not r._stop_hit:  # EOS, stop token or length: release the detokenizer tail and held text

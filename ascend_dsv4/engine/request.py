@@ -20,7 +20,7 @@ class Status(enum.Enum):
     ABORTED = "aborted"
 
 
-@dataclass
+@dataclass(eq=False)  # identity: the scheduler's `in` tests and removals must not compare every field
 class Request:
     request_id: str
     prompt: str | None
@@ -50,10 +50,24 @@ class Request:
         return self.prompt_ids + self.output_ids
 
     @property
+    def num_ids(self) -> int:
+        """len(all_ids) without building the list."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_pending(self) -> int:
+        """len(pending) without building the list (the scheduler asks every step for every request)."""
+        return len(self.prompt_ids) + len(self.output_ids) - self.seq.num_tokens
+
+    @property
     def pending(self) -> list[int]:
         """Tokens whose KV is not yet computed (the prompt, or after a preemption prompt + outputs, or the
-        last sampled token)."""
-        return self.all_ids[self.seq.num_tokens:]
+        last sampled token). Built without copying the prompt when the prompt is computed (decode: a
+        2048-token prompt copied 5 times per request per step cost ~2.5 ms of host time at batch 64)."""
+        n, p = self.seq.num_tokens, len(self.prompt_ids)
+        if n >= p:
+            return self.output_ids[n - p:]
+        return self.prompt_ids[n:] + self.output_ids
 
     @property
     def finished(self) -> bool:

@@ -67,10 +67,10 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         batch: list[tuple[Request, int]] = []
         # running requests: decodes first (one token each), then prefill chunks
-        for req in sorted(self.running, key=lambda r: (len(r.pending) > 1, r.arrival)):
+        for req in sorted(self.running, key=lambda r: (r.num_pending > 1, r.arrival)):
             if budget == 0 or req not in self.running:
                 continue
-            n = min(len(req.pending), budget)
+            n = min(req.num_pending, budget)
             while not self.pools.can_grow(req.seq, req.seq.num_tokens + n):
                 victims = [r for r in self.running if r is not req and r not in [b[0] for b in batch]]
                 if not victims:
@@ -92,7 +92,7 @@ class Scheduler:
             req = self.waiting[0]
             if self.on_admit is not None and req.seq.num_tokens == 0:
                 self.on_admit(req)
-            n = min(len(req.pending), budget)
+            n = min(req.num_pending, budget)
             if not self.pools.can_grow(req.seq, req.seq.num_tokens + n):
                 if not self.running and not batch:
                     self.waiting.popleft()
