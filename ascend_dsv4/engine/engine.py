@@ -18,6 +18,7 @@ import torch
 
 from ..errors import RequestError
 from .model_runner import ModelRunner
+from .overlap import AsyncDecode
 from .request import Request, RequestOutput, Status
 from .sampling import Sampler, SamplingParams, apply_penalties, make_generator
 from .sampling_guard import bad_logit_rows, describe_bad_row
@@ -49,7 +50,7 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, runner: ModelRunner, tokenizer, max_model_len: int, max_num_seqs: int = 8,
                  max_num_batched_tokens: int = 512, enable_prefix_caching: bool = False,
-                 num_speculative_tokens: int = 0):
+                 num_speculative_tokens: int = 0, async_scheduling: bool = False):
         self.runner, self.tokenizer, self.max_model_len = runner, tokenizer, max_model_len
         self.cfg = runner.cfg
         self.stats = EngineStats()
@@ -65,6 +66,14 @@ class LLMEngine:
             raise RequestError("speculative decoding needs a model with an MTP module")
         self.num_spec = num_speculative_tokens
         self.drafter = MTPDrafter(runner, self.sampler) if num_speculative_tokens else None
+        if async_scheduling and num_speculative_tokens:
+            raise RequestError("async_scheduling does not work with speculative decoding (num_speculative_tokens): "
+                               "the draft of a step depends on the host's view of the step before")
+        # greedy decode steps launched before the host has processed the step in flight (engine/overlap.py);
+        # only a runner that can launch a step without waiting (ModelRunner.launch_greedy) takes part
+        self.overlap = AsyncDecode(self) if async_scheduling and hasattr(runner, "launch_greedy") else None
+        if async_scheduling and self.overlap is None:
+            log.info("async_scheduling: this executor launches steps synchronously; running without it")
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
 
@@ -119,9 +128,15 @@ class LLMEngine:
 
     # ---- stepping ------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        batch = self.scheduler.schedule()
         outputs = [self._output(r, [], "") for r in list(self.requests.values())
                    if r.status == Status.ABORTED and r.error]
+        for o in outputs:
+            self.requests.pop(o.request_id, None)
+        if self.overlap is not None and self.overlap.inflight is not None:
+            return self.overlap.step(outputs)
+        batch = self.scheduler.schedule()
+        outputs += [self._output(r, [], "") for r in list(self.requests.values())
+                    if r.status == Status.ABORTED and r.error]  # aborted by the scheduler (can never fit)
         for o in outputs:
             self.requests.pop(o.request_id, None)
         if not batch:
@@ -154,6 +169,8 @@ class LLMEngine:
         by_req: dict[int, list[int]] = {}
         for j, i in enumerate(owner):
             by_req.setdefault(i, []).append(j)
+        if self.overlap is not None and self.overlap.start(reqs, tokens, rows, by_req, drafts, starts):
+            return outputs  # launched; processed by the next step (engine/overlap.py)
         if hasattr(runner, "execute_rows"):  # greedy picks and the non-finite check on the device
             plain_reqs = set(self._plain_requests(reqs, drafts, by_req))
             out = runner.execute_rows(seqs, tokens, rows,

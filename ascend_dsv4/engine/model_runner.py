@@ -21,6 +21,9 @@ are wanted. What comes out: float32 logits ``[rows, vocab]`` on the CPU (from ra
 ``runner.draft(seqs, counts, next_ids, hidden, rows)``  the MTP module over committed positions -> draft logits
 ``runner.execute_rows(seqs, tokens, rows, full)``       execute with every row's argmax and non-finite check on the
                                                         device; only rows ``full`` (and bad ones) copied in full
+``runner.launch_greedy(seqs, tokens | after=step)``     a greedy decode step launched without waiting (its input
+                                                        ids from the host, or on the device from the argmax of
+                                                        the step ``after``); ``runner.collect(step)`` waits
 ``runner.step(seqs, tokens, logits="last"|"all")``      execute + commit + trim, for one-shot callers
 ``runner.graphs``                                       captured CUDA-graph decode steps (engine/cuda_graphs.py): a
                                                         pure decode step uploads compact inputs and replays
@@ -101,6 +104,18 @@ class StepLogits(NamedTuple):
     row_argmax: list[int]  # [R] first maximal index of every row (the greedy token), computed on the device
     bad_rows: list[int]  # rows holding NaN or +inf, or nothing finite (sampling_guard.bad_logit_rows)
     hidden: object  # as execute's ``hidden``
+
+
+class PendingStep(NamedTuple):
+    """A greedy decode step launched by :meth:`ModelRunner.launch_greedy` and not yet waited for."""
+
+    n: int  # rows (sequences) of the step
+    arg: torch.Tensor  # [n] int64 on the device: every row's argmax (the next step's input ids)
+    arg_host: torch.Tensor  # [n] int64 host copy of ``arg`` (pinned on CUDA), valid after ``done``
+    max_host: torch.Tensor  # [n] float32 host copy of every row's maximum (NaN / inf: a bad row)
+    logits: torch.Tensor  # [n, V] float32 on the device (the bad rows are copied from it)
+    hidden: object  # as execute's ``hidden``
+    done: object  # torch.cuda.Event recorded after the copies (None off CUDA: the copies were synchronous)
 
 
 class ModelRunner:
@@ -256,6 +271,61 @@ class ModelRunner:
             else:
                 logits = logits[torch.tensor(kept, dtype=torch.long, device=logits.device)].float().cpu()
         return StepLogits(logits, kept, arg.tolist(), bad, hidden)
+
+    @torch.inference_mode()
+    def launch_greedy(self, seqs: Sequence[SeqBlocks], tokens: Sequence[Sequence[int]] | None = None,
+                      after: PendingStep | None = None, after_rows: Sequence[int] | None = None
+                      ) -> PendingStep | None:
+        """Launch a pure decode step from its captured graph bucket and return without waiting (async
+        scheduling: the host works on the previous step while the device runs this one). Every ``seqs[s]``
+        adds one token: ``tokens[s][0]``, or with ``after``, the argmax of row ``after_rows[s]`` (default s) of
+        that step, fed on the device (no host round trip). Every row's argmax and maximum start copying to the
+        host at once (:meth:`collect`). None, with nothing launched, when the step cannot replay a graph bucket
+        (no graphs, above the largest bucket, capture failed): the caller runs it synchronously."""
+        n = len(seqs)
+        g = self.graphs
+        src = list(range(n)) if after_rows is None else list(after_rows)
+        if g is None or n == 0 or (after is not None and (len(src) != n or max(src) >= after.n)):
+            return None
+        tok = [[0]] * n if after is not None else tokens
+        rows = list(range(n))
+        key = g.key(seqs, tok, rows)
+        if key is None:
+            return None
+        with self.ops():
+            t0 = time.perf_counter()
+            for s in seqs:
+                self.pools.ensure(s, s.num_tokens + 1)
+            staged = g.stage(seqs, tok, key)
+            if staged is None:
+                return None
+            if after is not None:  # stream-ordered after the upload of the buffer
+                arg = after.arg if src == list(range(after.n)) else after.arg[torch.tensor(src, device=after.arg.device)]
+                staged.inputs.ids[:n].copy_(arg)
+            self.last_prepare_s = time.perf_counter() - t0
+            hidden, logits = g.replay(staged, n)
+            arg = torch.argmax(logits, -1)  # first maximal index, as Sampler.sample's greedy pick
+            row_max = torch.amax(logits, -1).float()  # amax propagates NaN
+            cuda = arg.device.type == "cuda"
+            arg_host = torch.empty(n, dtype=torch.long, pin_memory=cuda)
+            max_host = torch.empty(n, dtype=torch.float32, pin_memory=cuda)
+            arg_host.copy_(arg, non_blocking=cuda)
+            max_host.copy_(row_max, non_blocking=cuda)
+            done = None
+            if cuda:
+                done = torch.cuda.Event()
+                done.record()
+        return PendingStep(n, arg, arg_host, max_host, logits, hidden, done)
+
+    @torch.inference_mode()
+    def collect(self, p: PendingStep) -> StepLogits:
+        """Wait for a launched step; its :class:`StepLogits` (every row greedy: only bad rows kept in full)."""
+        if p.done is not None:
+            p.done.synchronize()
+        bad = bad_rows_of_max(p.max_host)
+        kept = sorted(bad)
+        logits = p.logits[torch.tensor(kept, dtype=torch.long, device=p.logits.device)].float().cpu()
+        return StepLogits(logits, kept, p.arg_host.tolist(), bad, p.hidden)
 
     @torch.inference_mode()
     def draft(self, seqs: Sequence[SeqBlocks], counts: Sequence[int], next_ids: Sequence[int], hidden,

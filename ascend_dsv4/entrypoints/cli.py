@@ -17,6 +17,10 @@ from ..errors import AscendDSV4Error
 DEFAULT_MODEL = "toy-v4"
 
 
+_ASYNC_HELP = ("launch the next greedy decode step before the host has processed the one in flight (the host's "
+               "per-step work overlaps the device; outputs unchanged); as vLLM's --async-scheduling")
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                    help=f"preset name or model folder, as vLLM's positional model (same as --model)")
@@ -92,6 +96,7 @@ def _parser() -> argparse.ArgumentParser:
                         "from it (default: pools for --max-num-seqs sequences of --max-model-len); ignored on cpu")
     g.add_argument("--weights-seed", type=int, default=0, help="seed of the random weights of a preset")
     g.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode steps eagerly (no CUDA graph capture)")
+    g.add_argument("--async-scheduling", action="store_true", help=_ASYNC_HELP)
     g.add_argument("--batch-invariant", action="store_true",
                    help="batch-invariant ops: output bitwise independent of the batch (slower)")
     _add_weight_check_arg(g)
@@ -146,6 +151,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-queue", type=int, default=256, help="waiting requests before answering 429")
     s.add_argument("--enable-prefix-caching", action="store_true", help="reuse KV pages of shared prompt prefixes")
     s.add_argument("--enforce-eager", action="store_true", help="CUDA: run decode steps eagerly (no CUDA graph capture)")
+    s.add_argument("--async-scheduling", action="store_true", help=_ASYNC_HELP)
     s.add_argument("--num-speculative-tokens", type=int, default=0, help="MTP draft tokens per step (0 or 1)")
     s.add_argument("--chat-template", default=None, help="Jinja2 chat template (file or string) overriding the "
                    "model folder's; default: tokenizer_config.json's, else DeepSeek's chat format")
@@ -246,7 +252,7 @@ def _generate(a: argparse.Namespace) -> int:
     llm = LLM(model=a.model, backend=a.backend, dtype=a.dtype, numerics=a.numerics, device=a.device,
               seed=a.weights_seed, max_model_len=a.max_model_len, skip_weight_check=a.skip_weight_check,
               gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager,
-              batch_invariant=a.batch_invariant, **_parallel_kwargs(a))
+              batch_invariant=a.batch_invariant, async_scheduling=a.async_scheduling, **_parallel_kwargs(a))
 
     tty = _isatty(sys.stdout)
 
@@ -300,7 +306,8 @@ def _serve_on(a: argparse.Namespace, sock, LLM, run_server) -> int:
               max_num_batched_tokens=a.max_num_batched_tokens, block_size=a.block_size,
               enable_prefix_caching=a.enable_prefix_caching, num_speculative_tokens=a.num_speculative_tokens,
               skip_weight_check=a.skip_weight_check, gpu_memory_utilization=a.gpu_memory_utilization,
-              enforce_eager=a.enforce_eager, batch_invariant=a.batch_invariant, **_parallel_kwargs(a))
+              enforce_eager=a.enforce_eager, batch_invariant=a.batch_invariant, async_scheduling=a.async_scheduling,
+              **_parallel_kwargs(a))
     try:
         run_server(llm, host=a.host, port=a.port, api_key=a.api_key or os.environ.get("ASCEND_DSV4_API_KEY"),
                    served_model_name=a.served_model_name or served_name(a.model), max_queue=a.max_queue,

@@ -112,6 +112,7 @@ class LLM:
         enforce_eager: bool = False,
         batch_invariant: bool = False,
         data_parallel_size: int = 1,
+        async_scheduling: bool = False,
     ):
         if numerics not in NUMERICS:
             raise ConfigError(f"numerics must be one of {', '.join(NUMERICS)}, got {numerics!r}")
@@ -193,7 +194,7 @@ class LLM:
         self.tokenizer = load_tokenizer(folder, cfg.bos_token_id, cfg.eos_token_id, cfg.vocab_size)
         self.engine = LLMEngine(self.runner, self.tokenizer, self.max_model_len, max_num_seqs, max_num_batched_tokens,
                                 enable_prefix_caching=enable_prefix_caching,
-                                num_speculative_tokens=num_speculative_tokens)
+                                num_speculative_tokens=num_speculative_tokens, async_scheduling=async_scheduling)
 
     def _start_parallel(self, model, folder, numerics, seed, dequantize, block_size, tp, ep, executor, msm: dict):
         """Validate the layout (before any weight is read), then start the executor: rank 0 in this process, one
