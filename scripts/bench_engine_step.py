@@ -9,7 +9,11 @@ the greedy picks and the logits the engine needs copied to the host, so it inclu
 token) are kept. Printed per batch: engine ms/step, runner ms/step (of which ``prepare``: the host time up to the
 launch, ``runner.last_prepare_s``), engine-only ms (sampling, detokenising, scheduling: step - execute), output tokens/s.
 
+With ``--async-scheduling`` the engine launches each greedy decode step before processing the one in flight
+(engine/overlap.py); then every engine step is timed whole, with the part spent waiting for the device.
+
 Usage: python scripts/bench_engine_step.py [--batches 1,8,32,64] [--ctx 2048] [--output-len 24] [--enforce-eager]
+       [--async-scheduling]
 """
 
 from __future__ import annotations
@@ -32,11 +36,62 @@ from ascend_dsv4 import LLM, SamplingParams  # noqa: E402
 FLASH3 = dict(n_layers=3, n_mtp_layers=0, n_hash_layers=1, compress_ratios=(0, 4, 128), n_routed_experts=64)
 
 
-def make_llm(max_batch: int, ctx: int, out_len: int, device: str, eager: bool, toy: bool) -> LLM:
+def make_llm(max_batch: int, ctx: int, out_len: int, device: str, eager: bool, toy: bool,
+             async_scheduling: bool = False) -> LLM:
     model, over = ("toy-v4", {}) if toy else ("deepseek-v4-flash", FLASH3)
-    return LLM(model, config_overrides=over, device=device, dtype="bfloat16", max_num_seqs=max_batch,
-               max_model_len=ctx + out_len + max_batch + 16, max_num_batched_tokens=max(2048, max_batch), enforce_eager=eager,
-               progress=False)
+    llm = LLM(model, config_overrides=over, device=device, dtype="bfloat16", max_num_seqs=max_batch,
+              max_model_len=ctx + out_len + max_batch + 16, max_num_batched_tokens=max(2048, max_batch),
+              enforce_eager=eager, progress=False, async_scheduling=async_scheduling)
+    if async_scheduling and toy and llm.runner.graphs is None:  # CPU smoke test: the uncaptured graph path
+        from ascend_dsv4.engine.cuda_graphs import CudaGraphDecoder
+
+        llm.runner.graphs = CudaGraphDecoder(llm.runner.model, llm.runner.pools, max_batch)
+    return llm
+
+
+def run_async(llm: LLM, batch: int, ctx: int, out_len: int) -> dict:
+    """Async scheduling: every engine step that produced a token for all ``batch`` requests, timed whole, and the
+    part of it spent waiting for the device (``runner.collect``); the rest is host work done while the device runs
+    the next step (and the launch)."""
+    runner, engine = llm.runner, llm.engine
+    rec: dict[str, list] = {"step": [], "wait": []}
+    orig_collect, orig_step = runner.collect, engine.step
+    waited = [0.0]
+
+    def collect(p):
+        t = time.perf_counter()
+        out = orig_collect(p)
+        waited[0] += time.perf_counter() - t
+        return out
+
+    def step():
+        waited[0] = 0.0
+        t = time.perf_counter()
+        out = orig_step()
+        dt = time.perf_counter() - t
+        if sum(1 for o in out if o.delta_token_ids) == batch:
+            rec["step"].append(dt)
+            rec["wait"].append(waited[0])
+        return out
+
+    runner.collect, engine.step = collect, step
+    graphs = runner.graphs
+    replays0 = graphs.replays if graphs is not None else 0
+    vocab = llm.cfg.vocab_size
+    prompts = [[3 + (i * 131 + j * 17 + batch) % (vocab - 3) for j in range(ctx)] for i in range(batch)]
+    sp = SamplingParams(max_tokens=out_len + batch, temperature=0.0, ignore_eos=True)
+    try:
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+    finally:
+        runner.collect, engine.step = orig_collect, orig_step
+    assert all(len(o.token_ids) == out_len + batch for o in outs)
+    steps = rec["step"][2:-1]  # skip the first (graph capture) steps and the last (nothing launched behind it)
+    waits = rec["wait"][2:-1]
+    med = lambda xs: 1e3 * statistics.median(xs) if xs else float("nan")  # noqa: E731
+    step_ms = med(steps)
+    return dict(batch=batch, steps=len(steps), replays=(graphs.replays - replays0) if graphs is not None else 0,
+                step_ms=step_ms, wait_ms=med(waits), host_ms=med([s - w for s, w in zip(steps, waits)]),
+                tok_s=batch / step_ms * 1e3)
 
 
 def run(llm: LLM, batch: int, ctx: int, out_len: int) -> dict:
@@ -95,16 +150,28 @@ def main() -> None:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--toy", action="store_true", help="the toy model (smoke test of this script)")
+    ap.add_argument("--async-scheduling", action="store_true",
+                    help="the engine launches each greedy decode step before processing the one in flight")
     a = ap.parse_args()
     logging.basicConfig(level=logging.WARNING, format="# %(name)s: %(message)s")
     name = torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu"
     print(f"# {name}; Flash-shaped 3-layer V4, bf16, prompts of {a.ctx} tokens, {a.output_len} greedy tokens, "
           f"{'eager' if a.enforce_eager else 'CUDA-graph'} decode")
+    batches = [int(x) for x in a.batches.split(",")]
+    llm = make_llm(max(batches), a.ctx, a.output_len, a.device, a.enforce_eager, a.toy, a.async_scheduling)
+    if a.async_scheduling:
+        print("# async scheduling: engine steps that gave every request a token; 'waiting' = time blocked on the "
+              "device's results (runner.collect), 'host' = the rest (done while the device runs the next step)")
+        print("| batch | decode steps | graph replays | engine ms/step | of which waiting ms | host ms | output tok/s |")
+        print("|---:|---:|---:|---:|---:|---:|---:|", flush=True)
+        for b in batches:
+            r = run_async(llm, b, a.ctx, a.output_len)
+            print(f"| {b} | {r['steps']} | {r['replays']} | {r['step_ms']:.2f} | {r['wait_ms']:.2f} | "
+                  f"{r['host_ms']:.2f} | {r['tok_s']:.0f} |", flush=True)
+        return
     print("| batch | decode steps | graph replays | engine ms/step | runner.execute ms | of which prepare ms | "
           "engine-only ms | output tok/s |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)
-    batches = [int(x) for x in a.batches.split(",")]
-    llm = make_llm(max(batches), a.ctx, a.output_len, a.device, a.enforce_eager, a.toy)  # max_num_batched_tokens 2048
     for b in batches:
         r = run(llm, b, a.ctx, a.output_len)
         print(f"| {b} | {r['steps']} | {r['replays']} | {r['step_ms']:.2f} | {r['exec_ms']:.2f} | {r['prep_ms']:.2f} | "

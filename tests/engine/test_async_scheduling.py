@@ -131,3 +131,24 @@ def test_speculative_decoding_is_refused():
     with pytest.raises(RequestError, match="async_scheduling"):
         LLM("toy-v4", device="cpu", dtype="float32", max_model_len=64, progress=False, num_speculative_tokens=1,
             async_scheduling=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cuda_graphs_async_equals_sync(dtype):
+    """On the GPU: captured graphs, ids fed on the device from the previous step's argmax, stops in flight."""
+    def llm(a):
+        return LLM("toy-v4", device="cuda", dtype=dtype, max_num_seqs=4, max_model_len=320, max_num_batched_tokens=256,
+                   config_overrides=OVER, progress=False, async_scheduling=a)
+
+    prompts = _prompts(6)
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (40, 9, 25, 2, 33, 17)]
+    sync = llm(False)
+    want = _run(sync, prompts, params)
+    params[0] = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, stop_token_ids=[want[0][0][11]])
+    want = _run(sync, prompts, params)
+    fast = llm(True)
+    calls = _count_launches(fast)
+    assert _run(fast, prompts, params) == want
+    assert calls["ahead"] >= 20
+    assert fast.runner.graphs is not None and fast.runner.graphs.replays > 0
