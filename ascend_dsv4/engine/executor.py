@@ -15,15 +15,16 @@ Contract of an executor (``executor_mp.MPExecutor``; a Ray executor implements t
   ``rank_worker.build_rank_runner(spec, parallel_state, device)`` after joining the process groups, then serves
   calls), build rank 0 here, wait (bounded) until every rank reported ready; raise :class:`ExecutorError` (after
   stopping what started) otherwise; a bad layout raises ``ConfigError`` before (``LLM`` validates it);
-- ``runner``: rank 0's runner whose ``model`` methods in :data:`MIRRORED_METHODS` and ``pools.copy_page`` run on
-  every rank (the engine uses nothing else);
+- ``runner``: rank 0's runner whose ``model`` methods in :data:`MIRRORED_METHODS`, runner methods in
+  :data:`MIRRORED_RUNNER_METHODS` (a graph decode step) and ``pools.copy_page`` run on every rank (the engine uses
+  nothing else); :func:`mirror_runner` wires the last two;
 - ``run(method, fn, args)``: one mirrored call: send ``(method, sanitize(args))`` to every other rank, run
   ``fn(*args)`` here, wait for every rank's acknowledgement; returns rank 0's result;
 - ``check_health()``: raise :class:`ExecutorError` when a rank is gone;
 - ``shutdown()``: stop and reap every rank (idempotent; also at interpreter exit).
 
-A worker applies a call with ``restore(args, its_pools, its_device)`` then ``model(*args)`` (``forward``),
-``getattr(model, method)(*args)`` or ``pools.copy_page(*args)``.
+A worker applies a call with :func:`apply_call`: ``restore(args, its_pools, its_device)`` then ``model(*args)``
+(``forward``), ``getattr(model, method)(*args)``, ``getattr(runner, method)(*args)`` or ``pools.copy_page(*args)``.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ import torch
 from ..errors import AscendDSV4Error
 
 MIRRORED_METHODS = ("forward", "logits", "mtp_logits", "mtp_forward")
+# runner methods mirrored the same way: a graph-captured decode step (pages allocated by rank 0 first)
+MIRRORED_RUNNER_METHODS = ("replay_decode",)
 
 
 class ExecutorError(AscendDSV4Error, RuntimeError):
@@ -65,6 +68,10 @@ class RankSpec:
     # each rank sizes its KV pools from this fraction of its device's memory, then all agree on the minimum
     # (engine/memory_sizing.py); None: pool_sizes as given
     gpu_memory_utilization: float | None = None
+    # graph-captured decode on every rank (ModelRunner's cuda_graphs: True, or "static" for the uncaptured
+    # static-buffer path off CUDA in tests); the graph steps are mirrored with replay_decode
+    cuda_graphs: bool | str = False
+    max_graph_batch: int = 256
     timeout_s: float = 300.0
     data_parallel_size: int = 1  # attention replicas (executor_dp.py); ranks = data x tensor parallel size
     env: dict = field(default_factory=dict)
@@ -117,3 +124,27 @@ def restore(obj, pools, device):
     if isinstance(obj, (list, tuple)):
         return type(obj)(restore(o, pools, device) for o in obj)
     return obj
+
+
+def mirror_runner(runner, run) -> None:
+    """Make rank 0's ``runner`` send its graph decode steps and page copies to every rank through ``run(method, fn,
+    args)`` (the executor's mirrored call), and keep it from launching steps without waiting."""
+    runner.mirrored = True
+    copy_page = runner.pools.copy_page
+    runner.pools.copy_page = lambda *a: run("copy_page", copy_page, a)
+    for name in MIRRORED_RUNNER_METHODS:
+        fn = getattr(runner, name)
+        setattr(runner, name, (lambda n, f: lambda *a: run(n, f, a))(name, fn))
+
+
+def apply_call(method: str, args, model, runner, device) -> None:
+    """Run one mirrored call on a worker rank (its own model share, pools and device)."""
+    if method == "copy_page":
+        runner.pools.copy_page(*args)
+        return
+    args = restore(args, runner.pools, device)
+    if method in MIRRORED_RUNNER_METHODS:
+        getattr(runner, method)(*args)
+        return
+    fn = model if method == "forward" else getattr(model, method)
+    fn(*args)

@@ -23,7 +23,7 @@ import weakref
 
 import torch
 
-from .executor import MIRRORED_METHODS, ExecutorError, RankSpec, kill_processes, sanitize
+from .executor import MIRRORED_METHODS, ExecutorError, RankSpec, kill_processes, mirror_runner, sanitize
 from .rank_worker import build_rank_runner, rank_device, worker_main
 
 log = logging.getLogger("ascend_dsv4")
@@ -97,8 +97,7 @@ class MPExecutor:
             self.shutdown()
             raise err from e
         runner.model = _MirroredModel(model, self)
-        copy_page = runner.pools.copy_page
-        runner.pools.copy_page = lambda *a: self.run("copy_page", copy_page, a)
+        mirror_runner(runner, self.run)
         self.runner = runner
         log.info("mp executor: %d ranks ready (backend %s)", self.world, state.backend)
         return self

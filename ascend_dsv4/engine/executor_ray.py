@@ -21,7 +21,7 @@ import weakref
 
 import torch
 
-from .executor import ExecutorError, RankSpec, restore, sanitize
+from .executor import ExecutorError, RankSpec, apply_call, mirror_runner, sanitize
 from .executor_mp import _MirroredModel
 from .ray_executor import RayExecutor
 
@@ -57,12 +57,7 @@ class EngineRank:
 
     def call(self, method: str, args: tuple) -> None:
         with torch.inference_mode(), self._ops():
-            if method == "copy_page":
-                self.runner.pools.copy_page(*args)
-            else:
-                args = restore(args, self.runner.pools, self.device)
-                fn = self.model if method == "forward" else getattr(self.model, method)
-                fn(*args)
+            apply_call(method, args, self.model, self.runner, self.device)
 
 
 class RayEngineExecutor:
@@ -107,8 +102,7 @@ class RayEngineExecutor:
             raise
         runner = self._runner0
         runner.model = _MirroredModel(self._model, self)
-        copy_page = runner.pools.copy_page
-        runner.pools.copy_page = lambda *a: self.run("copy_page", copy_page, a)
+        mirror_runner(runner, self.run)
         self.runner = runner
         log.info("ray executor: %d ranks ready on %d node(s)", self.world, len({s.node_id for s in self.ray.slots}))
         return self

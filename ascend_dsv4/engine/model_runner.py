@@ -121,7 +121,7 @@ class PendingStep(NamedTuple):
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, sizes: PoolSizes, device: torch.device | str = "cpu",
                  kv_dtype: torch.dtype | None = None, backend: str | None = None, quant_summary: dict | None = None,
-                 cuda_graphs: bool = False, max_graph_batch: int = 256, batch_invariant: bool = False):
+                 cuda_graphs: bool | str = False, max_graph_batch: int = 256, batch_invariant: bool = False):
         self.model = model
         self.cfg = model.cfg
         self.device = torch.device(device)
@@ -139,10 +139,14 @@ class ModelRunner:
         self.max_num_batched_tokens: int | None = None
         # captured decode steps (CUDA, DeepSeek-V4 pools, Triton kernels: the reference ops synchronise with the
         # host and cannot be captured), see engine/cuda_graphs.py
+        # (cuda_graphs="static": the same static-buffer decode path off CUDA, run without capture -- tests)
         self.graphs = None
         self.last_prepare_s = 0.0  # host time of the last step's preparation (pages, context / static inputs)
-        if (cuda_graphs and self.device.type == "cuda" and hasattr(self.pools, "csa_layers")
-                and backend in (None, "cuda")):
+        # set by a multi-rank executor: graph steps are mirrored to every rank (replay_decode), and no step may be
+        # launched without waiting (launch_greedy), since the other ranks must replay the same graph
+        self.mirrored = False
+        if (cuda_graphs and (self.device.type == "cuda" or cuda_graphs == "static")
+                and hasattr(self.pools, "csa_layers") and backend in (None, "cuda")):
             from .cuda_graphs import CudaGraphDecoder
 
             self.graphs = CudaGraphDecoder(model, self.pools, max_graph_batch)
@@ -228,10 +232,18 @@ class ModelRunner:
         t0 = time.perf_counter()
         for s in seqs:
             self.pools.ensure(s, s.num_tokens + 1)
+        self._t0 = t0
+        return self.replay_decode(seqs, tokens, key)
+
+    def replay_decode(self, seqs: Sequence[SeqBlocks], tokens: Sequence[Sequence[int]], key):
+        """Stage a decode step whose pages are allocated and replay the graph of bucket ``key`` (captured on first
+        use); None when that bucket could not be captured. Under tensor / expert parallelism the executor runs
+        this on every rank (the captured collectives meet), the pages having been allocated by rank 0."""
+        g = self.graphs
         staged = g.stage(seqs, tokens, key)
         if staged is None:
             return None
-        self.last_prepare_s = time.perf_counter() - t0
+        self.last_prepare_s = time.perf_counter() - getattr(self, "_t0", time.perf_counter())
         return g.replay(staged, len(seqs))
 
     @torch.inference_mode()
@@ -285,7 +297,7 @@ class ModelRunner:
         n = len(seqs)
         g = self.graphs
         src = list(range(n)) if after_rows is None else list(after_rows)
-        if g is None or n == 0 or (after is not None and (len(src) != n or max(src) >= after.n)):
+        if g is None or self.mirrored or n == 0 or (after is not None and (len(src) != n or max(src) >= after.n)):
             return None
         tok = [[0]] * n if after is not None else tokens
         rows = list(range(n))

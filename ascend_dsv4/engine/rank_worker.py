@@ -17,7 +17,7 @@ import traceback
 
 import torch
 
-from .executor import RankSpec, restore
+from .executor import RankSpec, apply_call
 
 
 def rank_device(spec: RankSpec, rank: int) -> torch.device:
@@ -64,7 +64,8 @@ def build_rank_runner(spec: RankSpec, parallel, device: torch.device):
         if mem is not None:
             sizes = size_pools_for_memory(net, sizes, spec.dtype, spec.gpu_memory_utilization, *mem)
         sizes = agree_on_sizes(sizes, device)
-    return net, ModelRunner(net, sizes, device, backend=spec.backend)
+    return net, ModelRunner(net, sizes, device, backend=spec.backend, cuda_graphs=spec.cuda_graphs,
+                            max_graph_batch=spec.max_graph_batch)
 
 
 def _send(conn, obj) -> None:
@@ -104,12 +105,7 @@ def worker_main(rank: int, spec: RankSpec, port: int, conn) -> None:
             break
         try:
             with torch.inference_mode(), ops():
-                if method == "copy_page":
-                    runner.pools.copy_page(*args)
-                else:
-                    args = restore(args, runner.pools, device)
-                    fn = model if method == "forward" else getattr(model, method)
-                    fn(*args)
+                apply_call(method, args, model, runner, device)
             _send(conn, ("ok", None))
         except BaseException:  # noqa: BLE001
             _send(conn, ("err", traceback.format_exc()))

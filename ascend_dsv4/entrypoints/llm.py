@@ -147,6 +147,9 @@ class LLM:
         if max_num_batched_tokens < 1 or max_num_seqs < 1 or block_size < 1:
             raise ConfigError("max_num_batched_tokens, max_num_seqs and block_size must be positive")
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        # CUDA-graph decode (vLLM's default); enforce_eager turns it off, and so does the batch-invariant mode (its
+        # variants are not capture-safe)
+        self._cuda_graphs = not (enforce_eager or self.batch_invariant)
 
         folder = model if os.path.isdir(model) else (os.path.dirname(model) if os.path.isfile(model) else None)
         self.folder = folder
@@ -188,9 +191,7 @@ class LLM:
                 msmodelslim_path=msmodelslim_path, allow_float_mtp=allow_float_mtp,
                 msmodelslim_act_sim=msmodelslim_act_sim, check_weights=not skip_weight_check,
                 gpu_memory_utilization=gpu_memory_utilization, batch_invariant=self.batch_invariant,
-                # CUDA-graph decode (vLLM's default); enforce_eager turns it off, and so does the batch-invariant
-                # mode (its variants are not capture-safe)
-                cuda_graphs=not (enforce_eager or self.batch_invariant))
+                cuda_graphs=self._cuda_graphs)
         self.tokenizer = load_tokenizer(folder, cfg.bos_token_id, cfg.eos_token_id, cfg.vocab_size)
         self.engine = LLMEngine(self.runner, self.tokenizer, self.max_model_len, max_num_seqs, max_num_batched_tokens,
                                 enable_prefix_caching=enable_prefix_caching,
@@ -218,6 +219,7 @@ class LLM:
         spec = RankSpec(model=folder or model, cfg=self.cfg, dtype=self.dtype, numerics=numerics,
                         device_type=self.device.type, seed=seed, pool_sizes=sizes, tensor_parallel_size=tp,
                         enable_expert_parallel=ep, backend=self.backend, dequantize=dequantize, **msm,
+                        cuda_graphs=self._cuda_graphs, max_graph_batch=self.max_num_seqs,
                         timeout_s=float(os.environ.get("ASCEND_DSV4_MP_TIMEOUT", "300")),
                         env={k: v for k, v in os.environ.items() if k.startswith(("ASCEND_DSV4_", "ATB_OPS_", "HCCL_"))})
         if executor == "ray":
