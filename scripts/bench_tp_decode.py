@@ -4,8 +4,9 @@
 
 Every rank builds its share of the 3-layer Flash-shaped model (``build_model(..., parallel=state)``, random
 weights drawn with the same seed on every rank, so the replicated router agrees), fills ``ctx`` tokens of history
-per sequence and runs decode steps through ``ModelRunner.step`` in eager mode (the mp executor's workers run
-eagerly). Reported per (layout, batch): ms/step (median; all ranks step together since the collectives meet),
+per sequence and runs decode steps through ``ModelRunner.step``: CUDA-graph-captured per rank (each rank captures
+the same buckets in lockstep, the NCCL collectives inside the graphs; what the mp executor's ranks do since
+ModelRunner.replay_decode is mirrored), or eager with ``--enforce-eager``. Reported per (layout, batch): ms/step (median; all ranks step together since the collectives meet),
 tokens/s, the share of a step's time the GPU spends in NCCL kernels (torch.profiler: device time of kernels whose
 name contains "nccl", over 3 steps, rank 0; the collectives also wait for the slowest rank, which this counts as
 communication), and the HBM floor of the per-GPU bytes: the bytes the busiest rank must read in a step (its
@@ -98,7 +99,8 @@ def rank_main(rank: int, world: int, ep: bool, args, port: int, out_path: str) -
             picked.setdefault(lid, set()).update(out[1].reshape(-1).tolist())
 
         for batch in args.batches:
-            runner, seqs = make_runner(model, cfg, batch, args.ctx, args.warmup + args.steps + 8, dev, False)
+            runner, seqs = make_runner(model, cfg, batch, args.ctx, args.warmup + args.steps + 8, dev,
+                                       not args.enforce_eager)
             with atb_ops.use_backend(args.backend), torch.inference_mode():
                 picked.clear()
                 hs = [blk.ffn.gate.register_forward_hook(lambda m, i, o, lid=lid: hook(m, i, o, lid))
@@ -139,6 +141,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--backend", default="cuda")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--enforce-eager", action="store_true", help="eager decode steps (no CUDA graphs)")
     ap.add_argument("--toy", action="store_true")
     ap.add_argument("--out", default=None, help="write every row as JSON here")
     a = ap.parse_args()
@@ -153,7 +156,8 @@ def main() -> None:
         layouts.append((tp, False))
         if a.ep and tp > 1:
             layouts.append((tp, True))
-    print(f"# {name} x {n_dev}; Flash-shaped 3-layer decode, {a.format} weights, ctx {a.ctx}, eager steps")
+    mode = "eager" if a.enforce_eager else "CUDA-graph"
+    print(f"# {name} x {n_dev}; Flash-shaped 3-layer decode, {a.format} weights, ctx {a.ctx}, {mode} steps")
     print("| layout | GPUs | batch | ms/step | tok/s | NCCL ms (share) | per-GPU bytes GB | HBM floor ms | % of floor |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)
     every = []
