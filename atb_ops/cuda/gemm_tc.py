@@ -52,10 +52,11 @@ MAX_ROWS = 1024  # rows of one call up to which this kernel may be used (rows ar
 def _config(fmt: str, rows_per_weight: float) -> dict:
     """Tile settings: BW weight rows (64: one warpgroup's wgmma M), BT rows per pass (the MMA's N: 16 / 32 / 64 from
     the rows per weight), BK elements per K step (fp8: 128, one scale block), warps, pipeline stages, programs per
-    SM aimed at by split-K (ctas), a register cap (regs, 0: none). ATB_CUDA_TC_CFG="bw=128,warps=8,stages=6"
+    SM aimed at by split-K (ctas), a register cap (regs, 0: none), split-K partial sums added by the last program
+    of each tile (fixup=1) or by a second kernel (fixup=0). ATB_CUDA_TC_CFG="bw=128,warps=8,stages=6"
     overrides some (benchmarks: the variants are timed side by side)."""
     bt = 16 if rows_per_weight <= 16 else (32 if rows_per_weight <= 32 else 64)
-    cfg = dict(bw=64, bt=bt, bk=128, warps=4, stages=3 if fmt == "fp8_block" else 4, ctas=3, regs=0)
+    cfg = dict(bw=64, bt=bt, bk=128, warps=4, stages=3 if fmt == "fp8_block" else 4, ctas=3, regs=0, fixup=1)
     for kv in filter(None, os.environ.get("ATB_CUDA_TC_CFG", "").split(",")):
         key, val = kv.split("=")
         cfg[key.strip()] = int(val)
@@ -129,10 +130,11 @@ def _fp4x4_decode(b, s, ASM: tl.constexpr, MUL1: tl.constexpr):
 
 
 @triton.jit
-def _tc_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, act_ptr,
-               M, N, K, E, stride_we, stride_se, stride_sn, k_split, n_slots,
+def _tc_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, ctr_ptr, ids_ptr, act_ptr,
+               M, N, K, E, stride_we, stride_se, stride_sn, k_split, n_slots, n_split, max_pass,
                FMT: tl.constexpr, SCALE_E8M0: tl.constexpr, GROUPED: tl.constexpr, ASM: tl.constexpr,
                MUL1: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, EP: tl.constexpr, MP: tl.constexpr,
+               FIXUP: tl.constexpr,
                BW: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
     pid_n = tl.program_id(0)
     slot = tl.program_id(1)
@@ -174,7 +176,8 @@ def _tc_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, act_ptr,
     if GROUPED:
         k_hi = tl.where(slot >= n_act, k_lo, k_hi)  # rows with an id outside [0, E): zeros
     c = tl.arange(0, KS)
-    out_base = out_ptr + split.to(tl.int64) * M * N
+    part_base = part_ptr + split.to(tl.int64) * M * N
+    ctr_base = ctr_ptr + (pid_n * tl.num_programs(1) + slot) * max_pass
     for r0 in range(0, cnt, BT):
         r = r0 + tl.arange(0, BT)
         rm = r < cnt
@@ -236,8 +239,24 @@ def _tc_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, act_ptr,
                 else:
                     d = tl.dot(b.to(tl.float32), xv.to(tl.float32), input_precision="ieee")
                 acc += d * sv
-        tl.store(out_base + rows64[None, :] * N + n[:, None], acc.to(out_ptr.dtype.element_ty),
-                 mask=nm[:, None] & rm[None, :])
+        o_off = rows64[None, :] * N + n[:, None]
+        om = nm[:, None] & rm[None, :]
+        if FIXUP:
+            # split-K: partial sums to part[split]; the program that arrives last at this tile and pass adds them in
+            # split order (deterministic) and writes out; its counter is reset for the next launch
+            tl.store(part_base + o_off, acc, mask=om)
+            tl.debug_barrier()
+            ctr = ctr_base + r0 // BT
+            old = tl.atomic_add(ctr, 1, sem="acq_rel")
+            if old == n_split - 1:
+                tot = tl.zeros((BW, BT), tl.float32)
+                for sp in range(0, n_split):
+                    tot += tl.load(part_ptr + sp * M * N + o_off, mask=om, other=0.0,
+                                   cache_modifier=".cg")
+                tl.store(out_ptr + o_off, tot.to(out_ptr.dtype.element_ty), mask=om)
+                tl.atomic_xchg(ctr, 0)
+        else:
+            tl.store(part_base + o_off, acc.to(part_ptr.dtype.element_ty), mask=om)
 
 
 def eligible(x: torch.Tensor, fmt: str, w_scale: torch.Tensor | None, rows: int, n: int) -> bool:
@@ -275,18 +294,33 @@ def _launch(x, w, w_scale, fmt, ids, n_exp, n_slots, act, grouped, ep=0):
     else:
         s, e8 = w_scale.float().contiguous(), False
     dst = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    max_pass = triton.cdiv(m, bt)
+    fixup = split > 1 and cfg["fixup"] and n_tiles * slots * max_pass <= CTR_SIZE
+    ctr = _counters(x.device) if fixup else xc
     mul1 = fmt == "fp4" and gd.small_scales(w_scale)
     _tc_kernel[(n_tiles, slots, split)](
-        xc, wc, s, dst, ids if grouped else xc, act if grouped else xc, m, n, k, n_exp,
-        wc.stride(0) if grouped else 0, s.stride(0) if grouped else 0, k // 32, k_split, n_slots,
+        xc, wc, s, out, dst, ctr, ids if grouped else xc, act if grouped else xc, m, n, k, n_exp,
+        wc.stride(0) if grouped else 0, s.stride(0) if grouped else 0, k // 32, k_split, n_slots, split, max_pass,
         FMT=2 if fmt == "fp4" else 1, SCALE_E8M0=e8, GROUPED=grouped, ASM=not INTERPRET, MUL1=mul1,
-        EVEN_K=k_end % ks == 0, EVEN_N=n % bw == 0, EP=ep, MP=triton.next_power_of_2(m) if grouped else 1,
+        EVEN_K=k_end % ks == 0, EVEN_N=n % bw == 0, EP=ep, MP=triton.next_power_of_2(m) if grouped else 1, FIXUP=fixup,
         BW=bw, BT=bt, BK=bk, num_warps=cfg["warps"], num_stages=cfg["stages"],
         **({"maxnreg": cfg["regs"]} if cfg["regs"] and not INTERPRET else {}))
-    if split > 1:
+    if split > 1 and not fixup:
         total = m * n
         gd._sum_splits_kernel[(triton.cdiv(total, 1024),)](dst, out, total, split, BLOCK=1024, num_warps=4)
     return out
+
+
+CTR_SIZE = 1 << 16  # split-K arrival counters per device (int32, zero between launches)
+_CTRS: dict = {}
+
+
+def _counters(device: torch.device) -> torch.Tensor:
+    """The device's zeroed arrival counters (allocated once; every launch leaves them zero)."""
+    key = str(device)
+    if key not in _CTRS:
+        _CTRS[key] = torch.zeros(CTR_SIZE, dtype=torch.int32, device=device)
+    return _CTRS[key]
 
 
 def _splits(programs: int, k_steps: int, device: torch.device, per_sm: int) -> int:

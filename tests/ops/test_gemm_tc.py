@@ -74,12 +74,14 @@ def test_grouped_matmul_tc_prologue_and_wide_tiles(fmt, monkeypatch):
     check_close(tc.grouped_matmul(x, w, ids, s, fmt), x, w, s, fmt, ids)
 
 
+@pytest.mark.parametrize("fixup", [1, 0])  # partial sums added by the last program of a tile / by a second kernel
 @pytest.mark.parametrize("fmt", ["fp4", "fp8_block"])
 @pytest.mark.parametrize("float_scale", [False, True])
-def test_linear_tc_split_k(fmt, float_scale, monkeypatch):
+def test_linear_tc_split_k(fmt, float_scale, fixup, monkeypatch):
     """Split-K partial sums (float32, added in split order); fp8 with float32 and E8M0 block scales."""
     if fmt == "fp4" and float_scale:
         pytest.skip("fp4 scales are E8M0")
+    monkeypatch.setenv("ATB_CUDA_TC_CFG", f"fixup={fixup}")
     g = torch.Generator().manual_seed(33)
     n, k = 200, 2048
     w, s = _weights(fmt, 1, n, k, g, float_scale=float_scale)
@@ -88,6 +90,21 @@ def test_linear_tc_split_k(fmt, float_scale, monkeypatch):
         for split in (1, 3):
             monkeypatch.setattr(tc, "_splits", lambda *a, _s=split: _s)
             check_close(tc.linear(x, w[0], s[0], fmt), x, w[0], s[0], fmt)
+    assert int(tc._counters(x.device).abs().sum()) == 0  # every launch leaves its arrival counters at zero
+
+
+def test_grouped_matmul_tc_split_k_passes(monkeypatch):
+    """Split-K with several passes of rows per expert (a counter per tile and pass)."""
+    monkeypatch.setattr(tc, "_splits", lambda *a: 2)
+    g = torch.Generator().manual_seed(38)
+    e, n, k = 3, 64, 512
+    w, s = _weights("fp4", e, n, k, g)
+    x = torch.randn(40, k, generator=g).to(DEV, torch.bfloat16)
+    ids = _ids(40, e, g)
+    ids[:35] = 2  # three passes of 16 on expert 2
+    ids = ids.to(DEV)
+    check_close(tc.grouped_matmul(x, w, ids, s, "fp4"), x, w, s, "fp4", ids)
+    assert int(tc._counters(x.device).abs().sum()) == 0
 
 
 def test_tc_edge_cases():
