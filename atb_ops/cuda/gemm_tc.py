@@ -53,10 +53,11 @@ def _config(fmt: str, rows_per_weight: float) -> dict:
     """Tile settings: BW weight rows (64: one warpgroup's wgmma M), BT rows per pass (the MMA's N: 16 / 32 / 64 from
     the rows per weight), BK elements per K step (fp8: 128, one scale block), warps, pipeline stages, programs per
     SM aimed at by split-K (ctas), a register cap (regs, 0: none), split-K partial sums added by the last program
-    of each tile (fixup=1) or by a second kernel (fixup=0). ATB_CUDA_TC_CFG="bw=128,warps=8,stages=6"
+    of each tile (fixup=1) or by a second kernel (fixup=0), fp4 activations split into their 4 column phases by a
+    copy before the kernel (xsplit=1) or in registers each step (xsplit=0). ATB_CUDA_TC_CFG="bw=128,warps=8,stages=6"
     overrides some (benchmarks: the variants are timed side by side)."""
     bt = 16 if rows_per_weight <= 16 else (32 if rows_per_weight <= 32 else 64)
-    cfg = dict(bw=64, bt=bt, bk=128, warps=4, stages=3 if fmt == "fp8_block" else 4, ctas=3, regs=0, fixup=1)
+    cfg = dict(bw=64, bt=bt, bk=128, warps=4, stages=3 if fmt == "fp8_block" else 4, ctas=3, regs=0, fixup=1, xsplit=0)
     for kv in filter(None, os.environ.get("ATB_CUDA_TC_CFG", "").split(",")):
         key, val = kv.split("=")
         cfg[key.strip()] = int(val)
@@ -134,7 +135,7 @@ def _tc_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, ctr_ptr, ids_ptr, act_ptr
                M, N, K, E, stride_we, stride_se, stride_sn, k_split, n_slots, n_split, max_pass,
                FMT: tl.constexpr, SCALE_E8M0: tl.constexpr, GROUPED: tl.constexpr, ASM: tl.constexpr,
                MUL1: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, EP: tl.constexpr, MP: tl.constexpr,
-               FIXUP: tl.constexpr,
+               FIXUP: tl.constexpr, XSPLIT: tl.constexpr,
                BW: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
     pid_n = tl.program_id(0)
     slot = tl.program_id(1)
@@ -208,13 +209,19 @@ def _tc_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, ctr_ptr, ids_ptr, act_ptr
                 b = gd._ld(w_base + n[:, None].to(tl.int64) * k_end + kk[None, :], wm, 0, not (EVEN_K and EVEN_N))
                 s16 = tl.reshape(tl.broadcast_to(gd._scale_bf16(sc, MUL1)[:, :, None], (BW, BK // 32, 8)), (BW, KS))
                 q0, q1, q2, q3 = _fp4x4_decode(b, s16, ASM, MUL1)
-                # activation columns 4h .. 4h+3 as one int64, split in registers: one dot per nibble position
-                xq = tl.load(x_ptr.to(tl.pointer_type(tl.int64)) + rows64[None, :] * k_end + kk[:, None], mask=xm,
-                             other=0)
-                x0 = xq.to(tl.int16).to(tl.bfloat16, bitcast=True)
-                x1 = (xq >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
-                x2 = (xq >> 32).to(tl.int16).to(tl.bfloat16, bitcast=True)
-                x3 = (xq >> 48).to(tl.int16).to(tl.bfloat16, bitcast=True)
+                if XSPLIT:  # x pre-split into its 4 column phases [4, M, K/4]: four direct B-operand tiles
+                    xp = x_ptr + rows64[None, :] * k_end + kk[:, None]
+                    x0 = tl.load(xp, mask=xm, other=0.0)
+                    x1 = tl.load(xp + M * k_end, mask=xm, other=0.0)
+                    x2 = tl.load(xp + 2 * M * k_end, mask=xm, other=0.0)
+                    x3 = tl.load(xp + 3 * M * k_end, mask=xm, other=0.0)
+                else:  # activation columns 4h .. 4h+3 as one int64, split in registers: one dot per nibble position
+                    xq = tl.load(x_ptr.to(tl.pointer_type(tl.int64)) + rows64[None, :] * k_end + kk[:, None], mask=xm,
+                                 other=0)
+                    x0 = xq.to(tl.int16).to(tl.bfloat16, bitcast=True)
+                    x1 = (xq >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+                    x2 = (xq >> 32).to(tl.int16).to(tl.bfloat16, bitcast=True)
+                    x3 = (xq >> 48).to(tl.int16).to(tl.bfloat16, bitcast=True)
                 if ASM:
                     acc = tl.dot(q0, x0, acc)
                     acc = tl.dot(q1, x1, acc)
@@ -286,6 +293,8 @@ def _launch(x, w, w_scale, fmt, ids, n_exp, n_slots, act, grouped, ep=0):
     xc = x.contiguous()
     if xc.data_ptr() % 8:
         xc = xc.clone()
+    xsplit = fmt == "fp4" and bool(cfg["xsplit"])
+    xk = xc.view(m, k // 4, 4).permute(2, 0, 1).contiguous() if xsplit else xc
     wc = w.contiguous()
     if fmt == "fp4":
         wc = wc.view(torch.int16)
@@ -299,10 +308,10 @@ def _launch(x, w, w_scale, fmt, ids, n_exp, n_slots, act, grouped, ep=0):
     ctr = _counters(x.device) if fixup else xc
     mul1 = fmt == "fp4" and gd.small_scales(w_scale)
     _tc_kernel[(n_tiles, slots, split)](
-        xc, wc, s, out, dst, ctr, ids if grouped else xc, act if grouped else xc, m, n, k, n_exp,
+        xk, wc, s, out, dst, ctr, ids if grouped else xc, act if grouped else xc, m, n, k, n_exp,
         wc.stride(0) if grouped else 0, s.stride(0) if grouped else 0, k // 32, k_split, n_slots, split, max_pass,
         FMT=2 if fmt == "fp4" else 1, SCALE_E8M0=e8, GROUPED=grouped, ASM=not INTERPRET, MUL1=mul1,
-        EVEN_K=k_end % ks == 0, EVEN_N=n % bw == 0, EP=ep, MP=triton.next_power_of_2(m) if grouped else 1, FIXUP=fixup,
+        EVEN_K=k_end % ks == 0, EVEN_N=n % bw == 0, EP=ep, MP=triton.next_power_of_2(m) if grouped else 1, FIXUP=fixup, XSPLIT=xsplit,
         BW=bw, BT=bt, BK=bk, num_warps=cfg["warps"], num_stages=cfg["stages"],
         **({"maxnreg": cfg["regs"]} if cfg["regs"] and not INTERPRET else {}))
     if split > 1 and not fixup:

@@ -42,9 +42,11 @@ def test_fp4x4_ptx_decodes_every_word(sc, one_mul):
     assert torch.equal(got.flatten(), want[0])
 
 
+@pytest.mark.parametrize("cfg", ["", "xsplit=1,regs=168"])
 @pytest.mark.parametrize("fmt", ["fp4", "fp8_block"])
 @pytest.mark.parametrize("m", [1, 5, 37])
-def test_grouped_matmul_tc(fmt, m):
+def test_grouped_matmul_tc(fmt, m, cfg, monkeypatch):
+    monkeypatch.setenv("ATB_CUDA_TC_CFG", cfg)
     g = torch.Generator().manual_seed(31)
     e, n, k = 5, 72, 320 if fmt == "fp4" else 384  # N, K not multiples of the tiles; experts without rows
     w, s = _weights(fmt, e, n, k, g)
