@@ -269,6 +269,8 @@ def cases(dev, quick: bool):
                                      ("fp4", we4, se4, 0.5 + 1 / 32), ("fp4-split", we4, se4, 0.5 + 1 / 32)):
                 byt = int(active * Nw * Kw * bpw) + _nb(x) + rows * Nw * 2
                 paths = [""] if fmt == "dense" else (["[gemm=tiled]"] if fmt == "fp4-split" else list(GEMM_PATHS))
+                if rows > 1024:  # beyond the decode / tensor-core kernels' MAX_ROWS: the tiled kernel only
+                    paths = [p for p in paths if p in ("", "[gemm=tiled]")]
                 for path in paths:
                     yield (f"grouped_matmul {fmt} T={T}x6 E={E} {Nw}x{Kw} ({name}) {path}".rstrip(), "grouped_matmul",
                            [(x, wt, d, sc, fmt.split("-")[0]) for d in draws], {}, byt, fl)

@@ -17,7 +17,7 @@ Decode-sized calls (bfloat16 activations, few rows per weight) over fp4 / fp8_bl
 :mod:`.gemm_decode` (one pass over the weight bytes, decoded with PTX bit operations, mma.sync on [rows, columns]
 tiles) or :mod:`.gemm_tc` (swap-AB wgmma: weight rows as the MMA's M side, decoded in the A-operand registers)
 instead; ``ATB_CUDA_GEMM`` = ``decode`` / ``tc`` / ``tiled`` forces one path where it applies (benchmarks),
-``auto`` (default) selects by shape (:data:`TC_ROWS`, :data:`DECODE_ROWS`).
+``auto`` (default) selects by shape (:data:`TC_LINEAR_ROWS`, :data:`TC_GROUPED_MIN_ROWS`, :data:`DECODE_ROWS`).
 """
 
 from __future__ import annotations
@@ -41,12 +41,15 @@ _FMT = {"dense": 0, "fp8_block": 1, "fp4": 2}
 DECODE_ROWS = {"fp4": 64, "fp8_block": 16}
 
 
-# rows per weight up to which the swap-AB tensor-core kernel (gemm_tc.py) is preferred (checked before
-# DECODE_ROWS; measured: see scripts/bench_results/gemm_tc_h100.txt)
-TC_ROWS = {"fp4": 0, "fp8_block": 0}
+# where the swap-AB tensor-core kernel (gemm_tc.py) is preferred, checked before DECODE_ROWS (measured on the
+# H100: scripts/bench_results/gemm_tc_h100.txt): linears of up to 64 rows (faster than the decode and tiled
+# kernels at 1, 32 and 64 rows, fp8 and fp4); grouped calls of more than 16 rows (T >= 8 tokens x 6 experts:
+# faster than the decode kernel on both expert shapes; at one token the two are within noise and decode stays)
+TC_LINEAR_ROWS = 64
+TC_GROUPED_MIN_ROWS = 17
 
 
-def _path(x: torch.Tensor, fmt: str, w_scale, rows: int, rows_per_weight: float) -> str:
+def _path(x: torch.Tensor, fmt: str, w_scale, rows: int, rows_per_weight: float, grouped: bool = True) -> str:
     """Which kernel serves this fp4 / fp8_block call: "tc" | "decode" | "tiled" (ATB_CUDA_GEMM = auto | tc |
     decode | tiled; a forced path that does not apply to the call falls back to the tiled kernel)."""
     mode = os.environ.get("ATB_CUDA_GEMM", "auto")
@@ -54,14 +57,14 @@ def _path(x: torch.Tensor, fmt: str, w_scale, rows: int, rows_per_weight: float)
         return "tiled"
     if mode in ("tc", "decode"):
         return mode
-    if rows_per_weight <= TC_ROWS.get(fmt, 0):
+    if (rows >= TC_GROUPED_MIN_ROWS and rows_per_weight <= TC_LINEAR_ROWS) if grouped else rows <= TC_LINEAR_ROWS:
         return "tc"
     return "decode" if rows_per_weight <= DECODE_ROWS.get(fmt, 0) else "tiled"
 
 
-def _use_decode(x: torch.Tensor, fmt: str, w_scale, rows: int, rows_per_weight: float) -> bool:
+def _use_decode(x: torch.Tensor, fmt: str, w_scale, rows: int, rows_per_weight: float, grouped: bool = True) -> bool:
     """Whether this fp4 / fp8_block call goes to the decode kernel (gemm_decode.py)."""
-    return _path(x, fmt, w_scale, rows, rows_per_weight) == "decode"
+    return _path(x, fmt, w_scale, rows, rows_per_weight, grouped) == "decode"
 
 
 def _fp4_split() -> bool:
@@ -199,7 +202,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None = None
             return x @ w.t()
         return (x.float() @ w.float().t()).to(x.dtype)
     _check(fmt, k)
-    path = _path(x, fmt, w_scale, m, m)
+    path = _path(x, fmt, w_scale, m, m, grouped=False)
     if path == "tc":
         return gemm_tc.linear(x, w, w_scale, fmt)
     if path == "decode":

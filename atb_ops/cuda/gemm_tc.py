@@ -49,21 +49,35 @@ from ._util import INTERPRET, sm_count
 MAX_ROWS = 1024  # rows of one call up to which this kernel may be used (rows are gathered in-kernel)
 
 
-def _config(fmt: str, rows_per_weight: float) -> dict:
+def _config(fmt: str, rows_per_weight: float, grouped: bool) -> dict:
     """Tile settings: BW weight rows (64: one warpgroup's wgmma M), BT rows per pass (the MMA's N: 16 / 32 / 64 from
     the rows per weight), BK elements per K step (fp8: 128, one scale block), warps, pipeline stages, programs per
     SM aimed at by split-K (ctas), a register cap (regs, 0: none), split-K partial sums added by the last program
     of each tile (fixup=1) or by a second kernel (fixup=0), fp4 activations split into their 4 column phases by a
-    copy before the kernel (xsplit=1) or in registers each step (xsplit=0). ATB_CUDA_TC_CFG="bw=128,warps=8,stages=6"
-    overrides some (benchmarks: the variants are timed side by side)."""
+    copy before the kernel (xsplit=1) or in registers each step (xsplit=0). ATB_CUDA_TC_CFG="ctas=1,fixup=0"
+    overrides some (benchmarks: the variants are timed side by side).
+
+    Defaults from the variants timed on the H100 (scripts/bench_results/gemm_tc_h100.txt): grouped calls cap the
+    registers at 128 at 16 rows per pass (four programs per SM; 5-10 % faster than uncapped) and pre-split fp4 activations (the copy
+    is cheap next to ~100 us of expert weights; 8-12 % faster); linears aim at 2 programs per SM up to 32 rows;
+    at 64 rows fp8 adds the splits in a second kernel and fp4 aims at one program per SM."""
     bt = 16 if rows_per_weight <= 16 else (32 if rows_per_weight <= 32 else 64)
     cfg = dict(bw=64, bt=bt, bk=128, warps=4, stages=3 if fmt == "fp8_block" else 4, ctas=3, regs=0, fixup=1, xsplit=0)
+    if grouped:
+        cfg.update(regs=128 if bt == 16 else 0, xsplit=int(fmt == "fp4"))
+    elif bt <= 32:
+        cfg.update(ctas=2)
+    elif fmt == "fp8_block":
+        cfg.update(fixup=0)
+    else:
+        cfg.update(ctas=1)
     for kv in filter(None, os.environ.get("ATB_CUDA_TC_CFG", "").split(",")):
         key, val = kv.split("=")
         cfg[key.strip()] = int(val)
     if fmt == "fp8_block":
         cfg["bk"] = 128  # one 128x128 scale block per step
     return cfg
+
 
 # fp4 codes, one int16 word (4 codes) per element, 2 words per register: $4 = bytes b0 b1 (word 0) b2 b3 (word 1);
 # $5 = the two words' scales (bfloat16). Output $i holds code i of each word (element 4h + i): $0 / $1 = low / high
@@ -278,7 +292,7 @@ def _launch(x, w, w_scale, fmt, ids, n_exp, n_slots, act, grouped, ep=0):
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if n == 0 or m == 0:
         return out
-    cfg = _config(fmt, m / n_slots if grouped else m)
+    cfg = _config(fmt, m / n_slots if grouped else m, grouped)
     bw, bt, bk = cfg["bw"], cfg["bt"], cfg["bk"]
     if fmt == "fp8_block" and 128 % bw:
         raise ValueError(f"fp8_block weight tiles must divide the 128-row scale block, got bw={bw}")

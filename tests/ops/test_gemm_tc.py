@@ -131,9 +131,16 @@ def test_dispatch_tc(monkeypatch):
     """ATB_CUDA_GEMM=tc routes eligible calls to this kernel (through the public ops)."""
     from atb_ops.cuda import gemm
 
-    monkeypatch.setenv("ATB_CUDA_GEMM", "tc")
     x = torch.zeros(4, 64, dtype=torch.bfloat16)
     s = torch.zeros(8, 2, dtype=torch.uint8)
+    monkeypatch.delenv("ATB_CUDA_GEMM", raising=False)  # auto: the measured shape rules
+    assert gemm._path(x, "fp4", s, 64, 64, grouped=False) == "tc"
+    assert gemm._path(x, "fp8_block", s, 1, 1, grouped=False) == "tc"
+    assert gemm._path(x, "fp8_block", s, 65, 65, grouped=False) == "tiled"
+    assert gemm._path(x, "fp4", s, 6, 1) == "decode"  # one token x 6 experts
+    assert gemm._path(x, "fp4", s, 48, 1) == "tc"  # 8 tokens x 6 experts
+    assert gemm._path(x, "fp8_block", s, 384, 6) == "tc"
+    monkeypatch.setenv("ATB_CUDA_GEMM", "tc")
     assert gemm._path(x, "fp4", s, 4, 4) == "tc"
     assert gemm._path(x.float(), "fp4", s, 4, 4) == "tiled"
     g = torch.Generator().manual_seed(35)
