@@ -13,9 +13,12 @@ reference output.
 
 DeepSeek's TileLang kernels are not run side by side: TileLang is not installed on the device machine.
 
-FP8-block / FP4 linears and grouped matmuls are timed on both CUDA paths side by side: ``[gemm=tiled]`` (the
-tiled kernel, gemm.py) and ``[gemm=decode]`` (gemm_decode.py; ``--decode-variants``: its tunables); the grouped cases
-rotate over 8 expert-id draws (and the linears over 8 weights) so that the weights are read from HBM.
+FP8-block / FP4 linears and grouped matmuls are timed on the CUDA paths side by side: ``[gemm=tiled]`` (the
+tiled kernel, gemm.py), ``[gemm=decode]`` (gemm_decode.py; ``--decode-variants``: its tunables) and ``[gemm=tc]``
+(the swap-AB tensor-core kernel, gemm_tc.py; ``--tc-variants``: its tunables); ``--gemm-paths`` picks a subset. The
+grouped cases rotate over 8 expert-id draws (and the linears over 8 weights) so that the weights are read from HBM,
+and each grouped shape has a bf16 peer row: torch._grouped_mm (or a per-expert cuBLAS loop where it is missing) on
+rows already sorted by expert.
 
 Usage: python scripts/bench_kernels.py [--out results.json] [--quick] [--only REGEX] [--no-reference]
 """
