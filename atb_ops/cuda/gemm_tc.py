@@ -12,20 +12,23 @@ Decode-sized calls have a handful of rows (tokens) per weight, far fewer than th
 of BW weight rows is the MMA's M side (64 / 128) and BT = 16..64 tokens its N side, so no MMA work is padding
 beyond the rounding of the token count up to 16. Per K step of BK elements:
 
-- the weight bytes are copied to shared memory by cp.async (software-pipelined, ``num_stages`` deep) and read back
-  straight into the wgmma A-operand register layout as bytes (Triton hoists the layout change above the decode),
-  then decoded in registers: fp8 by Triton's e4m3 -> bfloat16 conversion (exact), fp4 by the PTX bit decoder of
-  :mod:`.gemm_decode` (bf16 bits ``s << 15 | (e, m) << 6`` times a power of two, the E8M0 scale folded into that
-  multiply; exact). The weight never exists in bfloat16 in memory;
-- the activation tile x[rows, k-range]^T is the B operand (shared memory); for fp4 it is read as int32 column
-  pairs and split into the even / odd columns that meet the low / high nibbles (two MMAs per step);
+- the weight tile is copied to shared memory by cp.async (software-pipelined, ``num_stages`` deep) and read back
+  straight into the wgmma A-operand register layout undecoded (Triton hoists the layout change above the
+  decode), then decoded in registers: fp8 bytes by Triton's e4m3 -> bfloat16 conversion (exact); fp4 as int16
+  words of 4 codes by a PTX bit decoder (:data:`FP4X4_PTX`: bf16 bits ``s << 15 | (e, m) << 6`` = e2m1 * 2^-126,
+  times 2^126 and the E8M0 scale, a power of two; exact), giving 4 operands q_i [BW, BK/4] with code i of each
+  word (weight column 4h + i). The weight never exists in bfloat16 in memory;
+- the activation tile x[rows, k-range]^T is the B operand (shared memory); for fp4 it is split into the 4 column
+  phases x[:, 4h + i] that meet q_i (4 MMAs per step): in registers from int64 loads of 4 columns, or by a copy
+  of x to [4, M, K/4] before the kernel (``xsplit``), whose tiles then go to shared memory directly;
 - fp8 block scales (one per 128 x 128 block: BW divides 128 and BK = 128) multiply each step's product; the fp4
   scale tile of the next step is loaded one step ahead.
 
 Accumulation is float32 in registers; the products are exact (bfloat16 x bfloat16), so results differ from the
 reference op (float32 dequantised weight, float32 matmul) only in summation order. When the tiles alone cannot
-fill the GPU, K is split over programs; the partial sums go to a float32 buffer that a second kernel adds in split
-order (deterministic).
+fill the GPU, K is split over programs; the float32 partial sums are added in split order (deterministic) by the
+program that arrives last at its tile (an arrival counter per tile and pass, reset by that program), or by a
+second kernel (``fixup=0``).
 
 Rows of the grouped op: as in :mod:`.gemm_decode`, program slot j takes the j-th active expert (in increasing id)
 and gathers its rows from ``expert_ids`` itself, BT at a time; the slot after the last active expert writes zeros
@@ -83,9 +86,10 @@ def _config(fmt: str, rows_per_weight: float, grouped: bool) -> dict:
 # fp4 codes, one int16 word (4 codes) per element, 2 words per register: $4 = bytes b0 b1 (word 0) b2 b3 (word 1);
 # $5 = the two words' scales (bfloat16). Output $i holds code i of each word (element 4h + i): $0 / $1 = low / high
 # nibbles of (b0, b2), $2 / $3 = of (b1, b3). t = [0, b0, 0, b2] puts each byte in the high half of a 16-bit lane.
-# Low nibble: magnitude bits 8-10 >> 2 -> 6-8, sign bit 11 << 4 -> 15; high nibble (h = t & 0xF000F000): magnitude
-# bits 12-14 >> 6 -> 6-8, sign bit 15 in place. Bits the mask 0x81C0 keeps from one operand are zero in the other, so one lop3
-# ((a | b) & mask) merges them: bfloat16 bits s << 15 | (e, m) << 6 = e2m1 * 2^-126, then times 2^126 and the scale.
+# Low nibble: magnitude bits 8-10 >> 2 -> 6-8, sign bit 11 << 4 -> 15; high nibble (h = t & 0xF000F000):
+# magnitude bits 12-14 >> 6 -> 6-8, sign bit 15 in place. Bits the mask 0x81C0 keeps from one operand are zero in
+# the other, so one lop3 ((a | b) & mask) merges them: bfloat16 bits s << 15 | (e, m) << 6 = e2m1 * 2^-126, then
+# times 2^126 and the scale.
 _FP4X4_PTX = tl.constexpr("""{
 .reg .b32 t0, t1, a, b, h, k, z;
 mov.b32 k, 0x7E807E80;
@@ -319,14 +323,16 @@ def _launch(x, w, w_scale, fmt, ids, n_exp, n_slots, act, grouped, ep=0):
         s, e8 = w_scale.float().contiguous(), False
     dst = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     max_pass = triton.cdiv(m, bt)
-    fixup = split > 1 and cfg["fixup"] and n_tiles * slots * max_pass <= CTR_SIZE
-    ctr = _counters(x.device) if fixup else xc
+    ctr = _counters(x.device) if split > 1 and cfg["fixup"] and n_tiles * slots * max_pass <= CTR_SIZE else None
+    fixup = ctr is not None
+    ctr = xc if ctr is None else ctr
     mul1 = fmt == "fp4" and gd.small_scales(w_scale)
     _tc_kernel[(n_tiles, slots, split)](
         xk, wc, s, out, dst, ctr, ids if grouped else xc, act if grouped else xc, m, n, k, n_exp,
         wc.stride(0) if grouped else 0, s.stride(0) if grouped else 0, k // 32, k_split, n_slots, split, max_pass,
         FMT=2 if fmt == "fp4" else 1, SCALE_E8M0=e8, GROUPED=grouped, ASM=not INTERPRET, MUL1=mul1,
-        EVEN_K=k_end % ks == 0, EVEN_N=n % bw == 0, EP=ep, MP=triton.next_power_of_2(m) if grouped else 1, FIXUP=fixup, XSPLIT=xsplit,
+        EVEN_K=k_end % ks == 0, EVEN_N=n % bw == 0, EP=ep, MP=triton.next_power_of_2(m) if grouped else 1,
+        FIXUP=fixup, XSPLIT=xsplit,
         BW=bw, BT=bt, BK=bk, num_warps=cfg["warps"], num_stages=cfg["stages"],
         **({"maxnreg": cfg["regs"]} if cfg["regs"] and not INTERPRET else {}))
     if split > 1 and not fixup:
@@ -339,10 +345,14 @@ CTR_SIZE = 1 << 16  # split-K arrival counters per device (int32, zero between l
 _CTRS: dict = {}
 
 
-def _counters(device: torch.device) -> torch.Tensor:
-    """The device's zeroed arrival counters (allocated once; every launch leaves them zero)."""
+def _counters(device: torch.device) -> torch.Tensor | None:
+    """The device's zeroed arrival counters (allocated once, outside CUDA-graph capture: None while capturing
+    before they exist; every launch leaves them zero). One set per device: launches that use them must not run
+    concurrently on two streams (the backend issues its ops on one stream at a time)."""
     key = str(device)
     if key not in _CTRS:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
         _CTRS[key] = torch.zeros(CTR_SIZE, dtype=torch.int32, device=device)
     return _CTRS[key]
 
