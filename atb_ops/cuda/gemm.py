@@ -17,7 +17,8 @@ Decode-sized calls (bfloat16 activations, few rows per weight) over fp4 / fp8_bl
 :mod:`.gemm_decode` (one pass over the weight bytes, decoded with PTX bit operations, mma.sync on [rows, columns]
 tiles) or :mod:`.gemm_tc` (swap-AB wgmma: weight rows as the MMA's M side, decoded in the A-operand registers)
 instead; ``ATB_CUDA_GEMM`` = ``decode`` / ``tc`` / ``tiled`` forces one path where it applies (benchmarks),
-``auto`` (default) selects by shape (:data:`TC_LINEAR_ROWS`, :data:`TC_GROUPED_MIN_ROWS`, :data:`DECODE_ROWS`).
+``auto`` (default) selects by shape (:data:`TC_LINEAR_ROWS`, :data:`TC_GROUPED_MIN_ROWS` / ``_MAX_ROWS``,
+:data:`DECODE_ROWS`).
 """
 
 from __future__ import annotations
@@ -43,10 +44,12 @@ DECODE_ROWS = {"fp4": 64, "fp8_block": 16}
 
 # where the swap-AB tensor-core kernel (gemm_tc.py) is preferred, checked before DECODE_ROWS (measured on the
 # H100: scripts/bench_results/gemm_tc_h100.txt): linears of up to 64 rows (faster than the decode and tiled
-# kernels at 1, 32 and 64 rows, fp8 and fp4); grouped calls of more than 16 rows (T >= 8 tokens x 6 experts:
-# faster than the decode kernel on both expert shapes; at one token the two are within noise and decode stays)
+# kernels at 1, 32 and 64 rows, fp8 and fp4); grouped calls of 17..384 rows with <= 16 rows per active expert
+# (T = 8..64 tokens x 6 of 64 experts: faster than the decode kernel on both expert shapes; at one token decode is
+# as fast or faster and stays; beyond that range the tc kernel was not measured)
 TC_LINEAR_ROWS = 64
 TC_GROUPED_MIN_ROWS = 17
+TC_GROUPED_MAX_ROWS = 384
 
 
 def _path(x: torch.Tensor, fmt: str, w_scale, rows: int, rows_per_weight: float, grouped: bool = True) -> str:
@@ -57,7 +60,10 @@ def _path(x: torch.Tensor, fmt: str, w_scale, rows: int, rows_per_weight: float,
         return "tiled"
     if mode in ("tc", "decode"):
         return mode
-    if (rows >= TC_GROUPED_MIN_ROWS and rows_per_weight <= TC_LINEAR_ROWS) if grouped else rows <= TC_LINEAR_ROWS:
+    if grouped:
+        if TC_GROUPED_MIN_ROWS <= rows <= TC_GROUPED_MAX_ROWS and rows_per_weight <= 16:
+            return "tc"
+    elif rows <= TC_LINEAR_ROWS:
         return "tc"
     return "decode" if rows_per_weight <= DECODE_ROWS.get(fmt, 0) else "tiled"
 

@@ -140,6 +140,8 @@ def test_dispatch_tc(monkeypatch):
     assert gemm._path(x, "fp4", s, 6, 1) == "decode"  # one token x 6 experts
     assert gemm._path(x, "fp4", s, 48, 1) == "tc"  # 8 tokens x 6 experts
     assert gemm._path(x, "fp8_block", s, 384, 6) == "tc"
+    assert gemm._path(x, "fp4", s, 768, 12) == "decode"  # outside the measured range: the old rules
+    assert gemm._path(x, "fp8_block", s, 100, 50) == "tiled"
     monkeypatch.setenv("ATB_CUDA_GEMM", "tc")
     assert gemm._path(x, "fp4", s, 4, 4) == "tc"
     assert gemm._path(x.float(), "fp4", s, 4, 4) == "tiled"
