@@ -13,9 +13,12 @@ reference output.
 
 DeepSeek's TileLang kernels are not run side by side: TileLang is not installed on the device machine.
 
-FP8-block / FP4 linears and grouped matmuls are timed on both CUDA paths side by side: ``[gemm=tiled]`` (the
-tiled kernel, gemm.py) and ``[gemm=decode]`` (gemm_decode.py; ``--decode-variants``: its tunables); the grouped cases
-rotate over 8 expert-id draws (and the linears over 8 weights) so that the weights are read from HBM.
+FP8-block / FP4 linears and grouped matmuls are timed on the CUDA paths side by side: ``[gemm=tiled]`` (the
+tiled kernel, gemm.py), ``[gemm=decode]`` (gemm_decode.py; ``--decode-variants``: its tunables) and ``[gemm=tc]``
+(the swap-AB tensor-core kernel, gemm_tc.py; ``--tc-variants``: its tunables); ``--gemm-paths`` picks a subset. The
+grouped cases rotate over 8 expert-id draws (and the linears over 8 weights) so that the weights are read from HBM,
+and each grouped shape has a bf16 peer row: torch._grouped_mm (or a per-expert cuBLAS loop where it is missing) on
+rows already sorted by expert.
 
 Usage: python scripts/bench_kernels.py [--out results.json] [--quick] [--only REGEX] [--no-reference]
 """
@@ -72,7 +75,8 @@ def ceilings(dev) -> dict:
 
 
 ROTATE = 8
-GEMM_PATHS = ["[gemm=tiled]", "[gemm=decode]"]  # + "[gemm=decode cfg=...]" per --decode-variants entry
+GEMM_PATHS = ["[gemm=tiled]", "[gemm=decode]", "[gemm=tc]"]  # + "[gemm=decode cfg=...]" per --decode-variants
+# entry and "[gemm=tc cfg=...]" per --tc-variants entry
 # tile variants of the attention kernel timed side by side: " [BH,BN,WARPS]" (see atb_ops/cuda/attention.py)
 ATTN_VARIANTS = ("", " [32,32,8]", " [64,32,8]", " [64,16,8]", " [64,32,16]")
 # indexer_topk variants: the previous path (int64 keys + torch.topk) and score-kernel tiles
@@ -99,6 +103,39 @@ def rel(a, b):
 
 def _nb(*ts):
     return sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))
+
+
+def _grouped_peer(w, x, draws):
+    """(fn(i) -> bf16 [M, N] of draw i's rows sorted by expert, name): torch._grouped_mm with int32 row-end
+    offsets where it runs, else one cuBLAS matmul per active expert (row ranges computed here, on the host)."""
+    E = w.shape[0]
+    sets = []
+    for d in draws:
+        order = torch.argsort(d, stable=True)
+        counts = torch.bincount(d, minlength=E)
+        sets.append((x[order].contiguous(), torch.cumsum(counts, 0).to(torch.int32), d[order], counts.tolist()))
+    wt = w.transpose(-2, -1)  # [E, K, N]
+    try:
+        got = torch._grouped_mm(sets[0][0], wt, offs=sets[0][1])
+        want = torch.cat([sets[0][0][sets[0][2] == e] @ w[e].t() for e in range(E)])
+        if got.shape == want.shape and float((got.float() - want.float()).norm() / want.float().norm()) < 1e-2:
+            return (lambda i: torch._grouped_mm(sets[i][0], wt, offs=sets[i][1])), "torch._grouped_mm"
+    except (AttributeError, RuntimeError):
+        pass
+    ranges = []
+    for xs, _, _, counts in sets:
+        r, a = [], 0
+        for e, c in enumerate(counts):
+            if c:
+                r.append((e, a, a + c))
+            a += c
+        ranges.append(r)
+
+    def loop(i):
+        xs = sets[i][0]
+        return torch.cat([xs[a:b] @ w[e].t() for e, a, b in ranges[i]])
+
+    return loop, "per-expert cuBLAS"
 
 
 def cases(dev, quick: bool):
@@ -223,7 +260,7 @@ def cases(dev, quick: bool):
         we4, se4 = quant_fp4(we)
         web = we.to(bf)
         del we
-        for T in ((32,) if quick else ((1, 8, 32, 64, 512) if name == "w1" else (1, 32))):
+        for T in ((32,) if quick else (1, 8, 32, 64, 512)):
             rows = T * 6
             draws = [torch.stack([torch.randperm(E, device=dev, generator=g)[:6] for _ in range(T)]).view(-1)
                      for _ in range(ROTATE)]
@@ -235,9 +272,16 @@ def cases(dev, quick: bool):
                                      ("fp4", we4, se4, 0.5 + 1 / 32), ("fp4-split", we4, se4, 0.5 + 1 / 32)):
                 byt = int(active * Nw * Kw * bpw) + _nb(x) + rows * Nw * 2
                 paths = [""] if fmt == "dense" else (["[gemm=tiled]"] if fmt == "fp4-split" else list(GEMM_PATHS))
+                if rows > 1024:  # beyond the decode / tensor-core kernels' MAX_ROWS: the tiled kernel only
+                    paths = [p for p in paths if p in ("", "[gemm=tiled]")]
                 for path in paths:
                     yield (f"grouped_matmul {fmt} T={T}x6 E={E} {Nw}x{Kw} ({name}) {path}".rstrip(), "grouped_matmul",
                            [(x, wt, d, sc, fmt.split("-")[0]) for d in draws], {}, byt, fl)
+            # the bf16 peer: torch._grouped_mm (cuBLAS / CUTLASS grouped GEMM) over rows already sorted by expert,
+            # or a per-expert cuBLAS loop where that op is missing; the GEMM alone (no sort, no gather)
+            peer, peer_name = _grouped_peer(web, x, draws)
+            yield (f"grouped_matmul bf16 peer ({peer_name}) T={T}x6 E={E} {Nw}x{Kw} ({name})", peer,
+                   [(i,) for i in range(ROTATE)], {}, int(active * Nw * Kw * 2.0) + 2 * _nb(x) + rows * Nw * 2, fl)
         del we8, se8, we4, se4, web
 
 
@@ -249,8 +293,16 @@ def main() -> None:
     ap.add_argument("--only", default=None, help="time only the cases whose name matches this regular expression")
     ap.add_argument("--decode-variants", default="",
                     help="';'-separated ATB_CUDA_DECODE_CFG settings of the decode GEMM, each timed as its own row")
+    ap.add_argument("--tc-variants", default="",
+                    help="';'-separated ATB_CUDA_TC_CFG settings of the swap-AB tensor-core GEMM, each its own row")
+    ap.add_argument("--gemm-paths", default=None,
+                    help="','-separated subset of the GEMM paths to time (tiled,decode,tc); default all")
     a = ap.parse_args()
+    if a.gemm_paths:
+        keep = set(a.gemm_paths.split(","))
+        GEMM_PATHS[:] = [p for p in GEMM_PATHS if p[len("[gemm="):-1] in keep]
     GEMM_PATHS.extend(f"[gemm=decode cfg={v}]" for v in filter(None, a.decode_variants.split(";")))
+    GEMM_PATHS.extend(f"[gemm=tc cfg={v}]" for v in filter(None, a.tc_variants.split(";")))
     dev = torch.device("cuda")
     name = torch.cuda.get_device_name(dev)
     ceil = ceilings(dev)
@@ -267,7 +319,9 @@ def main() -> None:
         os.environ["ATB_CUDA_FP4"] = "split" if "fp4-split" in case_name else "join"
         gm = re.search(r"\[gemm=(\w+)(?: bm=(\d+))?(?: cfg=([^\]]+))?\]", case_name)
         os.environ["ATB_CUDA_GEMM"] = gm.group(1) if gm else "auto"
-        for var, val in (("ATB_CUDA_DECODE_BM", gm and gm.group(2)), ("ATB_CUDA_DECODE_CFG", gm and gm.group(3))):
+        tc_cfg = gm and gm.group(1) == "tc" and gm.group(3)
+        for var, val in (("ATB_CUDA_DECODE_BM", gm and gm.group(2)),
+                         ("ATB_CUDA_DECODE_CFG", gm and not tc_cfg and gm.group(3)), ("ATB_CUDA_TC_CFG", tc_cfg)):
             if val:
                 os.environ[var] = val
             else:
@@ -281,8 +335,11 @@ def main() -> None:
             os.environ["ATB_CUDA_ATTN"] = case_name.split("[")[1].rstrip("]")
         else:
             os.environ.pop("ATB_CUDA_ATTN", None)
-        cu = impl[op].get("cuda")
-        ref = impl[op]["reference"]
+        if callable(op):  # a peer library call (no reference op: its own first output is the check)
+            cu, ref = op, op
+        else:
+            cu = impl[op].get("cuda")
+            ref = impl[op]["reference"]
         if cu is None:
             print(f"| {case_name} | (no cuda kernel) |")
             continue
@@ -303,7 +360,7 @@ def main() -> None:
             print(f"| {case_name} | OOM |", flush=True)
             torch.cuda.empty_cache()
             continue
-        row = dict(case=case_name, op=op, ms=t, eager_ms=t_eager, ref_ms=tr, bytes=byt, flops=fl, gbps=byt / t / 1e6,
+        row = dict(case=case_name, op=op if isinstance(op, str) else "peer", ms=t, eager_ms=t_eager, ref_ms=tr, bytes=byt, flops=fl, gbps=byt / t / 1e6,
                    hbm_pct=100 * byt / (t * 1e-3) / ceil["hbm_Bps"], tflops=fl / t / 1e9,
                    tc_pct=100 * fl / (t * 1e-3) / ceil["bf16_flops"], speedup=tr / t_eager, rel_err=err)
         rows.append(row)

@@ -14,8 +14,11 @@ with a static size ``ceil(M / BM) + min(E, M)`` (no host synchronisation; tiles 
 Dense ``linear`` stays on cuBLAS (torch.matmul), which is the ceiling for that case.
 
 Decode-sized calls (bfloat16 activations, few rows per weight) over fp4 / fp8_block weights go to
-:mod:`.gemm_decode` instead (one pass over the weight bytes, decoded with PTX bit operations); ``ATB_CUDA_GEMM``
-= ``decode`` / ``tiled`` forces one path where both apply (benchmarks), ``auto`` (default) selects by shape.
+:mod:`.gemm_decode` (one pass over the weight bytes, decoded with PTX bit operations, mma.sync on [rows, columns]
+tiles) or :mod:`.gemm_tc` (swap-AB wgmma: weight rows as the MMA's M side, decoded in the A-operand registers)
+instead; ``ATB_CUDA_GEMM`` = ``decode`` / ``tc`` / ``tiled`` forces one path where it applies (benchmarks),
+``auto`` (default) selects by shape (:data:`TC_LINEAR_ROWS`, :data:`TC_GROUPED_MIN_ROWS` / ``_MAX_ROWS``,
+:data:`DECODE_ROWS`).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .._registry import register
-from . import gemm_decode
+from . import gemm_decode, gemm_tc
 from .routing import stable_order
 from ._util import INTERPRET, dot_precision, mma, pow2, tl_dtype
 
@@ -39,12 +42,35 @@ _FMT = {"dense": 0, "fp8_block": 1, "fp4": 2}
 DECODE_ROWS = {"fp4": 64, "fp8_block": 16}
 
 
-def _use_decode(x: torch.Tensor, fmt: str, w_scale, rows: int, rows_per_weight: float) -> bool:
-    """Whether this fp4 / fp8_block call goes to the decode kernel (ATB_CUDA_GEMM = auto | decode | tiled)."""
+# where the swap-AB tensor-core kernel (gemm_tc.py) is preferred, checked before DECODE_ROWS (measured on the
+# H100: scripts/bench_results/gemm_tc_h100.txt): linears of up to 64 rows (faster than the decode and tiled
+# kernels at 1, 32 and 64 rows, fp8 and fp4); grouped calls of 17..384 rows with <= 16 rows per active expert
+# (T = 8..64 tokens x 6 of 64 experts: faster than the decode kernel on both expert shapes; at one token decode is
+# as fast or faster and stays; beyond that range the tc kernel was not measured)
+TC_LINEAR_ROWS = 64
+TC_GROUPED_MIN_ROWS = 17
+TC_GROUPED_MAX_ROWS = 384
+
+
+def _path(x: torch.Tensor, fmt: str, w_scale, rows: int, rows_per_weight: float, grouped: bool = True) -> str:
+    """Which kernel serves this fp4 / fp8_block call: "tc" | "decode" | "tiled" (ATB_CUDA_GEMM = auto | tc |
+    decode | tiled; a forced path that does not apply to the call falls back to the tiled kernel)."""
     mode = os.environ.get("ATB_CUDA_GEMM", "auto")
     if mode == "tiled" or not gemm_decode.eligible(x, fmt, w_scale, rows):
-        return False
-    return mode == "decode" or rows_per_weight <= DECODE_ROWS.get(fmt, 0)
+        return "tiled"
+    if mode in ("tc", "decode"):
+        return mode
+    if grouped:
+        if TC_GROUPED_MIN_ROWS <= rows <= TC_GROUPED_MAX_ROWS and rows_per_weight <= 16:
+            return "tc"
+    elif rows <= TC_LINEAR_ROWS:
+        return "tc"
+    return "decode" if rows_per_weight <= DECODE_ROWS.get(fmt, 0) else "tiled"
+
+
+def _use_decode(x: torch.Tensor, fmt: str, w_scale, rows: int, rows_per_weight: float, grouped: bool = True) -> bool:
+    """Whether this fp4 / fp8_block call goes to the decode kernel (gemm_decode.py)."""
+    return _path(x, fmt, w_scale, rows, rows_per_weight, grouped) == "decode"
 
 
 def _fp4_split() -> bool:
@@ -182,7 +208,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None = None
             return x @ w.t()
         return (x.float() @ w.float().t()).to(x.dtype)
     _check(fmt, k)
-    if _use_decode(x, fmt, w_scale, m, m):
+    path = _path(x, fmt, w_scale, m, m, grouped=False)
+    if path == "tc":
+        return gemm_tc.linear(x, w, w_scale, fmt)
+    if path == "decode":
         return gemm_decode.linear(x, w, w_scale, fmt)
     n = w.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -249,7 +278,10 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor, w
     m, k = x.shape
     _check(fmt, k)
     n_exp, n = w.shape[0], w.shape[1]
-    if _use_decode(x, fmt, w_scale, m, m / max(1, min(n_exp, m))):
+    path = _path(x, fmt, w_scale, m, m / max(1, min(n_exp, m)))
+    if path == "tc":
+        return gemm_tc.grouped_matmul(x, w, expert_ids, w_scale, fmt)
+    if path == "decode":
         return gemm_decode.grouped_matmul(x, w, expert_ids, w_scale, fmt)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
