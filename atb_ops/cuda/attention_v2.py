@@ -38,7 +38,8 @@ def _attn2_kernel(q1_ptr, q2_ptr, kv_ptr, idx_ptr, kv2_ptr, idx2_ptr, sink_ptr, 
                   T, H, D1, D2, K1, K2, stride_kv, stride_kv2, scale2, chunks_per_split, n_split, n_hb,
                   HAS_Q2: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_SINK: tl.constexpr, SPLIT: tl.constexpr,
                   BH: tl.constexpr, BN: tl.constexpr, DV: tl.constexpr, ND: tl.constexpr, BD2: tl.constexpr,
-                  PREC: tl.constexpr, STAGES: tl.constexpr):
+                  PREC: tl.constexpr, STAGES: tl.constexpr,
+                  TRIM: tl.constexpr, BK1: tl.constexpr, BK2: tl.constexpr):
     # program id -> (token, split, head block, output-column group), the column group fastest: the ND
     # programs that read the same rows run side by side
     pid = tl.program_id(0)
@@ -73,24 +74,40 @@ def _attn2_kernel(q1_ptr, q2_ptr, kv_ptr, idx_ptr, kv2_ptr, idx2_ptr, sink_ptr, 
         l_i = tl.zeros((BH,), tl.float32)
     acc = tl.zeros((BH, DV), tl.float32)
 
-    nc1 = tl.cdiv(K1, BN)
-    nc = nc1
+    # chunk ranges [lo, hi) of the main and the extra list; TRIM: drop leading / trailing all-absent chunks
+    # (prefill's early tokens: window slots before position 0, the unfilled tail of the compressed top-k)
+    lo1 = 0
+    hi1 = tl.cdiv(K1, BN)
+    lo2 = 0
+    hi2 = 0
     if HAS_EXTRA:
-        nc += tl.cdiv(K2, BN)
+        hi2 = tl.cdiv(K2, BN)
+    if TRIM:
+        i1 = tl.arange(0, BK1)
+        v1 = tl.load(idx_ptr + t * K1 + i1, mask=i1 < K1, other=-1) >= 0
+        lo1 = tl.min(tl.where(v1, i1, BK1), 0) // BN
+        hi1 = tl.cdiv(tl.max(tl.where(v1, i1 + 1, 0), 0), BN)
+        if HAS_EXTRA:
+            i2 = tl.arange(0, BK2)
+            v2 = tl.load(idx2_ptr + t * K2 + i2, mask=i2 < K2, other=-1) >= 0
+            lo2 = tl.min(tl.where(v2, i2, BK2), 0) // BN
+            hi2 = tl.cdiv(tl.max(tl.where(v2, i2 + 1, 0), 0), BN)
+    n1 = tl.maximum(hi1 - lo1, 0)
+    nc = n1 + tl.maximum(hi2 - lo2, 0)
     c_lo = sp * chunks_per_split
     c_hi = tl.minimum(c_lo + chunks_per_split, nc)
     nn = tl.arange(0, BN)
     for c in tl.range(c_lo, c_hi, num_stages=STAGES):
-        # the chunk's pool: main (c < nc1) or extra; scalar selects keep one loop for the pipeliner
+        # the chunk's pool: main (c < n1) or extra; scalar selects keep one loop for the pipeliner
         if HAS_EXTRA:
-            main = c < nc1
-            n = tl.where(main, c, c - nc1) * BN + nn
+            main = c < n1
+            n = tl.where(main, lo1 + c, lo2 + c - n1) * BN + nn
             lim = tl.where(main, K1, K2)
             ip = tl.where(main, idx_ptr + t * K1, idx2_ptr + t * K2)
             rp = tl.where(main, kv_ptr, kv2_ptr)
             stride = tl.where(main, stride_kv, stride_kv2)
         else:
-            n = c * BN + nn
+            n = (lo1 + c) * BN + nn
             lim = K1
             ip = idx_ptr + t * K1
             rp = kv_ptr
@@ -151,21 +168,25 @@ def _combine2_kernel(part_ptr, ml_ptr, sink_ptr, out_ptr, T, H, D1, n_split,
     tl.store(out_ptr + (t * H + h) * D1 + d, o.to(out_ptr.dtype.element_ty), mask=d < D1)
 
 
-def tile(h_count: int, d1: int, d2: int, t_count: int, n_keys: int, n_sm: int) -> tuple[int, int, int, int, int]:
-    """(BH heads per program, BN keys per chunk, ND column groups, warps, pipeline stages).
+def tile(h_count: int, d1: int, d2: int, elem: int):
+    """(BH heads per program, BN keys per chunk, ND column groups, warps, pipeline stages, trim: -1 = auto).
 
-    ``ATB_CUDA_ATTN2="BH,BN,ND,WARPS,STAGES"`` overrides (benchmarks). Default: 64 heads (wgmma M) with the
-    512 output columns in ND = 2 groups of 256 (128 float32 accumulator registers a thread at 4 warps)."""
+    ``ATB_CUDA_ATTN2="BH,BN,ND,WARPS,STAGES[,TRIM]"`` overrides (benchmarks, tests)."""
     env = os.environ.get("ATB_CUDA_ATTN2")
     if env:
-        bh, bn, nd, warps, stages = (int(v) for v in env.split(","))
-        return max(16, min(bh, pow2(h_count, 16))), bn, nd, warps, stages
-    bd1 = pow2(d1, 16)
-    bh = max(16, min(64, pow2(h_count, 16)))
-    nd = 2 if bd1 >= 256 else 1
-    bn = 32 if bd1 // nd <= 256 else 16
-    warps = 4 if bh * bd1 // nd <= 64 * 256 else 8
-    return bh, bn, nd, warps, 3
+        v = [int(x) for x in env.split(",")] + [-1]
+        return max(16, min(v[0], pow2(h_count, 16))), v[1], v[2], v[3], v[4], v[5]
+    bd1, hp = pow2(d1, 16), pow2(h_count, 16)
+    if elem > 2:  # float32 operands (tests, exact mode): tiles that fit shared memory at 4 bytes an element
+        return min(32, hp), 16, (2 if bd1 >= 256 else 1), 4, 3, -1
+    if bd1 >= 256 and hp >= 128:  # 128 heads x 256 columns, a warpgroup per 64 heads
+        return 128, 32, 2, 8, (3 if d2 else 5), -1
+    if bd1 >= 256:  # 64 heads x all columns, the columns split over the 2 warpgroups
+        return min(64, hp), 32, 1, 8, 5, -1
+    return min(64, hp), 32, 1, 4, 3, -1
+
+
+_STAGES: dict = {}  # launch configuration -> the pipeline depth that fit
 
 
 def run(q1, q2, kv, idx, kv2, idx2, sink, scale, out_dtype):
@@ -179,7 +200,7 @@ def run(q1, q2, kv, idx, kv2, idx2, sink, scale, out_dtype):
     has_extra = kv2 is not None and idx2 is not None and idx2.shape[-1] > 0
     k2 = idx2.shape[-1] if has_extra else 0
     n_sm = sm_count(q1.device)
-    bh, bn, nd, warps, stages = tile(h_count, d1, d2, t_count, k1 + k2, n_sm)
+    bh, bn, nd, warps, stages, trim = tile(h_count, d1, d2, max(q1.element_size(), kv.element_size()))
     bd1 = pow2(d1, 16)
     nd = nd if bd1 // nd >= 16 else 1
     dv = bd1 // nd
@@ -191,6 +212,10 @@ def run(q1, q2, kv, idx, kv2, idx2, sink, scale, out_dtype):
     cps = max(1, triton.cdiv(nc, n_split))
     n_split = max(1, triton.cdiv(nc, cps))
     split = n_split > 1
+    # trimming reads the token's whole index lists first: worth it for prefill (many programs, -1 tails)
+    if trim < 0:
+        trim = t_count >= 256
+    trim = bool(trim) and not split and max(k1, k2) <= 1024
     kvc = kv.contiguous()
     kv2c = kv2.contiguous() if has_extra else kvc
     q1c = q1.contiguous()
@@ -203,12 +228,20 @@ def run(q1, q2, kv, idx, kv2, idx2, sink, scale, out_dtype):
         ml = torch.empty(n_split, t_count, h_count, 2, dtype=torch.float32, device=q1.device)
     else:
         part = ml = out
-    _attn2_kernel[(programs * n_split,)](
-        q1c, q2c, kvc, idxc, kv2c, idx2c, sinkc, out, part, ml, t_count, h_count, d1, d2, k1, k2,
-        kvc.stride(0), kv2c.stride(0), float(scale) * LOG2E, cps, n_split, n_hb,
-        HAS_Q2=q2 is not None, HAS_EXTRA=has_extra, HAS_SINK=sink is not None, SPLIT=split,
-        BH=bh, BN=bn, DV=dv, ND=nd, BD2=pow2(d2, 16), PREC=dot_precision(kv.dtype, q1.dtype), STAGES=stages,
-        num_warps=warps)
+    args = (q1c, q2c, kvc, idxc, kv2c, idx2c, sinkc, out, part, ml, t_count, h_count, d1, d2, k1, k2,
+            kvc.stride(0), kv2c.stride(0), float(scale) * LOG2E, cps, n_split, n_hb)
+    meta = dict(HAS_Q2=q2 is not None, HAS_EXTRA=has_extra, HAS_SINK=sink is not None, SPLIT=split, BH=bh, BN=bn,
+                DV=dv, ND=nd, BD2=pow2(d2, 16), PREC=dot_precision(kv.dtype, q1.dtype), TRIM=trim,
+                BK1=pow2(k1, 16), BK2=pow2(k2, 16), num_warps=warps)
+    key = (str(q1.dtype), str(kv.dtype), stages, tuple(meta.items()))
+    for st in sorted({stages, min(stages, 3), 2}, reverse=True) if key not in _STAGES else [_STAGES[key]]:
+        try:  # a tile whose pipeline buffers exceed shared memory: fewer stages (the smem need is compiler-made)
+            _attn2_kernel[(programs * n_split,)](*args, STAGES=st, **meta)
+            _STAGES[key] = st
+            break
+        except triton.runtime.errors.OutOfResources:
+            if st == 2:
+                raise
     if split:
         _combine2_kernel[(t_count, h_count)](part, ml, sinkc, out, t_count, h_count, d1, n_split,
                                              HAS_SINK=sink is not None, BS=pow2(n_split, 2), BD1=bd1, num_warps=4)
