@@ -144,20 +144,22 @@ def _tile(h_count: int, bd1: int, bd2: int, t_count: int = 1, n_keys: int = 0) -
     return bh, bn, 8 if bd1 >= 256 else 4
 
 
-def _use_v2(q1, q2) -> bool:
+def _use_v2(q1) -> bool:
     """Which kernel serves a call: ``ATB_CUDA_ATTN_IMPL`` = ``old`` (this module's kernel), ``new``
-    (attention_v2.py) or ``auto`` (default: attention_v2 where it measured faster on an H100, see
-    scripts/bench_results/attention_h100.txt). ``ATB_CUDA_ATTN`` (tile override) implies ``old``."""
+    (attention_v2.py) or ``auto`` (default): attention_v2 where it measured faster on an H100
+    (scripts/bench_results/attention_h100.txt: from T x H = 512 query rows on), this kernel below (a single
+    decode token: its 16-head blocks split over more programs). ``ATB_CUDA_ATTN`` (tile override) implies
+    ``old``, ``ATB_CUDA_ATTN2`` ``new``."""
     impl = os.environ.get("ATB_CUDA_ATTN_IMPL", "auto")
     if impl == "old" or (impl == "auto" and os.environ.get("ATB_CUDA_ATTN")):
         return False
     if impl == "new" or os.environ.get("ATB_CUDA_ATTN2"):
         return True
-    return True
+    return q1.shape[0] * q1.shape[1] >= 512
 
 
 def _run(q1, q2, kv, idx, kv2, idx2, sink, scale, out_dtype):
-    if _use_v2(q1, q2):
+    if _use_v2(q1):
         return attention_v2.run(q1, q2, kv, idx, kv2, idx2, sink, scale, out_dtype)
     t_count, h_count, d1 = q1.shape
     d2 = 0 if q2 is None else q2.shape[-1]

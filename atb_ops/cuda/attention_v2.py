@@ -168,22 +168,28 @@ def _combine2_kernel(part_ptr, ml_ptr, sink_ptr, out_ptr, T, H, D1, n_split,
     tl.store(out_ptr + (t * H + h) * D1 + d, o.to(out_ptr.dtype.element_ty), mask=d < D1)
 
 
-def tile(h_count: int, d1: int, d2: int, elem: int):
-    """(BH heads per program, BN keys per chunk, ND column groups, warps, pipeline stages, trim: -1 = auto).
+def tile(h_count: int, d1: int, d2: int, elem: int, t_count: int, n_keys: int, n_sm: int):
+    """(BH heads per program, BN keys per chunk, ND column groups, warps, pipeline stages, trim (-1 = auto),
+    programs per SM assumed when sizing the key-list split).
 
-    ``ATB_CUDA_ATTN2="BH,BN,ND,WARPS,STAGES[,TRIM]"`` overrides (benchmarks, tests)."""
+    ``ATB_CUDA_ATTN2="BH,BN,ND,WARPS,STAGES[,TRIM[,CTAS]]"`` overrides (benchmarks, tests). Defaults, from the
+    H100 sweep in scripts/bench_results/attention_h100.txt: 64 heads x 512 columns on 8 warps (h <= 64) or 128
+    heads x 256 columns (h >= 128, a warpgroup per 64 heads), 5 stages; while those programs would fill less
+    than half the SMs (decode of a few tokens over <= 2048 keys), 64 heads x 256 columns on 4 warps with the
+    key list split (flash-decoding)."""
     env = os.environ.get("ATB_CUDA_ATTN2")
     if env:
-        v = [int(x) for x in env.split(",")] + [-1]
-        return max(16, min(v[0], pow2(h_count, 16))), v[1], v[2], v[3], v[4], v[5]
+        v = [int(x) for x in env.split(",")] + [-1, 1][len(env.split(",")) - 5:]
+        return max(16, min(v[0], pow2(h_count, 16))), v[1], v[2], v[3], v[4], v[5], v[6]
     bd1, hp = pow2(d1, 16), pow2(h_count, 16)
     if elem > 2:  # float32 operands (tests, exact mode): tiles that fit shared memory at 4 bytes an element
-        return min(32, hp), 16, (2 if bd1 >= 256 else 1), 4, 3, -1
-    if bd1 >= 256 and hp >= 128:  # 128 heads x 256 columns, a warpgroup per 64 heads
-        return 128, 32, 2, 8, (3 if d2 else 5), -1
-    if bd1 >= 256:  # 64 heads x all columns, the columns split over the 2 warpgroups
-        return min(64, hp), 32, 1, 8, 5, -1
-    return min(64, hp), 32, 1, 4, 3, -1
+        return min(32, hp), 16, (2 if bd1 >= 256 else 1), 4, 3, -1, 1
+    if bd1 < 256:
+        return min(64, hp), 32, 1, 4, 3, -1, 1
+    big = (128, 32, 2, 8, 3 if d2 else 5, -1, 1) if hp >= 128 else (min(64, hp), 32, 1, 8, 5, -1, 1)
+    if t_count * triton.cdiv(h_count, big[0]) * big[2] * 2 < n_sm and n_keys <= 2048:
+        return min(64, hp), 32, 2, 4, 5, -1, 1
+    return big
 
 
 _STAGES: dict = {}  # launch configuration -> the pipeline depth that fit
@@ -200,15 +206,16 @@ def run(q1, q2, kv, idx, kv2, idx2, sink, scale, out_dtype):
     has_extra = kv2 is not None and idx2 is not None and idx2.shape[-1] > 0
     k2 = idx2.shape[-1] if has_extra else 0
     n_sm = sm_count(q1.device)
-    bh, bn, nd, warps, stages, trim = tile(h_count, d1, d2, max(q1.element_size(), kv.element_size()))
+    bh, bn, nd, warps, stages, trim, ctas = tile(h_count, d1, d2, max(q1.element_size(), kv.element_size()), t_count,
+                                                 k1 + k2, n_sm)
     bd1 = pow2(d1, 16)
     nd = nd if bd1 // nd >= 16 else 1
     dv = bd1 // nd
     nc = triton.cdiv(k1, bn) + triton.cdiv(k2, bn)
     n_hb = triton.cdiv(h_count, bh)
     programs = t_count * n_hb * nd
-    # split the key list only while the programs fill less than one wave (one program per SM at these tiles)
-    n_split = max(1, min(nc, 32, n_sm // programs)) if nc else 1
+    # split the key list only while the programs fill less than one wave (ctas programs per SM)
+    n_split = max(1, min(nc, 32, ctas * n_sm // programs)) if nc else 1
     cps = max(1, triton.cdiv(nc, n_split))
     n_split = max(1, triton.cdiv(nc, cps))
     split = n_split > 1

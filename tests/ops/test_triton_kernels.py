@@ -376,7 +376,8 @@ def _attn_env(monkeypatch, impl, cfg):
 
 @pytest.mark.parametrize("impl,cfg", ATTN_IMPLS)
 @pytest.mark.parametrize("t,h,d,k,k2,with_sink", [(5, 3, 80, 21, 19, True), (2, 17, 48, 40, 0, True),
-                                                   (3, 2, 16, 0, 7, False), (6, 5, 64, 33, 40, False)])
+                                                   (3, 2, 16, 0, 7, False), (6, 5, 64, 33, 40, False),
+                                                   (2, 4, 256, 40, 30, True)])
 def test_sparse_attention_impls(monkeypatch, impl, cfg, t, h, d, k, k2, with_sink):
     """Both kernels and their tilings: odd head counts, d not a power of 2, -1 holes, a token whose keys are
     all -1 (sink only: 0 output), an empty main set, a sink of ~0 weight."""
