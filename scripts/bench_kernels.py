@@ -340,6 +340,10 @@ def main() -> None:
             print(f"| {case_name} | OOM |", flush=True)
             torch.cuda.empty_cache()
             continue
+        except Exception as e:  # a variant that fails to compile or run: say so, keep the other rows
+            print(f"| {case_name} | error: {type(e).__name__}: {str(e)[:120]} |", flush=True)
+            torch.cuda.synchronize()
+            continue
         row = dict(case=case_name, op=op, ms=t, eager_ms=t_eager, ref_ms=tr, bytes=byt, flops=fl, gbps=byt / t / 1e6,
                    hbm_pct=100 * byt / (t * 1e-3) / ceil["hbm_Bps"], tflops=fl / t / 1e9,
                    tc_pct=100 * fl / (t * 1e-3) / ceil["bf16_flops"], speedup=tr / t_eager, rel_err=err)
