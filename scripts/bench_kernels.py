@@ -308,7 +308,7 @@ def main() -> None:
             os.environ["ATB_CUDA_INDEXER"] = im.group(1)
         else:
             os.environ.pop("ATB_CUDA_INDEXER", None)
-        am = re.search(r"\[(attn2?)=([\w,]+)\]", case_name)
+        am = re.search(r"\[(attn2?)=([\w,-]+)\]", case_name)
         for var in ("ATB_CUDA_ATTN", "ATB_CUDA_ATTN2", "ATB_CUDA_ATTN_IMPL"):
             os.environ.pop(var, None)
         if am and am.group(1) == "attn2":

@@ -12,6 +12,10 @@ compressed entries), all in one softmax. V4's sink enters as exp(sink_h) in the 
 max starts at the sink). When a token's keys are few compared with the GPU (decode), the key list is split
 over several programs (flash-decoding) and ``_combine_kernel`` merges the partial (m, l, acc) triples.
 P is rounded to the value dtype for the P.V product (as FlashAttention does); accumulation stays float32.
+
+This kernel is the "old" path: attention_v2.py (one pipelined loop, wgmma-sized head tiles, output columns in
+groups) serves the ops by default from T x H >= 512 query rows, where it measured faster on an H100;
+``ATB_CUDA_ATTN_IMPL=old|new|auto`` chooses (see ``_use_v2``).
 """
 
 from __future__ import annotations
