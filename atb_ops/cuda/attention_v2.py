@@ -6,7 +6,10 @@ denominator, float32 accumulation, P rounded to the value dtype for P.V). What d
 
 - one loop over the joined key list (a chunk of BN keys comes from the main or the extra pool, selected per
   chunk), so that Triton's software pipeliner issues the index load and the dependent row gathers of chunk
-  c + STAGES - 1 (cp.async straight into shared memory) while chunk c is computed;
+  c + STAGES - 1 (cp.async straight into shared memory) while chunk c is computed (Triton 3.6, sm_90: at 5
+  stages the loop keeps 3 chunks of copies in flight; at 3 it waits for every outstanding copy each chunk);
+- TRIM (prefill): the token's index lists are read first and all-absent leading / trailing chunks skipped
+  (window slots before position 0, the unfilled tail of a causal top-k);
 - a program owns BH heads of one token and DV = BD1 / ND of the ND output-column groups: with ND = 2 each row
   is read by the 2 programs of a token (adjacent program ids, so the second read hits L2), the score uses all
   D1 (+ D2) columns (q . k over the own and the other half) and the accumulator holds BH x DV float32 -- half
