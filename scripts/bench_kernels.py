@@ -78,7 +78,10 @@ ROTATE = 8
 GEMM_PATHS = ["[gemm=tiled]", "[gemm=decode]", "[gemm=tc]"]  # + "[gemm=decode cfg=...]" per --decode-variants
 # entry and "[gemm=tc cfg=...]" per --tc-variants entry
 # tile variants of the attention kernel timed side by side: " [BH,BN,WARPS]" (see atb_ops/cuda/attention.py)
-ATTN_VARIANTS = ("", " [32,32,8]", " [64,32,8]", " [64,16,8]", " [64,32,16]")
+# and of the second kernel: " [attn=old]" (attention.py's default tiles), " [attn2=BH,BN,ND,WARPS,STAGES]"
+# (attention_v2.py, see its ``tile``); "" = the default (ATB_CUDA_ATTN_IMPL=auto). --attn-variants replaces the list.
+ATTN_VARIANTS = ["", " [attn=old]"]
+ROTATE_BYTES = 150e6  # rotated attention inputs: 3x the 50 MB L2
 # indexer_topk variants: the previous path (int64 keys + torch.topk) and score-kernel tiles
 # " [indexer=BN,WARPS,STAGES,CTAS_PER_SM]" (see atb_ops/cuda/indexer.py)
 INDEXER_VARIANTS = ("", " [indexer=old]", " [indexer=128,4,3,2,0]", " [indexer=64,4,3,8,0]")
@@ -171,25 +174,48 @@ def cases(dev, quick: bool):
         yield (f"moe_gate T={T} E=256 k=6", "moe_gate", (x, gw, gb, 6, 1.5), {}, _nb(x, gw) + T * 6 * 16,
                2 * T * 256 * Dm)
 
-    # sparse attention, decode: window 128 + compressed (CSA top-512 or HCA ctx/128) per token
-    for T, h, ctx, kind in ((1, 64, 8192, "csa"), (32, 64, 8192, "csa"), (128, 64, 8192, "csa"),
-                            (32, 128, 8192, "csa"), (32, 64, 8192, "hca"), (2048, 64, 2048, "csa-prefill")):
+    # sparse attention: window 128 + compressed entries (CSA top-512 of ctx/4, HCA all ctx/128) per token, d = 512.
+    # Decode rows: every token its own rows (distinct sequences); ROTATE_BYTES of index draws over separate pools
+    # are rotated so that the rows come from HBM. Bytes = the rows gathered once per token + q + out (+ indices).
+    # "-seq" prefill rows: the 2048 tokens of one sequence (sliding window, the causal compressed entries of a
+    # 2048-token context): rows shared by the tokens, L2-resident, compute-bound. FLOPs count valid keys only.
+    for T, h, ctx, kind in ((1, 64, 8192, "csa"), (4, 64, 8192, "csa"), (8, 64, 8192, "csa"),
+                            (32, 64, 8192, "csa"), (128, 64, 8192, "csa"),
+                            (32, 128, 8192, "csa"), (128, 128, 8192, "csa"), (32, 64, 8192, "hca"),
+                            (2048, 64, 2048, "csa-prefill"), (2048, 128, 2048, "csa-prefill"),
+                            (2048, 64, 2048, "csa-prefill-seq"), (2048, 128, 2048, "csa-prefill-seq")):
         if quick and T not in (32,):
             continue
         q = r(T, h, D)
-        swa = r(T * 128 + 16, D)
-        win = torch.arange(T * 128, device=dev).view(T, 128)
-        n_ent = ctx // 4 if kind.startswith("csa") else ctx // 128
-        pool = r(T * n_ent, D)
-        k2 = min(512, n_ent) if kind.startswith("csa") else n_ent
-        ex = torch.stack([torch.randperm(n_ent, device=dev, generator=g)[:k2] + i * n_ent for i in range(T)])
         sink = r(h, dtype=torch.float32)
-        rows = T * (128 + k2)
-        byt = rows * D * 2 + 2 * _nb(q) + _nb(win, ex)
-        fl = 4 * T * h * (128 + k2) * D
+        k2 = 512 if kind.startswith("csa") else ctx // 128
+        if kind.endswith("-seq"):
+            swa = r(T, D)
+            pos = torch.arange(T, device=dev)
+            win = pos[:, None] - 127 + torch.arange(128, device=dev)[None, :]
+            win = torch.where(win >= 0, win, torch.full_like(win, -1))
+            pool = r(ctx // 4, D)
+            ex = torch.arange(k2, device=dev)[None, :].expand(T, k2)
+            ex = torch.where(ex < ((pos + 1) // 4)[:, None], ex, torch.full_like(ex, -1)).contiguous()
+            valid = int((win >= 0).sum() + (ex >= 0).sum())
+            sets = [(q, swa, win, sink, D**-0.5, pool, ex)]
+            byt = _nb(swa, pool, win, ex) + 2 * _nb(q)
+        else:
+            n_ent = ctx // 4 if kind.startswith("csa") else ctx // 128
+            valid = T * (128 + k2)
+            byt = valid * D * 2 + 2 * _nb(q) + T * (128 + k2) * 8
+            sets = []
+            while not sets or (len(sets) < 8 and len(sets) * byt < ROTATE_BYTES):
+                swa = r(T * 128 + 16, D)
+                win = torch.randperm(T * 128 + 16, device=dev, generator=g)[:T * 128].view(T, 128)
+                pool = r(T * n_ent, D)
+                ex = torch.stack([torch.randperm(n_ent, device=dev, generator=g)[:k2] + i * n_ent for i in range(T)])
+                sets.append((r(T, h, D), swa, win, sink, D**-0.5, pool, ex))
+        fl = 4 * h * valid * D
+        rot = f" x{len(sets)}" if len(sets) > 1 else ""
         for variant in ([""] if quick else ATTN_VARIANTS):
-            yield (f"sparse_attention {kind} T={T} h={h} K=128+{k2}{variant}", "sparse_attention",
-                   (q, swa, win, sink, D**-0.5, pool, ex), {}, byt, fl)
+            yield (f"sparse_attention {kind} T={T} h={h} K=128+{k2}{rot}{variant}", "sparse_attention", sets, {},
+                   byt, fl)
 
     # V3 MLA decode (absorbed): H=128, C=512, R=64
     for T, L in ((1, 4096), (32, 4096)):
@@ -198,8 +224,9 @@ def cases(dev, quick: bool):
         qn, qp = r(T, 128, 512), r(T, 128, 64)
         lat = r(T * L, 576)
         idx = torch.arange(T * L, device=dev).view(T, L)
-        yield (f"mla_decode T={T} H=128 L={L}", "mla_decode", (qn, qp, lat, idx, 0.1), {},
-               _nb(lat, idx) + 2 * _nb(qn) + _nb(qp), 4 * T * 128 * L * 512 + 2 * T * 128 * L * 64)
+        for variant in ([""] if quick else ATTN_VARIANTS):
+            yield (f"mla_decode T={T} H=128 L={L}{variant}", "mla_decode", (qn, qp, lat, idx, 0.1), {},
+                   _nb(lat, idx) + 2 * _nb(qn) + _nb(qp), 4 * T * 128 * L * 512 + 2 * T * 128 * L * 64)
 
     # compressor pooling (prefill of 8192 tokens, ratio 4 with overlap; ratio 128)
     S = 8192
@@ -297,10 +324,14 @@ def main() -> None:
                     help="';'-separated ATB_CUDA_TC_CFG settings of the swap-AB tensor-core GEMM, each its own row")
     ap.add_argument("--gemm-paths", default=None,
                     help="','-separated subset of the GEMM paths to time (tiled,decode,tc); default all")
+    ap.add_argument("--attn-variants", default=None,
+                    help="';'-separated attention variants, e.g. ';attn=old;attn2=64,32,2,4,3' ('' = default)")
     a = ap.parse_args()
     if a.gemm_paths:
         keep = set(a.gemm_paths.split(","))
         GEMM_PATHS[:] = [p for p in GEMM_PATHS if p[len("[gemm="):-1] in keep]
+    if a.attn_variants is not None:
+        ATTN_VARIANTS[:] = [f" [{v}]" if v else "" for v in a.attn_variants.split(";")]
     GEMM_PATHS.extend(f"[gemm=decode cfg={v}]" for v in filter(None, a.decode_variants.split(";")))
     GEMM_PATHS.extend(f"[gemm=tc cfg={v}]" for v in filter(None, a.tc_variants.split(";")))
     dev = torch.device("cuda")
@@ -331,10 +362,16 @@ def main() -> None:
             os.environ["ATB_CUDA_INDEXER"] = im.group(1)
         else:
             os.environ.pop("ATB_CUDA_INDEXER", None)
-        if "[" in case_name and not gm and not im:
-            os.environ["ATB_CUDA_ATTN"] = case_name.split("[")[1].rstrip("]")
-        else:
-            os.environ.pop("ATB_CUDA_ATTN", None)
+        am = re.search(r"\[(attn2?)=([\w,-]+)\]", case_name)
+        for var in ("ATB_CUDA_ATTN", "ATB_CUDA_ATTN2", "ATB_CUDA_ATTN_IMPL"):
+            os.environ.pop(var, None)
+        if am and am.group(1) == "attn2":
+            os.environ["ATB_CUDA_ATTN_IMPL"] = "new"
+            os.environ["ATB_CUDA_ATTN2"] = am.group(2)
+        elif am:
+            os.environ["ATB_CUDA_ATTN_IMPL"] = "old"
+            if am.group(2) != "old":
+                os.environ["ATB_CUDA_ATTN"] = am.group(2)
         if callable(op):  # a peer library call (no reference op: its own first output is the check)
             cu, ref = op, op
         else:
@@ -360,11 +397,16 @@ def main() -> None:
             print(f"| {case_name} | OOM |", flush=True)
             torch.cuda.empty_cache()
             continue
-        row = dict(case=case_name, op=op if isinstance(op, str) else "peer", ms=t, eager_ms=t_eager, ref_ms=tr, bytes=byt, flops=fl, gbps=byt / t / 1e6,
+        except Exception as e:  # a variant that fails to compile or run: say so, keep the other rows
+            print(f"| {case_name} | error: {type(e).__name__}: {str(e)[:120]} |", flush=True)
+            torch.cuda.synchronize()
+            continue
+        row = dict(case=case_name, op=op if isinstance(op, str) else "peer", ms=t, eager_ms=t_eager, ref_ms=tr,
+                   bytes=byt, flops=fl, gbps=byt / t / 1e6,
                    hbm_pct=100 * byt / (t * 1e-3) / ceil["hbm_Bps"], tflops=fl / t / 1e9,
                    tc_pct=100 * fl / (t * 1e-3) / ceil["bf16_flops"], speedup=tr / t_eager, rel_err=err)
         rows.append(row)
-        l2 = "*" if byt < 40e6 else ""  # a working set that can stay in the 50 MB L2 across graph replays
+        l2 = "*" if byt * len(arg_sets) < 40e6 else ""  # a working set that can stay in the 50 MB L2 across replays
         print(f"| {case_name}{l2} | {t:.4f} | {row['gbps']:.0f} | {row['hbm_pct']:.1f} | {row['tflops']:.2f} | "
               f"{row['tc_pct']:.1f} | {t_eager:.4f} | {tr:.4f} | {tr / t_eager:.1f}x | {err:.1e} |", flush=True)
     if a.out:

@@ -12,6 +12,10 @@ compressed entries), all in one softmax. V4's sink enters as exp(sink_h) in the 
 max starts at the sink). When a token's keys are few compared with the GPU (decode), the key list is split
 over several programs (flash-decoding) and ``_combine_kernel`` merges the partial (m, l, acc) triples.
 P is rounded to the value dtype for the P.V product (as FlashAttention does); accumulation stays float32.
+
+This kernel is the "old" path: attention_v2.py (one pipelined loop, wgmma-sized head tiles, output columns in
+groups) serves the ops by default from T x H >= 512 query rows, where it measured faster on an H100;
+``ATB_CUDA_ATTN_IMPL=old|new|auto`` chooses (see ``_use_v2``).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import triton
 import triton.language as tl
 
 from .._registry import register
+from . import attention_v2
 from ._util import mma, dot_precision, pow2, sm_count
 
 LOG2E = 1.4426950408889634
@@ -143,7 +148,23 @@ def _tile(h_count: int, bd1: int, bd2: int, t_count: int = 1, n_keys: int = 0) -
     return bh, bn, 8 if bd1 >= 256 else 4
 
 
+def _use_v2(q1) -> bool:
+    """Which kernel serves a call: ``ATB_CUDA_ATTN_IMPL`` = ``old`` (this module's kernel), ``new``
+    (attention_v2.py) or ``auto`` (default): attention_v2 where it measured faster on an H100
+    (scripts/bench_results/attention_h100.txt: from T x H = 512 query rows on), this kernel below (a single
+    decode token: its 16-head blocks split over more programs). ``ATB_CUDA_ATTN`` (tile override) implies
+    ``old``, ``ATB_CUDA_ATTN2`` ``new``."""
+    impl = os.environ.get("ATB_CUDA_ATTN_IMPL", "auto")
+    if impl == "old" or (impl == "auto" and os.environ.get("ATB_CUDA_ATTN")):
+        return False
+    if impl == "new" or os.environ.get("ATB_CUDA_ATTN2"):
+        return True
+    return q1.shape[0] * q1.shape[1] >= 512
+
+
 def _run(q1, q2, kv, idx, kv2, idx2, sink, scale, out_dtype):
+    if _use_v2(q1):
+        return attention_v2.run(q1, q2, kv, idx, kv2, idx2, sink, scale, out_dtype)
     t_count, h_count, d1 = q1.shape
     d2 = 0 if q2 is None else q2.shape[-1]
     out = torch.empty(t_count, h_count, d1, dtype=out_dtype, device=q1.device)

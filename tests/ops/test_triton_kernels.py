@@ -359,6 +359,135 @@ def test_sparse_attention(dtype, t, h, d, k, k2):
     assert rel(a, b) < (2e-5 if dtype == torch.float32 else 2e-2)
 
 
+# the two sparse-attention kernels (attention.py "old", attention_v2.py "new") and forced v2 tiles
+# "BH,BN,ND,WARPS,STAGES,TRIM": both column groups (ND = 2), one group, key-list splits (CPU: 8 "SMs"),
+# trimming of all-absent leading / trailing chunks (TRIM = 1; applies where the key list is not split)
+ATTN_IMPLS = [("old", None), ("new", None), ("new", "16,16,2,4,3,1"), ("new", "32,16,1,4,5,0"), ("new", "16,32,2,4,3,1"),
+              ("new", "16,16,1,4,2,1")]
+
+
+def _attn_env(monkeypatch, impl, cfg):
+    monkeypatch.setenv("ATB_CUDA_ATTN_IMPL", impl)
+    if cfg:
+        monkeypatch.setenv("ATB_CUDA_ATTN2", cfg)
+    else:
+        monkeypatch.delenv("ATB_CUDA_ATTN2", raising=False)
+
+
+@pytest.mark.parametrize("impl,cfg", ATTN_IMPLS)
+@pytest.mark.parametrize("t,h,d,k,k2,with_sink", [(5, 3, 80, 21, 19, True), (2, 17, 48, 40, 0, True),
+                                                   (3, 2, 16, 0, 7, False), (6, 5, 64, 33, 40, False),
+                                                   (2, 4, 256, 40, 30, True)])
+def test_sparse_attention_impls(monkeypatch, impl, cfg, t, h, d, k, k2, with_sink):
+    """Both kernels and their tilings: odd head counts, d not a power of 2, -1 holes, a token whose keys are
+    all -1 (sink only: 0 output), an empty main set, a sink of ~0 weight."""
+    _attn_env(monkeypatch, impl, cfg)
+    cu, ref = impls("sparse_attention")
+    g = gen(81)
+    dtype = torch.bfloat16
+    q, kv, idx, sink = _attn_inputs(g, t, h, d, 30, k, dtype)
+    kv[0] = float("nan")
+    idx[idx == 0] = 1
+    extra_kv = extra_idx = None
+    if k2:
+        extra_kv = rnd(25, d, g=g, dtype=dtype)
+        extra_kv[0] = float("nan")
+        extra_idx = torch.randint(1, 25, (t, k2), generator=g)
+        extra_idx[:, ::3] = -1
+        extra_idx[-1] = -1
+        extra_idx = extra_idx.to(DEV)
+    if k:
+        idx[-1] = -1  # the last token: no valid key at all when k2 == 0 or its extra keys are all -1
+    sink_arg = sink if with_sink else torch.full((h,), -30.0, device=DEV)  # a sink of ~0 weight
+    a = cu(q, kv, idx, sink_arg, d**-0.5, extra_kv, extra_idx)
+    b = ref(q, kv, idx, sink_arg, d**-0.5, extra_kv, extra_idx)
+    assert a.shape == b.shape and a.dtype == b.dtype
+    assert rel(a, b) < 2e-2
+    assert float(a[-1].float().abs().max()) == 0.0
+    assert cu(q[:0], kv, idx[:0], sink_arg, 0.5, extra_kv, None if extra_idx is None else extra_idx[:0]).shape == (0, h, d)
+
+
+@pytest.mark.parametrize("impl,cfg", ATTN_IMPLS)
+def test_sparse_attention_prefill_pattern(monkeypatch, impl, cfg):
+    """One sequence's prefill: sliding-window lists with -1 before position 0, the causal compressed entries
+    with a -1 tail (what trimming skips), rows shared by the tokens; float32 to 2e-5."""
+    _attn_env(monkeypatch, impl, cfg)
+    cu, ref = impls("sparse_attention")
+    g = gen(83)
+    t, h, d, w, ratio = 48, 4, 32, 40, 1
+    q, kv = rnd(t, h, d, g=g), rnd(t, d, g=g)
+    pos = torch.arange(t)
+    win = pos[:, None] - (w - 1) + torch.arange(w)[None, :]
+    win = torch.where(win >= 0, win, -1).to(DEV)
+    ent = rnd(t // ratio, d, g=g)
+    ex = torch.arange(t // ratio)[None, :].expand(t, -1)
+    ex = torch.where(ex < ((pos + 1) // ratio)[:, None], ex, -1).contiguous().to(DEV)
+    sink = rnd(h, g=g)
+    a, b = cu(q, kv, win, sink, d**-0.5, ent, ex), ref(q, kv, win, sink, d**-0.5, ent, ex)
+    assert rel(a, b) < 2e-5
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("impl", ["old", "new"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,h", [(1, 64), (3, 128), (40, 64), (300, 64), (130, 128)])
+def test_sparse_attention_model_shapes(monkeypatch, impl, dtype, t, h):
+    """The device's real tiles at V4 shapes (d = 512, window 128 + 512 compressed, with -1 holes and a token
+    with no valid key): split and unsplit, trimmed (T >= 256) and not, float32 tiles that fit shared memory."""
+    _attn_env(monkeypatch, impl, None)
+    cu, ref = impls("sparse_attention")
+    g = gen(85)
+    d = 512
+    q, kv, idx, sink = _attn_inputs(g, t, h, d, 700, 128, dtype, neg=0.1)
+    ent = rnd(600, d, g=g, dtype=dtype)
+    ex = torch.randint(0, 600, (t, 512), generator=g)
+    ex[:, 400:] = -1
+    ex[-1] = -1
+    ex = ex.to(DEV)
+    idx[-1] = -1
+    a, b = cu(q, kv, idx, sink, d**-0.5, ent, ex), ref(q, kv, idx, sink, d**-0.5, ent, ex)
+    assert rel(a, b) < (2e-5 if dtype == torch.float32 else 2e-2)
+    assert float(a[-1].float().abs().max()) == 0.0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("impl", ["old", "new"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t", [1, 32, 200])
+def test_mla_decode_model_shapes(monkeypatch, impl, dtype, t):
+    """V3 MLA decode at its real shapes (128 heads, C = 512, R = 64) on the device's tiles."""
+    _attn_env(monkeypatch, impl, None)
+    cu, ref = impls("mla_decode")
+    g = gen(87)
+    h, c, r, p, length = 128, 512, 64, 3000, 700
+    qn, qp = rnd(t, h, c, g=g, dtype=dtype, scale=0.3), rnd(t, h, r, g=g, dtype=dtype, scale=0.3)
+    lat = rnd(p, c + r, g=g, dtype=dtype)
+    idx = torch.randint(0, p, (t, length), generator=g)
+    idx[:, 650:] = -1
+    idx = idx.to(DEV)
+    a, b = cu(qn, qp, lat, idx, 0.05), ref(qn, qp, lat, idx, 0.05)
+    assert rel(a, b) < (2e-5 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("impl,cfg", ATTN_IMPLS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mla_decode_impls(monkeypatch, impl, cfg, dtype):
+    """V3 MLA decode (C + R columns, R scored only) through both kernels; C = 80 is not a power of 2."""
+    _attn_env(monkeypatch, impl, cfg)
+    cu, ref = impls("mla_decode")
+    g = gen(91)
+    t, h, c, r, p = 4, 7, 80, 16, 40
+    qn, qp = rnd(t, h, c, g=g, dtype=dtype), rnd(t, h, r, g=g, dtype=dtype)
+    lat = rnd(p, c + r, g=g, dtype=dtype)
+    idx = torch.randint(0, p, (t, 45), generator=g)
+    idx[torch.rand(t, 45, generator=g) < 0.3] = -1
+    idx[1] = -1
+    idx = idx.to(DEV)
+    a, b = cu(qn, qp, lat, idx, 0.1), ref(qn, qp, lat, idx, 0.1)
+    assert rel(a, b) < (2e-5 if dtype == torch.float32 else 2e-2)
+    assert float(a[1].abs().max()) == 0.0
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_mla_decode(dtype):
     cu, ref = impls("mla_decode")
