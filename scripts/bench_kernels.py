@@ -75,9 +75,10 @@ ROTATE = 8
 GEMM_PATHS = ["[gemm=tiled]", "[gemm=decode]"]  # + "[gemm=decode cfg=...]" per --decode-variants entry
 # tile variants of the attention kernel timed side by side: " [BH,BN,WARPS]" (see atb_ops/cuda/attention.py)
 ATTN_VARIANTS = ("", " [32,32,8]", " [64,32,8]", " [64,16,8]", " [64,32,16]")
-# indexer_topk variants: the previous path (int64 keys + torch.topk) and score-kernel tiles
-# " [indexer=BN,WARPS,STAGES,CTAS_PER_SM]" (see atb_ops/cuda/indexer.py)
-INDEXER_VARIANTS = ("", " [indexer=old]", " [indexer=128,4,3,2,0]", " [indexer=64,4,3,8,0]")
+# indexer_topk variants (ATB_CUDA_INDEXER, see atb_ops/cuda/indexer.py): the selection paths (hist: histogram +
+# compact + sort; split: the compaction over many programs; bits: the previous bit-search selection; old: int64
+# keys + torch.topk) and score-kernel tiles " [indexer=BN,WARPS,STAGES,CTAS_PER_SM,PRE]"
+INDEXER_VARIANTS = ("", " [indexer=hist]", " [indexer=split]", " [indexer=bits]", " [indexer=old]")
 
 
 class Rotating:
@@ -178,7 +179,7 @@ def cases(dev, quick: bool):
                _nb(kvs, scs) + M * D * 4 + _nb(cand), 5 * M * kk * D)
 
     # indexer: 64 heads x 128 dims, candidates = ctx/4 entries, top-512
-    for T, ctx in ((1, 8192), (32, 8192), (32, 65536)):
+    for T, ctx in ((1, 8192), (32, 8192), (32, 32768), (32, 65536), (32, 262144)):
         if quick and T != 32:
             continue
         n = ctx // 4
