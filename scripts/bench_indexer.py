@@ -30,30 +30,36 @@ def _pct(byt, v, hbm):
     return 100 * byt / (v * 1e-3) / hbm
 
 
+def _timed(res, name, fn):
+    try:
+        res[name] = g_ms(fn)
+    except Exception as e:  # noqa: BLE001
+        print(f"   {name}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
+
+
 def _breakdown(res, cu, q, w, keys, cand, k, byt, hbm, T, n):
     outs = {}
-    for path in ("old", "bits", "hist", "split"):
+    for path in ("hist", "split", "bits", "old"):
         os.environ["ATB_CUDA_INDEXER"] = path
-        res[f"{path} op"] = g_ms(lambda: cu(q, w, keys, cand, 512))
         outs[path] = cu(q, w, keys, cand, 512)
+        _timed(res, f"{path} op", lambda: cu(q, w, keys, cand, 512))
     os.environ.pop("ATB_CUDA_INDEXER")
     hb = ix.hist_bits()
     sk = ix.score_keys(q, w, keys, cand)
-    res["score"] = g_ms(lambda: ix.score_keys(q, w, keys, cand))
+    _timed(res, "score", lambda: ix.score_keys(q, w, keys, cand))
 
     def zeros():
         return torch.zeros(T, (1 << hb) + 32, dtype=torch.int32, device=q.device)
 
-    res["zeros"] = g_ms(zeros)
-    res["zeros+score+hist"] = g_ms(lambda: ix.score_keys(q, w, keys, cand, zeros(), hb))
+    _timed(res, "zeros", zeros)
+    _timed(res, "zeros+score+hist", lambda: ix.score_keys(q, w, keys, cand, zeros(), hb))
     hist = zeros()
     ix.score_keys(q, w, keys, cand, hist, hb)
-    res["select bits"] = g_ms(lambda: ix.select_topk(sk, cand, k))
-    res["select hist"] = g_ms(lambda: ix.select_hist(sk, hist, cand, k, hb))
-    # split: the slot counter must start at 0 on every replay
-    res["select split"] = g_ms(lambda: ix.select_hist(sk, hist.index_fill(1, torch.tensor([1 << hb], device=q.device),
-                                                                          0), cand, k, hb, split=True))
-    same = "  ".join(f"{p}=={'old'}: {float((o == outs['old']).float().mean()):.4f}" for p, o in outs.items())
+    _timed(res, "select bits", lambda: ix.select_topk(sk, cand, k))
+    _timed(res, "select hist", lambda: ix.select_hist(sk, hist, cand, k, hb))
+    # split: the slot counter (column 2^hb) must start at 0 on every replay: a copy of the histogram per call
+    _timed(res, "copy+select split", lambda: ix.select_hist(sk, hist.clone(), cand, k, hb, split=True))
+    same = "  ".join(f"{p}==old: {float((o == outs['old']).float().mean()):.4f}" for p, o in outs.items())
     line = "  ".join(f"{kk} {v * 1e3:.1f}us ({_pct(byt, v, hbm):.1f}%)" for kk, v in res.items())
     print(f"T={T} N={n}: {line}  {same}", flush=True)
     return sk, hist
@@ -64,6 +70,7 @@ def main():
     ap.add_argument("--cfgs", default="128,4,1,4,1;128,4,1,2,1;64,4,1,8,1;128,8,1,4,1;128,4,3,2,0;64,4,3,8,0")
     ap.add_argument("--sweep", default="1x2048;32x16384", help="shapes that get the tile sweep")
     ap.add_argument("--sel-warps", default="4;8;16")
+    ap.add_argument("--chs", default="1024;2048;4096;8192", help="compaction chunks tried on the sweep shapes")
     ap.add_argument("--hbs", default="10;11;12;13", help="histogram bits tried on the sweep shapes")
     ap.add_argument("--shapes", default="1x2048;32x2048;32x8192;32x16384;32x65536")
     a = ap.parse_args()
@@ -99,13 +106,23 @@ def main():
             try:
                 line = f"   select warps {sw}:"
                 for split in (False, True):
-                    v = g_ms(lambda: ix.select_hist(sk, hist.index_fill(1, torch.tensor([1 << hb], device=dev), 0),
-                                                    cand, k, hb, split=split))
-                    line += f" {'split' if split else 'hist'} {v * 1e3:.1f}us"
+                    v = g_ms(lambda: ix.select_hist(sk, hist.clone(), cand, k, hb, split=split))
+                    line += f" {'split' if split else 'hist'} (+copy) {v * 1e3:.1f}us"
                 print(line, flush=True)
             except Exception as e:  # noqa: BLE001
                 print(f"   select warps {sw}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
             os.environ.pop("ATB_CUDA_INDEXER_SEL_WARPS")
+        for ch in a.chs.split(";"):
+            os.environ["ATB_CUDA_INDEXER_CH"] = ch
+            try:
+                line = f"   compaction chunk {ch}:"
+                for split in (False, True):
+                    v = g_ms(lambda: ix.select_hist(sk, hist.clone(), cand, k, hb, split=split))
+                    line += f" {'split' if split else 'hist'} (+copy) {v * 1e3:.1f}us"
+                print(line, flush=True)
+            except Exception as e:  # noqa: BLE001
+                print(f"   compaction chunk {ch}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
+            os.environ.pop("ATB_CUDA_INDEXER_CH")
         for hbs in a.hbs.split(";"):
             os.environ["ATB_CUDA_INDEXER_HB"] = hbs
             try:

@@ -25,7 +25,7 @@ ATB_CUDA_INDEXER = "PATH[,BN,WARPS,STAGES,CTAS_PER_SM[,PRE]]" or just the tiles:
 32-step MSB-first bit search of counts; rows over 16384 keys through torch.topk) or ``old`` (the first path: int64
 keys + torch.topk); the tiles override the score kernel's (PRE=1: the register prefetch loop instead of Triton's
 pipeliner). ATB_CUDA_INDEXER_HB: histogram bits (12); ATB_CUDA_INDEXER_CAP="CAP1,CAP2": the sort sizes;
-ATB_CUDA_INDEXER_SEL_WARPS: the selection kernel's warps.
+ATB_CUDA_INDEXER_SEL_WARPS: the selection kernel's warps; ATB_CUDA_INDEXER_CH: keys per compaction chunk.
 """
 
 from __future__ import annotations
@@ -237,14 +237,15 @@ def select_hist(keys, hist, cand, k, hb, split=False):
     fch = min(pow2(n, 16), 64 if INTERPRET else 2048)  # the exact fallback's chunk
     warps = int(os.environ.get("ATB_CUDA_INDEXER_SEL_WARPS", 8))
     common = dict(CAP1=cap1, CAP2=cap2, FCH=fch, KP=kp, FONE=pow2(n, 16) <= fch)
+    ch_env = os.environ.get("ATB_CUDA_INDEXER_CH")  # keys per compaction chunk (a power of two)
     if split:
-        ch = min(pow2(n, 16), 32 if INTERPRET else 2048)
+        ch = min(pow2(n, 16), 32 if INTERPRET else int(ch_env or 2048))
         sel._compact_kernel[(t_count, triton.cdiv(n, ch))](keys, hist, hist.stride(0), hist[:, 1 << hb:], scratch, n,
                                                            k, cap2, HB=hb, CH=ch, CAP2=cap2, num_warps=4)
         sel._sort_kernel[(t_count,)](keys, hist, hist.stride(0), cand, scratch, out, n, k, cap2, HB=hb, **common,
                                      num_warps=warps)
     else:
-        ch = min(pow2(n, 16), 64 if INTERPRET else 4096)
+        ch = min(pow2(n, 16), 64 if INTERPRET else int(ch_env or 4096))
         sel._hist_select_kernel[(t_count,)](keys, hist, hist.stride(0), cand, scratch, out, n, k, cap2, HB=hb, CH=ch,
                                             **common, num_warps=warps)
     return out
