@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Where indexer_topk's time goes on the GPU: the whole op on each path (ATB_CUDA_INDEXER = old / bits / hist /
+"""Where indexer_topk's time goes on the GPU: the whole op on each path (ATB_CUDA_INDEXER = old / bits / hist / rank /
 split), the score kernel with and without the histogram, each selection alone, each as a CUDA-graph replay
 (median), plus selection warps, histogram bits and score-kernel tile variants on the sweep shapes.
 
@@ -39,7 +39,7 @@ def _timed(res, name, fn):
 
 def _breakdown(res, cu, q, w, keys, cand, k, byt, hbm, T, n):
     outs = {}
-    for path in ("hist", "split", "bits", "old"):
+    for path in ("rank", "hist", "split", "bits", "old"):
         os.environ["ATB_CUDA_INDEXER"] = path
         outs[path] = cu(q, w, keys, cand, 512)
         _timed(res, f"{path} op", lambda: cu(q, w, keys, cand, 512))

@@ -75,10 +75,12 @@ ROTATE = 8
 GEMM_PATHS = ["[gemm=tiled]", "[gemm=decode]"]  # + "[gemm=decode cfg=...]" per --decode-variants entry
 # tile variants of the attention kernel timed side by side: " [BH,BN,WARPS]" (see atb_ops/cuda/attention.py)
 ATTN_VARIANTS = ("", " [32,32,8]", " [64,32,8]", " [64,16,8]", " [64,32,16]")
-# indexer_topk variants (ATB_CUDA_INDEXER, see atb_ops/cuda/indexer.py): the selection paths (hist: histogram +
-# compact + sort; split: the compaction over many programs; bits: the previous bit-search selection; old: int64
-# keys + torch.topk) and score-kernel tiles " [indexer=BN,WARPS,STAGES,CTAS_PER_SM,PRE]"
-INDEXER_VARIANTS = ("", " [indexer=hist]", " [indexer=split]", " [indexer=bits]", " [indexer=old]")
+# indexer_topk variants (ATB_CUDA_INDEXER, see atb_ops/cuda/indexer.py): the selection paths (rank: histogram +
+# bucket by bin + rank within the bin; hist: histogram + compact + sort; split: its compaction over many programs;
+# bits: the previous bit-search selection; old: int64 keys + torch.topk), " name=value" options setting
+# ATB_CUDA_INDEXER_<NAME> (ch, hb, r, sel_warps), and score-kernel tiles " [indexer=BN,WARPS,STAGES,CTAS_PER_SM,PRE]"
+INDEXER_VARIANTS = ("", " [indexer=rank ch=4096]", " [indexer=rank hb=11]", " [indexer=hist]", " [indexer=split]",
+                    " [indexer=bits]", " [indexer=old]")
 
 
 class Rotating:
@@ -273,9 +275,14 @@ def main() -> None:
                 os.environ[var] = val
             else:
                 os.environ.pop(var, None)
-        im = re.search(r"\[indexer=([\w,]+)\]", case_name)
+        im = re.search(r"\[indexer=([\w,]+)((?: \w+=\d+)*)\]", case_name)
+        for opt in ("CH", "HB", "R", "SEL_WARPS"):
+            os.environ.pop(f"ATB_CUDA_INDEXER_{opt}", None)
         if im:
             os.environ["ATB_CUDA_INDEXER"] = im.group(1)
+            for opt in im.group(2).split():  # " ch=4096 hb=11" -> ATB_CUDA_INDEXER_CH=4096 ...
+                key, val = opt.split("=")
+                os.environ[f"ATB_CUDA_INDEXER_{key.upper()}"] = val
         else:
             os.environ.pop("ATB_CUDA_INDEXER", None)
         if "[" in case_name and not gm and not im:

@@ -158,8 +158,8 @@ def _score_block(q, w, keys, rows, n, key_row, N, PREC: tl.constexpr, hist_row, 
 
 
 # ----------------------------------------------------------------------------------------------------- wrapper
-PATHS = ("hist", "split", "bits", "old")
-DEFAULT_PATH = "hist"
+PATHS = ("rank", "hist", "split", "bits", "old")
+DEFAULT_PATH = "rank"
 
 
 def _mode():
@@ -251,6 +251,28 @@ def select_hist(keys, hist, cand, k, hb, split=False):
     return out
 
 
+def select_rank(keys, buf, cand, k, hb):
+    """rank path (``indexer_select._bucket_kernel`` + ``_rank_kernel``): [T, k] int64 rows from the keys and
+    buf [T, 2^(hb+1) + 32] int32 (histogram filled by the score kernel, the rest zeros)."""
+    t_count, n = keys.shape
+    kp = pow2(k, 16)
+    caps = os.environ.get("ATB_CUDA_INDEXER_CAP")
+    cap = int(caps.split(",")[-1]) if caps else 8 * kp  # most keys at or above the threshold bin
+    cap = max(cap, kp)
+    scratch = torch.empty(t_count, cap, dtype=torch.int64, device=keys.device)
+    start = torch.empty(t_count, 1 << hb, dtype=torch.int32, device=keys.device)
+    out = torch.empty(t_count, k, dtype=torch.int64, device=keys.device)
+    ch = min(pow2(n, 16), 32 if INTERPRET else int(os.environ.get("ATB_CUDA_INDEXER_CH", 2048)))
+    r = min(cap, 16 if INTERPRET else int(os.environ.get("ATB_CUDA_INDEXER_R", 128)))
+    fch = min(pow2(n, 16), 64 if INTERPRET else 2048)
+    sel._bucket_kernel[(t_count, triton.cdiv(n, ch))](keys, buf, buf.stride(0), start, scratch, n, k, cap, HB=hb,
+                                                      CH=ch, CAP=cap, num_warps=4)
+    sel._rank_kernel[(t_count, triton.cdiv(cap, r))](keys, buf, buf.stride(0), start, cand, scratch, out, n, k, cap,
+                                                     HB=hb, R=r, C=16 if INTERPRET else 32, CAP=cap, FCH=fch, KP=kp,
+                                                     FONE=pow2(n, 16) <= fch, num_warps=4)
+    return out
+
+
 @register("indexer_topk", "cuda")
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, cand: torch.Tensor, topk: int) -> torch.Tensor:
     """q [T, Hi, Di] (float32 / bf16), weights [T, Hi] (float), k_cache [P, Di] (float32 / bf16; float32 products
@@ -274,6 +296,10 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, 
             return select_topk(keys, cand, k)
         return _select_torch(keys, cand, k)
     hb = hist_bits()
+    if path == "rank":  # histogram, per-bin slot counters, |S|
+        buf = torch.zeros(t_count, (2 << hb) + 32, dtype=torch.int32, device=q.device)
+        keys = score_keys(q, weights, kc, cand, buf, hb, tiles)
+        return select_rank(keys, buf, cand, k, hb)
     # per-token bins + the split path's slot counter (column 2^hb); rows padded to 128 bytes
     hist = torch.zeros(t_count, (1 << hb) + 32, dtype=torch.int32, device=q.device)
     keys = score_keys(q, weights, kc, cand, hist, hb, tiles)

@@ -199,3 +199,75 @@ def _sort_kernel(key_ptr, hist_ptr, HS, cand_ptr, scratch_ptr, out_ptr, N, KW, S
     bstar, cnt = _threshold(hist_ptr + t * HS, KW, HB)
     _sort_tiers(t, key_ptr, cand_ptr, scratch_ptr, out_ptr, N, KW, SS, bstar, cnt, CAP1, CAP2, FCH, KP,
                 FONE)
+
+
+# ------------------------------------------------------------------------------- rank path: no sort at all
+@triton.jit
+def _bucket_kernel(key_ptr, buf_ptr, BS, start_ptr, scratch_ptr, N, KW, SS, HB: tl.constexpr, CH: tl.constexpr,
+                   CAP: tl.constexpr):
+    """rank, step 1 (grid [T, ceil(N / CH)]): bucket the S keys of candidates [p * CH, (p + 1) * CH) by bin.
+
+    buf row t (stride BS, zeroed): [0, 2^HB) the histogram, [2^HB, 2^(HB+1)) per-bin slot counters, then
+    (|S|, b*). start[t, b] = keys of S in bins > b (b >= b*), written by every program of the token (identical
+    values) and read back after a barrier; a key of bin b goes to scratch[t, start[b] + its slot in the bin]."""
+    t = tl.program_id(0).to(tl.int64)
+    p = tl.program_id(1)
+    NB: tl.constexpr = 1 << HB
+    hist_row = buf_ptr + t * BS
+    b = tl.arange(0, NB)
+    h = tl.load(hist_row + b)
+    ge = tl.sum(h, 0) - tl.cumsum(h, 0) + h  # keys in bins >= b
+    bstar = tl.max(tl.where(ge >= KW, b, 0), 0)
+    cnt = tl.sum(tl.where(b >= bstar, h, 0), 0)
+    if p == 0:
+        tl.store(hist_row + 2 * NB, cnt)
+    if cnt <= CAP:
+        start_row = start_ptr + t * NB
+        tl.store(start_row + b, ge - h, mask=b >= bstar)
+        tl.debug_barrier()
+        n = p * CH + tl.arange(0, CH)
+        x = tl.load(key_ptr + t * N + n, mask=n < N, other=ORD_NEG_INF)
+        sel = _in_s(x, n, N, bstar, HB)
+        bx = tl.where(sel, key_bin(x, HB), 0)
+        slot = tl.atomic_add(hist_row + NB + bx, 1, mask=sel, sem="relaxed")
+        st = tl.load(start_row + bx, mask=sel, other=0, cache_modifier=".cg")
+        tl.store(scratch_ptr + t * SS + st + slot, _composite(x, n), mask=sel)
+
+
+@triton.jit
+def _rank_kernel(key_ptr, buf_ptr, BS, start_ptr, cand_ptr, scratch_ptr, out_ptr, N, KW, SS, HB: tl.constexpr,
+                 R: tl.constexpr, C: tl.constexpr, CAP: tl.constexpr, FCH: tl.constexpr, KP: tl.constexpr,
+                 FONE: tl.constexpr):
+    """rank, step 2 (grid [T, CAP / R]): program p places the S keys at scratch[t, p * R : (p + 1) * R].
+
+    The output position of a key of bin b is start[b] + (keys of its own bin with a larger composite): a
+    comparison with its bin's segment only (bins order the rest). Positions past |S| get -1; |S| > CAP: the exact
+    bit-search fallback (program 0)."""
+    t = tl.program_id(0).to(tl.int64)
+    p = tl.program_id(1)
+    NB: tl.constexpr = 1 << HB
+    hist_row = buf_ptr + t * BS
+    cnt = tl.load(hist_row + 2 * NB)
+    out_row = out_ptr + t * KW
+    if cnt <= CAP:
+        i = p * R + tl.arange(0, R)
+        tl.store(out_row + i, tl.full([R], -1, tl.int64), mask=(i >= cnt) & (i < KW))
+        if p * R < cnt:
+            im = i < cnt
+            srow = scratch_ptr + t * SS
+            c = tl.load(srow + i, mask=im, other=I64_MIN)
+            bx = tl.where(im, key_bin((c >> 32).to(tl.int32), HB), 0)
+            st = tl.load(start_ptr + t * NB + bx, mask=im, other=0)
+            ln = tl.load(hist_row + bx, mask=im, other=0)
+            r = tl.zeros([R], dtype=tl.int32)
+            jc = tl.arange(0, C)
+            for j0 in range(0, tl.max(ln, 0), C):
+                jj = j0 + jc
+                o = tl.load(srow + st[:, None] + jj[None, :], mask=jj[None, :] < ln[:, None], other=I64_MIN)
+                r += tl.sum((o > c[:, None]).to(tl.int32), 1)
+            pos = st + r
+            keep = im & (pos < KW)
+            row = tl.load(cand_ptr + t * N + (4294967295 - (c & 4294967295)), mask=keep, other=-1)
+            tl.store(out_row + pos, row, mask=keep)
+    elif p == 0:
+        _bits_select(t, key_ptr, cand_ptr, scratch_ptr, out_ptr, N, KW, SS, FCH, KP, FONE)
