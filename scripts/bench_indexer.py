@@ -59,6 +59,10 @@ def _breakdown(res, cu, q, w, keys, cand, k, byt, hbm, T, n):
     _timed(res, "select hist", lambda: ix.select_hist(sk, hist, cand, k, hb))
     # split: the slot counter (column 2^hb) must start at 0 on every replay: a copy of the histogram per call
     _timed(res, "copy+select split", lambda: ix.select_hist(sk, hist.clone(), cand, k, hb, split=True))
+    buf = torch.zeros(T, (2 << hb) + 32, dtype=torch.int32, device=q.device)
+    buf[:, : 1 << hb] = hist[:, : 1 << hb]  # the rank path's buffer: histogram, zeroed slot counters
+    _timed(res, "copy+select rank", lambda: ix.select_rank(sk, buf.clone(), cand, k, hb))
+    _timed(res, "copy", lambda: buf.clone())
     same = "  ".join(f"{p}==old: {float((o == outs['old']).float().mean()):.4f}" for p, o in outs.items())
     line = "  ".join(f"{kk} {v * 1e3:.1f}us ({_pct(byt, v, hbm):.1f}%)" for kk, v in res.items())
     print(f"T={T} N={n}: {line}  {same}", flush=True)
