@@ -79,8 +79,8 @@ ATTN_VARIANTS = ("", " [32,32,8]", " [64,32,8]", " [64,16,8]", " [64,32,16]")
 # bucket by bin + rank within the bin; hist: histogram + compact + sort; split: its compaction over many programs;
 # bits: the previous bit-search selection; old: int64 keys + torch.topk), " name=value" options setting
 # ATB_CUDA_INDEXER_<NAME> (ch, hb, r, sel_warps), and score-kernel tiles " [indexer=BN,WARPS,STAGES,CTAS_PER_SM,PRE]"
-INDEXER_VARIANTS = ("", " [indexer=rank ch=4096]", " [indexer=rank hb=11]", " [indexer=hist]", " [indexer=split]",
-                    " [indexer=bits]", " [indexer=old]")
+INDEXER_VARIANTS = ("", " [indexer=rank ch=4096]", " [indexer=rank hb=11]", " [indexer=hist]", " [indexer=bits]",
+                    " [indexer=old]")
 
 
 class Rotating:
