@@ -15,15 +15,17 @@ order key per candidate: the score's order-preserving integer image (-0.0 folded
 quiet NaN that the reference's descending sort puts first), ``ORD_NEG_INF`` for absent candidates.
 
 With HB > 0 the score kernel also counts, per token, the finite keys per bin of their top HB bits (relaxed atomic
-adds into a zeroed [T, 2^HB] buffer). The selection (``indexer_select``, default path ``hist``) takes the threshold
-bin from that histogram, compacts the few keys at or above it and sorts them in one program per token; ``split``
-spreads the compaction over many programs per token. Both fall back to the exact bit search when the threshold
+adds into a zeroed [T, 2^HB] buffer). The selections of ``indexer_select`` take the threshold bin from that
+histogram and handle only the keys at or above it: ``rank`` buckets them by bin over many programs per token and
+places each by its rank inside its bin (no sort); ``hist`` compacts and sorts them in one program per token;
+``split`` spreads that compaction over many programs. All fall back to the exact bit search when the threshold
 bin holds too many keys (thousands of exact ties).
 
-ATB_CUDA_INDEXER = "PATH[,BN,WARPS,STAGES,CTAS_PER_SM[,PRE]]" or just the tiles: PATH ``hist`` (default), ``split``,
-``bits`` (the previous selection: ``_select_kernel``, one program per token finding the k-th largest key by a
-32-step MSB-first bit search of counts; rows over 16384 keys through torch.topk) or ``old`` (the first path: int64
-keys + torch.topk); the tiles override the score kernel's (PRE=1: the register prefetch loop instead of Triton's
+ATB_CUDA_INDEXER = "PATH[,BN,WARPS,STAGES,CTAS_PER_SM[,PRE]]" or just the tiles: PATH ``auto`` (default: bits,
+split or rank by the candidate count N, see ``_AUTO_BITS_MAX``), ``rank``, ``hist``, ``split``, ``bits`` (the
+previous selection: ``_select_kernel``, one program per token finding the k-th largest key by a 32-step MSB-first
+bit search of counts; rows over 16384 keys through torch.topk) or ``old`` (the first path: int64 keys +
+torch.topk); the tiles override the score kernel's (PRE=1: the register prefetch loop instead of Triton's
 pipeliner). ATB_CUDA_INDEXER_HB: histogram bits (12); ATB_CUDA_INDEXER_CAP="CAP1,CAP2": the sort sizes;
 ATB_CUDA_INDEXER_SEL_WARPS: the selection kernel's warps; ATB_CUDA_INDEXER_CH: keys per compaction chunk.
 """
@@ -158,11 +160,16 @@ def _score_block(q, w, keys, rows, n, key_row, N, PREC: tl.constexpr, hist_row, 
 
 
 # ----------------------------------------------------------------------------------------------------- wrapper
-PATHS = ("rank", "hist", "split", "bits", "old")
-DEFAULT_PATH = "rank"
+PATHS = ("auto", "rank", "hist", "split", "bits", "old")
+DEFAULT_PATH = "auto"
+# auto: the fastest path per candidate count N in one H100 run at T = 32 (scripts/bench_results/
+# indexer_select_h100.txt, graph replays): N <= 8192 bits (N = 2048: 20.7 us vs rank 24.1; N = 8192: 55.9 vs
+# 57.6, hist 55.6), N <= 16384 split (82.2 us vs hist 87.2, rank 88.5, bits 101.6), longer rows rank (N = 65536:
+# 310 us vs hist 328, old 405, bits 463). The interpreter switches at small N so that CPU tests cover every path.
+_AUTO_BITS_MAX, _AUTO_SPLIT_MAX = (64, 128) if INTERPRET else (8192, 16384)
 
 
-def _mode():
+def _mode(n):
     """(selection path, score tiles or None) from ATB_CUDA_INDEXER = "[PATH][,BN,WARPS,STAGES,CTAS_PER_SM[,PRE]]"."""
     parts = [p for p in os.environ.get("ATB_CUDA_INDEXER", "").split(",") if p]
     path = DEFAULT_PATH
@@ -170,6 +177,8 @@ def _mode():
         path = parts.pop(0)
         if path not in PATHS:
             raise ValueError(f"ATB_CUDA_INDEXER path {path!r} not in {PATHS}")
+    if path == "auto":
+        path = "bits" if n <= _AUTO_BITS_MAX else "split" if n <= _AUTO_SPLIT_MAX else "rank"
     return path, ([int(v) for v in parts] or None)
 
 
@@ -282,7 +291,7 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, 
     k = min(topk, n)
     if t_count == 0 or k == 0:
         return cand.new_full((t_count, k), -1)
-    path, tiles = _mode()
+    path, tiles = _mode(n)
     if path == "old":
         return _indexer_topk_old(q, weights, k_cache, cand, topk)
     kc = k_cache if k_cache.stride(-1) == 1 else k_cache.contiguous()
