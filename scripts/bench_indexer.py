@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Where indexer_topk's time goes on the GPU: the score kernel, the selection, torch.topk, the whole op (new and
-the previous path, ATB_CUDA_INDEXER=old), each as a CUDA-graph replay (median ms), plus score-kernel tile variants.
+"""Where indexer_topk's time goes on the GPU: the whole op on each path (ATB_CUDA_INDEXER = old / bits / hist / rank /
+split), the score kernel with and without the histogram, each selection alone, each as a CUDA-graph replay
+(median), plus selection warps, histogram bits and score-kernel tile variants on the sweep shapes.
 
 Shapes as scripts/bench_kernels.py: 64 heads x 128 dims bf16, every token its own N key rows (read once), top-512.
 Usage: python scripts/bench_indexer.py [--cfgs "BN,WARPS,STAGES,CTAS_PER_SM;..."]
@@ -25,30 +26,57 @@ def g_ms(fn):
     return float(triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median"))
 
 
+def _pct(byt, v, hbm):
+    return 100 * byt / (v * 1e-3) / hbm
+
+
+def _timed(res, name, fn):
+    try:
+        res[name] = g_ms(fn)
+    except Exception as e:  # noqa: BLE001
+        print(f"   {name}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
+
+
 def _breakdown(res, cu, q, w, keys, cand, k, byt, hbm, T, n):
-    os.environ["ATB_CUDA_INDEXER"] = "old"
-    res["old op"] = g_ms(lambda: cu(q, w, keys, cand, 512))
-    old_out = cu(q, w, keys, cand, 512)
-    k64 = torch.randint(-2**62, 2**62, (T, n), device=q.device)
-    res["torch.topk int64"] = g_ms(lambda: torch.topk(k64, k, dim=-1, sorted=True))
+    outs = {}
+    for path in ("rank", "hist", "split", "bits", "old"):
+        os.environ["ATB_CUDA_INDEXER"] = path
+        outs[path] = cu(q, w, keys, cand, 512)
+        _timed(res, f"{path} op", lambda: cu(q, w, keys, cand, 512))
     os.environ.pop("ATB_CUDA_INDEXER")
-    res["new op"] = g_ms(lambda: cu(q, w, keys, cand, 512))
-    new_out = cu(q, w, keys, cand, 512)
+    hb = ix.hist_bits()
     sk = ix.score_keys(q, w, keys, cand)
-    res["new score"] = g_ms(lambda: ix.score_keys(q, w, keys, cand))
-    res["new select"] = g_ms(lambda: ix.select_topk(sk, cand, k))
-    same = float((old_out == new_out).float().mean())
-    line = "  ".join(f"{kk} {v * 1e3:.1f}us ({100 * byt / (v * 1e-3) / hbm:.1f}%)" for kk, v in res.items())
-    print(f"T={T} N={n}: {line}  old==new {same:.4f}", flush=True)
+    _timed(res, "score", lambda: ix.score_keys(q, w, keys, cand))
+
+    def zeros():
+        return torch.zeros(T, (1 << hb) + 32, dtype=torch.int32, device=q.device)
+
+    _timed(res, "zeros", zeros)
+    _timed(res, "zeros+score+hist", lambda: ix.score_keys(q, w, keys, cand, zeros(), hb))
+    hist = zeros()
+    ix.score_keys(q, w, keys, cand, hist, hb)
+    _timed(res, "select bits", lambda: ix.select_topk(sk, cand, k))
+    _timed(res, "select hist", lambda: ix.select_hist(sk, hist, cand, k, hb))
+    # split: the slot counter (column 2^hb) must start at 0 on every replay: a copy of the histogram per call
+    _timed(res, "copy+select split", lambda: ix.select_hist(sk, hist.clone(), cand, k, hb, split=True))
+    buf = torch.zeros(T, (2 << hb) + 32, dtype=torch.int32, device=q.device)
+    buf[:, : 1 << hb] = hist[:, : 1 << hb]  # the rank path's buffer: histogram, zeroed slot counters
+    _timed(res, "copy+select rank", lambda: ix.select_rank(sk, buf.clone(), cand, k, hb))
+    _timed(res, "copy", lambda: buf.clone())
+    same = "  ".join(f"{p}==old: {float((o == outs['old']).float().mean()):.4f}" for p, o in outs.items())
+    line = "  ".join(f"{kk} {v * 1e3:.1f}us ({_pct(byt, v, hbm):.1f}%)" for kk, v in res.items())
+    print(f"T={T} N={n}: {line}  {same}", flush=True)
+    return sk, hist
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--cfgs", default="128,4,3,2;64,4,3,4;64,4,3,8;128,8,3,4;256,8,3,2;128,4,1,4,1;64,4,1,8,1;"
-                                      "128,8,1,4,1;64,8,1,4,1")
+    ap.add_argument("--cfgs", default="128,4,1,4,1;128,4,1,2,1;64,4,1,8,1;128,8,1,4,1;128,4,3,2,0;64,4,3,8,0")
     ap.add_argument("--sweep", default="1x2048;32x16384", help="shapes that get the tile sweep")
     ap.add_argument("--sel-warps", default="4;8;16")
-    ap.add_argument("--shapes", default="1x2048;32x2048;32x16384;4x65536")
+    ap.add_argument("--chs", default="1024;2048;4096;8192", help="compaction chunks tried on the sweep shapes")
+    ap.add_argument("--hbs", default="10;11;12;13", help="histogram bits tried on the sweep shapes")
+    ap.add_argument("--shapes", default="1x2048;32x2048;32x8192;32x16384;32x65536")
     a = ap.parse_args()
     dev = torch.device("cuda")
     a_ = torch.empty(2**28, device=dev)
@@ -68,31 +96,58 @@ def main():
         k = min(512, n)
         res = {}
         try:
-            _breakdown(res, cu, q, w, keys, cand, k, byt, hbm, T, n)
+            res["_keys"] = _breakdown(res, cu, q, w, keys, cand, k, byt, hbm, T, n)
         except Exception as e:  # noqa: BLE001
             print(f"T={T} N={n}: failed {type(e).__name__}: {str(e)[:300]}", flush=True)
             os.environ.pop("ATB_CUDA_INDEXER", None)
             continue
-        sk = ix.score_keys(q, w, keys, cand)
         if shp not in a.sweep.split(";"):
             continue
+        sk, hist = res.pop("_keys")
+        hb = ix.hist_bits()
         for sw in a.sel_warps.split(";"):
             os.environ["ATB_CUDA_INDEXER_SEL_WARPS"] = sw
             try:
-                v = g_ms(lambda: ix.select_topk(sk, cand, k))
-                print(f"   select warps {sw}: {v * 1e3:.1f}us", flush=True)
+                line = f"   select warps {sw}:"
+                for split in (False, True):
+                    v = g_ms(lambda: ix.select_hist(sk, hist.clone(), cand, k, hb, split=split))
+                    line += f" {'split' if split else 'hist'} (+copy) {v * 1e3:.1f}us"
+                print(line, flush=True)
             except Exception as e:  # noqa: BLE001
                 print(f"   select warps {sw}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
             os.environ.pop("ATB_CUDA_INDEXER_SEL_WARPS")
-        for cfg in filter(None, a.cfgs.split(";")):
-            os.environ["ATB_CUDA_INDEXER"] = cfg
+        for ch in a.chs.split(";"):
+            os.environ["ATB_CUDA_INDEXER_CH"] = ch
             try:
-                v = g_ms(lambda: ix.score_keys(q, w, keys, cand))
-                ok = torch.equal(ix.score_keys(q, w, keys, cand), sk)
-                print(f"   score cfg {cfg}: {v * 1e3:.1f}us ({100 * byt / (v * 1e-3) / hbm:.1f}%) same={ok}", flush=True)
+                line = f"   compaction chunk {ch}:"
+                for split in (False, True):
+                    v = g_ms(lambda: ix.select_hist(sk, hist.clone(), cand, k, hb, split=split))
+                    line += f" {'split' if split else 'hist'} (+copy) {v * 1e3:.1f}us"
+                print(line, flush=True)
+            except Exception as e:  # noqa: BLE001
+                print(f"   compaction chunk {ch}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
+            os.environ.pop("ATB_CUDA_INDEXER_CH")
+        for hbs in a.hbs.split(";"):
+            os.environ["ATB_CUDA_INDEXER_HB"] = hbs
+            try:
+                v = g_ms(lambda: cu(q, w, keys, cand, 512))
+                print(f"   hist bits {hbs}: op {v * 1e3:.1f}us ({_pct(byt, v, hbm):.1f}%)", flush=True)
+            except Exception as e:  # noqa: BLE001
+                print(f"   hist bits {hbs}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
+            os.environ.pop("ATB_CUDA_INDEXER_HB")
+        for cfg in filter(None, a.cfgs.split(";")):
+            tiles = [int(v) for v in cfg.split(",")]
+            try:
+                v = g_ms(lambda: ix.score_keys(q, w, keys, cand, tiles=tiles))
+                ok = torch.equal(ix.score_keys(q, w, keys, cand, tiles=tiles), sk)
+                os.environ["ATB_CUDA_INDEXER"] = cfg
+                vo = g_ms(lambda: cu(q, w, keys, cand, 512))
+                os.environ.pop("ATB_CUDA_INDEXER")
+                print(f"   score cfg {cfg}: {v * 1e3:.1f}us ({_pct(byt, v, hbm):.1f}%) same={ok}; op with it "
+                      f"{vo * 1e3:.1f}us ({_pct(byt, vo, hbm):.1f}%)", flush=True)
             except Exception as e:  # noqa: BLE001
                 print(f"   score cfg {cfg}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
-            os.environ.pop("ATB_CUDA_INDEXER")
+                os.environ.pop("ATB_CUDA_INDEXER", None)
         del q, w, keys, cand
         torch.cuda.empty_cache()
 

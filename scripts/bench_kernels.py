@@ -82,9 +82,12 @@ GEMM_PATHS = ["[gemm=tiled]", "[gemm=decode]", "[gemm=tc]"]  # + "[gemm=decode c
 # (attention_v2.py, see its ``tile``); "" = the default (ATB_CUDA_ATTN_IMPL=auto). --attn-variants replaces the list.
 ATTN_VARIANTS = ["", " [attn=old]"]
 ROTATE_BYTES = 150e6  # rotated attention inputs: 3x the 50 MB L2
-# indexer_topk variants: the previous path (int64 keys + torch.topk) and score-kernel tiles
-# " [indexer=BN,WARPS,STAGES,CTAS_PER_SM]" (see atb_ops/cuda/indexer.py)
-INDEXER_VARIANTS = ("", " [indexer=old]", " [indexer=128,4,3,2,0]", " [indexer=64,4,3,8,0]")
+# indexer_topk variants (ATB_CUDA_INDEXER, see atb_ops/cuda/indexer.py): the selection paths (rank: histogram +
+# bucket by bin + rank within the bin; hist: histogram + compact + sort; split: its compaction over many programs;
+# bits: the previous bit-search selection; old: int64 keys + torch.topk), " name=value" options setting
+# ATB_CUDA_INDEXER_<NAME> (ch, hb, r, sel_warps), and score-kernel tiles " [indexer=BN,WARPS,STAGES,CTAS_PER_SM,PRE]"
+INDEXER_VARIANTS = ("", " [indexer=rank ch=4096]", " [indexer=rank hb=11]", " [indexer=hist]", " [indexer=bits]",
+                    " [indexer=old]")
 
 
 class Rotating:
@@ -242,7 +245,7 @@ def cases(dev, quick: bool):
                _nb(kvs, scs) + M * D * 4 + _nb(cand), 5 * M * kk * D)
 
     # indexer: 64 heads x 128 dims, candidates = ctx/4 entries, top-512
-    for T, ctx in ((1, 8192), (32, 8192), (32, 65536)):
+    for T, ctx in ((1, 8192), (32, 8192), (32, 32768), (32, 65536), (32, 262144)):
         if quick and T != 32:
             continue
         n = ctx // 4
@@ -357,9 +360,14 @@ def main() -> None:
                 os.environ[var] = val
             else:
                 os.environ.pop(var, None)
-        im = re.search(r"\[indexer=([\w,]+)\]", case_name)
+        im = re.search(r"\[indexer=([\w,]+)((?: \w+=\d+)*)\]", case_name)
+        for opt in ("CH", "HB", "R", "SEL_WARPS"):
+            os.environ.pop(f"ATB_CUDA_INDEXER_{opt}", None)
         if im:
             os.environ["ATB_CUDA_INDEXER"] = im.group(1)
+            for opt in im.group(2).split():  # " ch=4096 hb=11" -> ATB_CUDA_INDEXER_CH=4096 ...
+                key, val = opt.split("=")
+                os.environ[f"ATB_CUDA_INDEXER_{key.upper()}"] = val
         else:
             os.environ.pop("ATB_CUDA_INDEXER", None)
         am = re.search(r"\[(attn2?)=([\w,-]+)\]", case_name)

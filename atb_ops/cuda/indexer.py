@@ -5,7 +5,7 @@ Math (per token t, candidate n < N; float32 accumulation):
 and the output lists the k_cache rows of the min(topk, N) largest scores in descending order, equal scores in
 candidate order (the reference's stable descending sort), -1 where the score is -inf (absent candidates).
 
-Two kernels, no host synchronisation and no data-dependent shapes (CUDA-graph safe):
+Kernels with no host synchronisation and no data-dependent shapes (CUDA-graph safe):
 
 ``_score_keys_kernel`` (grid [T, S]: S programs per token, each looping over a contiguous range of blocks of BN
 candidates with q [Hi, Di] and w [Hi] loaded once) gathers the key rows through ``cand`` (each row read once
@@ -14,16 +14,20 @@ product, PRE=0 leaves the pipelining to Triton), runs the [Hi, Di] x [Di, BN] pr
 order key per candidate: the score's order-preserving integer image (-0.0 folded into +0.0, NaN made the positive
 quiet NaN that the reference's descending sort puts first), ``ORD_NEG_INF`` for absent candidates.
 
-``_select_kernel`` (one program per token; rows of up to 16384 candidates, longer ones go through torch.topk
-over int64 composites, see ``_SELECT_MAX``) finds the k-th largest key by a 32-step MSB-first bit search of
-counts (``count(key >= c) >= k``), keeps every key above it and the first ``k - count(key > thr)`` keys equal to
-it in candidate order (a prefix count), compacts the k survivors into a [T, KP] int64 scratch row as
-``(key << 32) | (2^32 - 1 - n)`` (all distinct; larger = earlier in the reference's order), sorts that row
-(bitonic ``tl.sort``, KP = next power of two of k) and writes ``cand[t, n]`` (-1 for -inf keys).
+With HB > 0 the score kernel also counts, per token, the finite keys per bin of their top HB bits (relaxed atomic
+adds into a zeroed [T, 2^HB] buffer). The selections of ``indexer_select`` take the threshold bin from that
+histogram and handle only the keys at or above it: ``rank`` buckets them by bin over many programs per token and
+places each by its rank inside its bin (no sort); ``hist`` compacts and sorts them in one program per token;
+``split`` spreads that compaction over many programs. All fall back to the exact bit search when the threshold
+bin holds too many keys (thousands of exact ties).
 
-ATB_CUDA_INDEXER=old selects the previous path (int64 keys + torch.topk), kept for side-by-side benchmarks;
-ATB_CUDA_INDEXER="BN,WARPS,STAGES,CTAS_PER_SM[,PRE]" overrides the score kernel's tiles (PRE=1: the register
-prefetch loop instead of Triton's pipeliner); ATB_CUDA_INDEXER_SEL_WARPS the selection kernel's warps.
+ATB_CUDA_INDEXER = "PATH[,BN,WARPS,STAGES,CTAS_PER_SM[,PRE]]" or just the tiles: PATH ``auto`` (default: bits,
+split or rank by the candidate count N, see ``_AUTO_BITS_MAX``), ``rank``, ``hist``, ``split``, ``bits`` (the
+previous selection: ``_select_kernel``, one program per token finding the k-th largest key by a 32-step MSB-first
+bit search of counts; rows over 16384 keys through torch.topk) or ``old`` (the first path: int64 keys +
+torch.topk); the tiles override the score kernel's (PRE=1: the register prefetch loop instead of Triton's
+pipeliner). ATB_CUDA_INDEXER_HB: histogram bits (12); ATB_CUDA_INDEXER_CAP="CAP1,CAP2": the sort sizes;
+ATB_CUDA_INDEXER_SEL_WARPS: the selection kernel's warps; ATB_CUDA_INDEXER_CH: keys per compaction chunk.
 """
 
 from __future__ import annotations
@@ -35,7 +39,9 @@ import triton
 import triton.language as tl
 
 from .._registry import register
+from . import indexer_select as sel
 from ._util import INTERPRET, mma, dot_precision, pow2, sm_count
+from .indexer_select import key_bin
 
 KEY_ABSENT = -(2**63)
 ORD_NEG_INF_INT = -2139095041  # order key of -inf: bits 0xFF800000 ^ 0x7FFFFFFF as int32
@@ -90,11 +96,12 @@ def _indexer_topk_old(q, weights, k_cache, cand, topk):
 
 # ----------------------------------------------------------------------------------------------------- kernels
 @triton.jit
-def _score_keys_kernel(q_ptr, w_ptr, k_ptr, cand_ptr, key_ptr, N, Hi, Di, stride_k, BPP, BH: tl.constexpr,
-                       BD: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr,
-                       F32: tl.constexpr, PRE: tl.constexpr):
+def _score_keys_kernel(q_ptr, w_ptr, k_ptr, cand_ptr, key_ptr, hist_ptr, HS, N, Hi, Di, stride_k, BPP,
+                       BH: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr,
+                       F32: tl.constexpr, PRE: tl.constexpr, HB: tl.constexpr):
     """key[t, n] (int32) for the BPP blocks of BN candidates starting at block program_id(1) * BPP; the product
-    runs in float32 when F32 (either operand float32, or mixed 16-bit dtypes), else in k_cache's 16-bit dtype."""
+    runs in float32 when F32 (either operand float32, or mixed 16-bit dtypes), else in k_cache's 16-bit dtype.
+    HB > 0: also counts the finite keys per bin of their top HB bits into hist[t, :2^HB] (row stride HS)."""
     t = tl.program_id(0).to(tl.int64)
     blk0 = tl.program_id(1) * BPP
     h = tl.arange(0, BH)
@@ -123,7 +130,7 @@ def _score_keys_kernel(q_ptr, w_ptr, k_ptr, cand_ptr, key_ptr, N, Hi, Di, stride
                              mask=(rows_n >= 0)[:, None] & dm[None, :], other=0.0)
             n_nn = n_n + BN
             rows_nn = tl.load(cand_ptr + t * N + n_nn, mask=n_nn < n_end, other=-1)
-            _score_block(q, w, keys_c.to(op_ty), rows_c, n_c, key_ptr + t * N, N, PREC)
+            _score_block(q, w, keys_c.to(op_ty), rows_c, n_c, key_ptr + t * N, N, PREC, hist_ptr + t * HS, HB)
             keys_c, rows_c, n_c = keys_n, rows_n, n_n
             rows_n, n_n = rows_nn, n_nn
     else:
@@ -132,12 +139,13 @@ def _score_keys_kernel(q_ptr, w_ptr, k_ptr, cand_ptr, key_ptr, N, Hi, Di, stride
             rows = tl.load(cand_ptr + t * N + n, mask=n < N, other=-1)
             keys = tl.load(k_ptr + rows.to(tl.int64)[:, None] * stride_k + d[None, :],
                            mask=(rows >= 0)[:, None] & dm[None, :], other=0.0).to(op_ty)
-            _score_block(q, w, keys, rows, n, key_ptr + t * N, N, PREC)
+            _score_block(q, w, keys, rows, n, key_ptr + t * N, N, PREC, hist_ptr + t * HS, HB)
 
 
 @triton.jit
-def _score_block(q, w, keys, rows, n, key_row, N, PREC: tl.constexpr):
-    """Order keys of one block: keys [BN, BD] gathered rows, rows [BN] (-1 = absent), n [BN] positions."""
+def _score_block(q, w, keys, rows, n, key_row, N, PREC: tl.constexpr, hist_row, HB: tl.constexpr):
+    """Order keys of one block: keys [BN, BD] gathered rows, rows [BN] (-1 = absent), n [BN] positions; HB > 0:
+    histogram of their top HB bits (relaxed atomics: only the next kernel reads it)."""
     dots = mma(q, tl.trans(keys), PREC)  # [BH, BN]
     dots = tl.where(dots < 0.0, 0.0, dots)  # ReLU (NaN stays NaN, as in torch)
     score = tl.sum(dots * w[:, None], 0)
@@ -147,75 +155,39 @@ def _score_block(q, w, keys, rows, n, key_row, N, PREC: tl.constexpr):
     ordered = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
     ordered = tl.where(rows >= 0, ordered, ORD_NEG_INF)
     tl.store(key_row + n, ordered, mask=n < N)
-
-
-@triton.jit
-def _select_kernel(key_ptr, cand_ptr, scratch_ptr, out_ptr, N, KW, CH: tl.constexpr, KP: tl.constexpr,
-                   ONE: tl.constexpr):
-    """out[t, :KW] = cand rows of the KW largest keys of token t (ties by candidate order), -1 for -inf keys."""
-    t = tl.program_id(0).to(tl.int64)
-    base = key_ptr + t * N
-    offs = tl.arange(0, CH)
-    x = tl.load(base + offs, mask=offs < N, other=-2147483647)  # padding below every real key (>= ORD_NEG_INF)
-    # 1) thr = the KW-th largest key: build its unsigned image u = key + 2^31 bit by bit from the top
-    thr = tl.zeros([], dtype=tl.int64)
-    for i in range(32):
-        c = thr | (tl.full([], 1, tl.int64) << (31 - i))
-        cs = (c - 2147483648).to(tl.int32)
-        if ONE:
-            cnt = tl.sum((x >= cs).to(tl.int32), 0)
-        else:
-            cnt = tl.sum(tl.zeros([CH], dtype=tl.int32), 0)
-            for off in range(0, N, CH):
-                xx = tl.load(base + off + offs, mask=off + offs < N, other=-2147483647)
-                cnt += tl.sum((xx >= cs).to(tl.int32), 0)
-        thr = tl.where(cnt >= KW, c, thr)
-    ts = (thr - 2147483648).to(tl.int32)
-    # 2) keep keys > thr and the first KW - count(> thr) keys == thr; compact them in candidate order
-    if ONE:
-        need_eq = KW - tl.sum((x > ts).to(tl.int32), 0)
-    else:
-        n_gt = tl.sum(tl.zeros([CH], dtype=tl.int32), 0)
-        for off in range(0, N, CH):
-            xx = tl.load(base + off + offs, mask=off + offs < N, other=-2147483647)
-            n_gt += tl.sum((xx > ts).to(tl.int32), 0)
-        need_eq = KW - n_gt
-    run_eq = tl.sum(tl.zeros([CH], dtype=tl.int32), 0)
-    run_sel = tl.sum(tl.zeros([CH], dtype=tl.int32), 0)
-    srow = scratch_ptr + t * KP
-    for off in range(0, N, CH):
-        if not ONE:
-            x = tl.load(base + off + offs, mask=off + offs < N, other=-2147483647)
-        eq = (x == ts).to(tl.int32)
-        eq_before = run_eq + tl.cumsum(eq, 0) - eq
-        sel = (x > ts) | ((eq != 0) & (eq_before < need_eq))
-        si = sel.to(tl.int32)
-        pos = run_sel + tl.cumsum(si, 0) - si
-        comp = (x.to(tl.int64) << 32) | (4294967295 - (off + offs).to(tl.int64))
-        tl.store(srow + pos, comp, mask=sel)
-        run_eq += tl.sum(eq, 0)
-        run_sel += tl.sum(si, 0)
-    tl.debug_barrier()
-    # 3) order the KW survivors (descending composite = score desc, candidate order asc) and map to rows
-    j = tl.arange(0, KP)
-    jm = j < KW
-    v = tl.load(srow + j, mask=jm, other=-9223372036854775807 - 1, cache_modifier=".cg")
-    v = tl.sort(v, 0, descending=True)
-    n_sel = 4294967295 - (v & 4294967295)
-    row = tl.load(cand_ptr + t * N + n_sel, mask=jm, other=-1)
-    row = tl.where((v >> 32) == ORD_NEG_INF, -1, row)
-    tl.store(out_ptr + t * KW + j, row, mask=jm)
+    if HB > 0:
+        tl.atomic_add(hist_row + key_bin(ordered, HB), 1, mask=(n < N) & (ordered != ORD_NEG_INF), sem="relaxed")
 
 
 # ----------------------------------------------------------------------------------------------------- wrapper
-def _score_cfg(device, n, t_count):
+PATHS = ("auto", "rank", "hist", "split", "bits", "old")
+DEFAULT_PATH = "auto"
+# auto: the fastest path per candidate count N in one H100 run at T = 32 (scripts/bench_results/
+# indexer_select_h100.txt, graph replays): N <= 8192 bits (N = 2048: 20.7 us vs rank 24.1; N = 8192: 55.9 vs
+# 57.6, hist 55.6), N <= 16384 split (82.2 us vs hist 87.2, rank 88.5, bits 101.6), longer rows rank (N = 65536:
+# 310 us vs hist 328, old 405, bits 463). The interpreter switches at small N so that CPU tests cover every path.
+_AUTO_BITS_MAX, _AUTO_SPLIT_MAX = (64, 128) if INTERPRET else (8192, 16384)
+
+
+def _mode(n):
+    """(selection path, score tiles or None) from ATB_CUDA_INDEXER = "[PATH][,BN,WARPS,STAGES,CTAS_PER_SM[,PRE]]"."""
+    parts = [p for p in os.environ.get("ATB_CUDA_INDEXER", "").split(",") if p]
+    path = DEFAULT_PATH
+    if parts and not parts[0].isdigit():
+        path = parts.pop(0)
+        if path not in PATHS:
+            raise ValueError(f"ATB_CUDA_INDEXER path {path!r} not in {PATHS}")
+    if path == "auto":
+        path = "bits" if n <= _AUTO_BITS_MAX else "split" if n <= _AUTO_SPLIT_MAX else "rank"
+    return path, ([int(v) for v in parts] or None)
+
+
+def _score_cfg(device, n, t_count, tiles=None):
     """(BN, warps, stages, blocks per program, programs per token, register prefetch) of the score kernel."""
     bn, warps, stages, per_sm, pre = 128, 4, 1, 4, 1  # best of the H100 sweep (scripts/bench_indexer.py)
-    env = os.environ.get("ATB_CUDA_INDEXER")
-    if env and env != "old":
-        vals = [int(v) for v in env.split(",")]
-        bn, warps, stages, per_sm = vals[:4]
-        pre = vals[4] if len(vals) > 4 else 0
+    if tiles:
+        bn, warps, stages, per_sm = tiles[:4]
+        pre = tiles[4] if len(tiles) > 4 else 0
     if INTERPRET:
         bn, stages = 16, 1
     bn = min(bn, pow2(n, 16))
@@ -225,21 +197,25 @@ def _score_cfg(device, n, t_count):
     return bn, warps, stages, bpp, triton.cdiv(nblk, bpp), bool(pre)
 
 
-def score_keys(q, weights, kc, cand):
-    """[T, N] int32 order keys of the scores (see the module docstring); kc [P, Di] rows, unit stride."""
+def score_keys(q, weights, kc, cand, hist=None, hb=0, tiles=None):
+    """[T, N] int32 order keys of the scores (see the module docstring); kc [P, Di] rows, unit stride. hist
+    [T, >= 2^hb] int32 zeros (hb > 0): receives the per-token count of finite keys per top-hb-bit bin."""
     t_count, n = cand.shape
     hi, di = q.shape[1], q.shape[2]
     keys = torch.empty(t_count, n, dtype=torch.int32, device=q.device)
-    bn, warps, stages, bpp, splits, pre = _score_cfg(q.device, n, t_count)
+    bn, warps, stages, bpp, splits, pre = _score_cfg(q.device, n, t_count, tiles)
     f32 = torch.float32 in (q.dtype, kc.dtype) or q.dtype != kc.dtype
-    _score_keys_kernel[(t_count, splits)](q, weights, kc, cand, keys, n, hi, di, kc.stride(0), bpp,
+    hist_arg, hs = (keys, 0) if hist is None or hb == 0 else (hist, hist.stride(0))
+    _score_keys_kernel[(t_count, splits)](q, weights, kc, cand, keys, hist_arg, hs, n, hi, di, kc.stride(0), bpp,
                                           BH=pow2(hi, 16), BD=pow2(di, 16), BN=bn, PREC=dot_precision(q.dtype, kc.dtype),
-                                          STAGES=stages, F32=f32, PRE=pre, num_warps=warps)
+                                          STAGES=stages, F32=f32, PRE=pre, HB=hb if hist is not None else 0,
+                                          num_warps=warps)
     return keys
 
 
 def select_topk(keys, cand, k):
-    """[T, k] int64 cand rows of the k largest int32 keys per row (ties in candidate order), -1 for -inf keys."""
+    """bits path: [T, k] int64 cand rows of the k largest int32 keys per row (ties in candidate order), -1 for -inf
+    keys; one program per token (``indexer_select._bits_select``)."""
     t_count, n = keys.shape
     kp = pow2(k, 16)
     scratch = torch.empty(t_count, kp, dtype=torch.int64, device=keys.device)
@@ -249,7 +225,60 @@ def select_topk(keys, cand, k):
     ch = pow2(n, 16) if one else ch_max // 2
     warps = 8 if ch >= 2048 else 4  # H100, N = 2048 / 16384: 8 warps beat 4 and 16
     warps = int(os.environ.get("ATB_CUDA_INDEXER_SEL_WARPS", warps))
-    _select_kernel[(t_count,)](keys, cand, scratch, out, n, k, CH=ch, KP=kp, ONE=one, num_warps=warps)
+    sel._select_kernel[(t_count,)](keys, cand, scratch, out, n, k, CH=ch, KP=kp, ONE=one, num_warps=warps)
+    return out
+
+
+def hist_bits():
+    """Top bits per histogram bin (ATB_CUDA_INDEXER_HB; 12 = sign, exponent and 3 mantissa bits of the score)."""
+    return int(os.environ.get("ATB_CUDA_INDEXER_HB", 12))
+
+
+def select_hist(keys, hist, cand, k, hb, split=False):
+    """hist / split paths (``indexer_select``): [T, k] int64 rows from the keys and their histogram."""
+    t_count, n = keys.shape
+    kp = pow2(k, 16)
+    caps = os.environ.get("ATB_CUDA_INDEXER_CAP")  # "CAP1,CAP2": sort sizes of S (powers of two)
+    cap1, cap2 = [int(v) for v in caps.split(",")] if caps else (max(16, 2 * kp), 8 * kp)
+    cap1, cap2 = max(cap1, kp), max(cap2, cap1)
+    scratch = torch.empty(t_count, cap2, dtype=torch.int64, device=keys.device)
+    out = torch.empty(t_count, k, dtype=torch.int64, device=keys.device)
+    fch = min(pow2(n, 16), 64 if INTERPRET else 2048)  # the exact fallback's chunk
+    warps = int(os.environ.get("ATB_CUDA_INDEXER_SEL_WARPS", 8))
+    common = dict(CAP1=cap1, CAP2=cap2, FCH=fch, KP=kp, FONE=pow2(n, 16) <= fch)
+    ch_env = os.environ.get("ATB_CUDA_INDEXER_CH")  # keys per compaction chunk (a power of two)
+    if split:
+        ch = min(pow2(n, 16), 32 if INTERPRET else int(ch_env or 2048))
+        sel._compact_kernel[(t_count, triton.cdiv(n, ch))](keys, hist, hist.stride(0), hist[:, 1 << hb:], scratch, n,
+                                                           k, cap2, HB=hb, CH=ch, CAP2=cap2, num_warps=4)
+        sel._sort_kernel[(t_count,)](keys, hist, hist.stride(0), cand, scratch, out, n, k, cap2, HB=hb, **common,
+                                     num_warps=warps)
+    else:
+        ch = min(pow2(n, 16), 64 if INTERPRET else int(ch_env or 4096))
+        sel._hist_select_kernel[(t_count,)](keys, hist, hist.stride(0), cand, scratch, out, n, k, cap2, HB=hb, CH=ch,
+                                            **common, num_warps=warps)
+    return out
+
+
+def select_rank(keys, buf, cand, k, hb):
+    """rank path (``indexer_select._bucket_kernel`` + ``_rank_kernel``): [T, k] int64 rows from the keys and
+    buf [T, 2^(hb+1) + 32] int32 (histogram filled by the score kernel, the rest zeros)."""
+    t_count, n = keys.shape
+    kp = pow2(k, 16)
+    caps = os.environ.get("ATB_CUDA_INDEXER_CAP")
+    cap = int(caps.split(",")[-1]) if caps else 8 * kp  # most keys at or above the threshold bin
+    cap = max(cap, kp)
+    scratch = torch.empty(t_count, cap, dtype=torch.int64, device=keys.device)
+    start = torch.empty(t_count, 1 << hb, dtype=torch.int32, device=keys.device)
+    out = torch.empty(t_count, k, dtype=torch.int64, device=keys.device)
+    ch = min(pow2(n, 16), 32 if INTERPRET else int(os.environ.get("ATB_CUDA_INDEXER_CH", 2048)))
+    r = min(cap, 16 if INTERPRET else int(os.environ.get("ATB_CUDA_INDEXER_R", 128)))
+    fch = min(pow2(n, 16), 64 if INTERPRET else 2048)
+    sel._bucket_kernel[(t_count, triton.cdiv(n, ch))](keys, buf, buf.stride(0), start, scratch, n, k, cap, HB=hb,
+                                                      CH=ch, CAP=cap, num_warps=4)
+    sel._rank_kernel[(t_count, triton.cdiv(cap, r))](keys, buf, buf.stride(0), start, cand, scratch, out, n, k, cap,
+                                                     HB=hb, R=r, C=16 if INTERPRET else 32, CAP=cap, FCH=fch, KP=kp,
+                                                     FONE=pow2(n, 16) <= fch, num_warps=4)
     return out
 
 
@@ -262,21 +291,33 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, 
     k = min(topk, n)
     if t_count == 0 or k == 0:
         return cand.new_full((t_count, k), -1)
-    if os.environ.get("ATB_CUDA_INDEXER") == "old":
+    path, tiles = _mode(n)
+    if path == "old":
         return _indexer_topk_old(q, weights, k_cache, cand, topk)
     kc = k_cache if k_cache.stride(-1) == 1 else k_cache.contiguous()
     if kc.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         kc = kc.float()
     cand = cand.contiguous()
-    keys = score_keys(q.contiguous(), weights.contiguous(), kc, cand)
-    if pow2(n, 16) <= _SELECT_MAX:
-        return select_topk(keys, cand, k)
-    return _select_torch(keys, cand, k)
+    q, weights = q.contiguous(), weights.contiguous()
+    if path == "bits":
+        keys = score_keys(q, weights, kc, cand, tiles=tiles)
+        if pow2(n, 16) <= _SELECT_MAX:
+            return select_topk(keys, cand, k)
+        return _select_torch(keys, cand, k)
+    hb = hist_bits()
+    if path == "rank":  # histogram, per-bin slot counters, |S|
+        buf = torch.zeros(t_count, (2 << hb) + 32, dtype=torch.int32, device=q.device)
+        keys = score_keys(q, weights, kc, cand, buf, hb, tiles)
+        return select_rank(keys, buf, cand, k, hb)
+    # per-token bins + the split path's slot counter (column 2^hb); rows padded to 128 bytes
+    hist = torch.zeros(t_count, (1 << hb) + 32, dtype=torch.int32, device=q.device)
+    keys = score_keys(q, weights, kc, cand, hist, hb, tiles)
+    return select_hist(keys, hist, cand, k, hb, split=path == "split")
 
 
-# Longest candidate row that the one-program selection keeps in registers. Longer rows (contexts beyond 64K tokens
-# at ratio 4) take torch.topk over int64 composites: on the H100 at T=4, N=65536 the chunked selection kernel took
-# 200 us against 106 us for torch.topk.
+# bits path: longest candidate row that the one-program selection keeps in registers. Longer rows (contexts beyond
+# 64K tokens at ratio 4) take torch.topk over int64 composites: on the H100 at T=4, N=65536 the chunked selection
+# kernel took 200 us against 106 us for torch.topk.
 _SELECT_MAX = 256 if INTERPRET else 16384
 
 

@@ -1,0 +1,221 @@
+"""indexer_topk's histogram selection (atb_ops/cuda/indexer_select.py) against a stable descending sort.
+
+Every selection path (ATB_CUDA_INDEXER = rank / hist / split / bits) on random and adversarial key distributions: all keys
+equal (one bin, the exact fallback), few distinct values, coarse bins (ATB_CUDA_INDEXER_HB small) and small sort
+sizes (ATB_CUDA_INDEXER_CAP) that push |S| into each sort tier and past it, N < k, all -1, T = 0 / 1, ragged -1
+tails. Without a GPU the kernels run through TRITON_INTERPRET=1 at small shapes (tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import atb_ops  # noqa: E402
+from atb_ops.cuda import indexer as ix  # noqa: E402
+from atb_ops.cuda.indexer_select import ORD_NEG_INF_INT  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+PATHS = ("rank", "hist", "split", "bits")
+NAN_KEY, INF_KEY = 0x7FC00000, 0x7F800000  # order keys of NaN and +inf (keys lie in [ORD_NEG_INF, NAN_KEY])
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def want_from_keys(keys, cand, k):
+    """The reference's rule on int32 order keys: stable descending sort, -1 for absent (ORD_NEG_INF) keys."""
+    order = torch.sort(keys.long(), dim=1, descending=True, stable=True).indices[:, :k]
+    out = cand.gather(1, order)
+    return torch.where(keys.long().gather(1, order) == ORD_NEG_INF_INT, torch.full_like(out, -1), out)
+
+
+def hist_of(keys, hb):
+    """[T, 2^hb + 32] int32: counts of the finite keys per top-hb-bit bin (what the score kernel builds)."""
+    t = keys.shape[0]
+    h = torch.zeros(t, (1 << hb) + 32, dtype=torch.int32)
+    b = (keys.long() >> (32 - hb)) + (1 << (hb - 1))
+    for i in range(t):
+        fin = keys[i] != ORD_NEG_INF_INT
+        h[i, : 1 << hb] = torch.bincount(b[i][fin], minlength=1 << hb).to(torch.int32)
+    return h
+
+
+def _keys_case(name, t, n, g):
+    if name == "random":
+        keys = torch.randint(ORD_NEG_INF_INT + 1, NAN_KEY, (t, n), generator=g, dtype=torch.int64).to(torch.int32)
+    elif name == "dups":  # few distinct values, spread over the bins
+        keys = torch.randint(-6, 6, (t, n), generator=g, dtype=torch.int32) * 300000007
+    elif name == "equal":  # every key in one bin and equal: the tie order alone decides
+        keys = torch.full((t, n), 123456, dtype=torch.int32)
+    elif name == "narrow":  # distinct keys inside one bin
+        keys = 1000 + torch.randperm(t * n, generator=g).view(t, n).to(torch.int32)
+    else:
+        raise ValueError(name)
+    keys[torch.rand(t, n, generator=g) < 0.15] = ORD_NEG_INF_INT
+    if t > 1:
+        keys[1, n // 3:] = ORD_NEG_INF_INT  # ragged -1 tail
+    if t > 2:
+        keys[2] = ORD_NEG_INF_INT  # nothing visible
+    keys[0, :2] = NAN_KEY  # the largest key the score kernel writes (NaN), then +inf
+    keys[0, 5] = INF_KEY
+    keys[-1, -3:] = ORD_NEG_INF_INT + 1  # -FLT_MAX: the smallest finite key
+    return keys
+
+
+@pytest.mark.parametrize("mode", ["rank", "hist", "split"])
+@pytest.mark.parametrize("case", ["random", "dups", "equal", "narrow"])
+@pytest.mark.parametrize("t,n,k,hb,caps", [(4, 150, 16, 12, None), (4, 150, 16, 4, None), (3, 200, 24, 8, "32,64"),
+                                           (1, 37, 37, 6, None), (2, 9, 9, 12, None), (4, 300, 5, 3, "16,16")])
+def test_select_hist_matches_stable_sort(monkeypatch, mode, case, t, n, k, hb, caps):
+    if caps:
+        monkeypatch.setenv("ATB_CUDA_INDEXER_CAP", caps)
+    g = gen(t * n + k * 7 + hb * 131 + len(case))
+    keys = _keys_case(case, t, n, g)
+    cand = torch.randperm(10 * n, generator=g)[: t * n].view(t, n)
+    hist = hist_of(keys, hb)
+    if mode == "rank":  # histogram, zeroed per-bin slot counters, |S|
+        buf = torch.zeros(t, (2 << hb) + 32, dtype=torch.int32)
+        buf[:, : 1 << hb] = hist[:, : 1 << hb]
+        got = ix.select_rank(keys.to(DEV), buf.to(DEV), cand.to(DEV), k, hb)
+    else:
+        got = ix.select_hist(keys.to(DEV), hist.to(DEV), cand.to(DEV), k, hb, split=mode == "split")
+    assert torch.equal(got.cpu(), want_from_keys(keys, cand, k))
+
+
+def test_score_kernel_histogram():
+    # the score kernel's histogram equals a bincount of the keys it wrote (finite keys only)
+    g = gen(5)
+    t, n, p = 3, 70, 90
+    q, w, kc = torch.randn(t, 2, 16, generator=g), torch.randn(t, 2, generator=g), torch.randn(p, 16, generator=g)
+    cand = torch.randint(0, p, (t, n), generator=g)
+    cand[torch.rand(t, n, generator=g) < 0.3] = -1
+    cand[2] = -1
+    for hb in (12, 5):
+        hist = torch.zeros(t, (1 << hb) + 32, dtype=torch.int32, device=DEV)
+        keys = ix.score_keys(q.to(DEV), w.to(DEV), kc.to(DEV), cand.to(DEV), hist, hb)
+        assert torch.equal(hist.cpu(), hist_of(keys.cpu(), hb))
+        assert int(hist[2].sum()) == 0
+
+
+def _inputs(g, t, n, p, hi=3, di=16, integer=False, dtype=torch.float32):
+    if integer:
+        q = torch.randint(-2, 3, (t, hi, di), generator=g).to(dtype)
+        kc = torch.randint(-2, 3, (p, di), generator=g).to(dtype)
+        w = torch.randint(-2, 3, (t, hi), generator=g).float()
+    else:
+        q, kc, w = torch.randn(t, hi, di, generator=g).to(dtype), torch.randn(p, di, generator=g).to(dtype), \
+            torch.randn(t, hi, generator=g)
+    cand = torch.randint(0, p, (t, n), generator=g)
+    cand[torch.rand(t, n, generator=g) < 0.2] = -1
+    return q, w, kc, cand
+
+
+def _check(q, w, kc, cand, topk):
+    cu, ref = atb_ops.implementations("indexer_topk")["cuda"], atb_ops.implementations("indexer_topk")["reference"]
+    q, w, kc, cand = q.to(DEV), w.to(DEV), kc.to(DEV), cand.to(DEV)
+    a, b = cu(q, w, kc, cand, topk), ref(q, w, kc, cand, topk)
+    assert a.shape == b.shape and a.dtype == torch.int64
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("hb", ["12", "4"])
+def test_indexer_topk_paths_edge_cases(monkeypatch, path, hb):
+    monkeypatch.setenv("ATB_CUDA_INDEXER", path)
+    monkeypatch.setenv("ATB_CUDA_INDEXER_HB", hb)
+    g = gen(11)
+    for integer in (False, True):
+        q, w, kc, cand = _inputs(g, 5, 90, 120, integer=integer)
+        cand[1, 30:] = -1  # ragged tail
+        cand[2] = -1  # all -1
+        _check(q, w, kc, cand, 20)
+        _check(q[:1], w[:1], kc, cand[:1], 20)  # T = 1
+        _check(q, w, kc, cand[:, :7], 20)  # N < k
+        _check(q[:0], w[:0], kc, cand[:0], 20)  # T = 0
+    # all-equal scores (q = 0): the first k valid candidates in order, through the exact fallback when |S| is big
+    q, w, kc, cand = _inputs(g, 3, 150, 200)
+    cand[1, 100:] = -1
+    _check(torch.zeros_like(q), w, kc, cand, 40)
+    # negative weights: negative scores, exact zeros and -0.0 are one tie
+    q, w, kc, cand = _inputs(g, 4, 60, 80, integer=True)
+    _check(q, -w.abs(), kc, cand, 25)
+
+
+@pytest.mark.parametrize("path", ["rank", "hist", "split"])
+def test_indexer_topk_small_caps_fallback(monkeypatch, path):
+    # sort sizes at their minimum: most rows take the exact fallback, the others the small tier
+    monkeypatch.setenv("ATB_CUDA_INDEXER", path)
+    monkeypatch.setenv("ATB_CUDA_INDEXER_CAP", "16,32")
+    g = gen(12)
+    for integer in (False, True):
+        q, w, kc, cand = _inputs(g, 4, 120, 150, integer=integer)
+        cand[3, 20:] = -1
+        _check(q, w, kc, cand, 12)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("path", ["rank", "hist", "split"])
+@pytest.mark.parametrize("t,n", [(1, 2048), (32, 2048), (32, 16384), (4, 65536), (32, 65536), (5, 300), (64, 8192)])
+def test_indexer_topk_paths_real_shapes(monkeypatch, path, t, n):
+    # 64 heads x 128 dims bf16; integer inputs: exact scores with many ties, so the selection must equal the
+    # reference's bit for bit; then all-equal scores (the exact fallback) and ragged -1 tails
+    monkeypatch.setenv("ATB_CUDA_INDEXER", path)
+    g = gen(36)
+    p = t * n
+    q = torch.randint(-2, 3, (t, 64, 128), generator=g).to(torch.bfloat16)
+    kc = torch.randint(-2, 3, (p, 128), generator=g).to(torch.bfloat16)
+    w = torch.randint(-3, 4, (t, 64), generator=g).float()
+    cand = torch.arange(p).view(t, n)
+    lens = torch.randint(0, n + 1, (t,), generator=g)
+    lens[0] = n
+    for i in range(t):
+        cand[i, int(lens[i]):] = -1
+    cand[0, : n // 2] = torch.randperm(p, generator=g)[: n // 2]
+    _check(q, w, kc, cand, 512)
+    _check(torch.zeros_like(q), w, kc, cand, 512)
+    # random bf16: scores differ from the reference's only by summation order; compare against the cuda keys
+    q, kc, w = torch.randn(t, 64, 128, generator=g).to(torch.bfloat16), \
+        torch.randn(p, 128, generator=g).to(torch.bfloat16), torch.randn(t, 64, generator=g)
+    qd, wd, kd, cd = q.to(DEV), w.to(DEV), kc.to(DEV), cand.to(DEV)
+    keys = ix.score_keys(qd, wd, kd, cd)
+    got = atb_ops.implementations("indexer_topk")["cuda"](qd, wd, kd, cd, 512)
+    assert torch.equal(got.cpu(), want_from_keys(keys.cpu(), cand, min(512, n)))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("path", ["rank", "hist", "split"])
+def test_indexer_topk_cuda_graph_replay(monkeypatch, path):
+    # decode runs under CUDA graphs: capture once, replay on new inputs copied into the static buffers (the zeroed
+    # histogram and the slot counter must be rebuilt on every replay), compare each replay with the reference
+    monkeypatch.setenv("ATB_CUDA_INDEXER", path)
+    cu, ref = atb_ops.implementations("indexer_topk")["cuda"], atb_ops.implementations("indexer_topk")["reference"]
+    g = gen(41)
+    t, n, p = 8, 4096, 8 * 4096
+
+    def inputs(zero=False):
+        q = torch.randint(-2, 3, (t, 64, 128), generator=g).to(torch.bfloat16)
+        q = torch.zeros_like(q) if zero else q
+        kc = torch.randint(-2, 3, (p, 128), generator=g).to(torch.bfloat16)
+        w = torch.randint(-3, 4, (t, 64), generator=g).float()
+        cand = torch.randperm(p, generator=g)[: t * n].view(t, n)
+        cand[1, 300:] = -1
+        cand[2] = -1
+        return q, w, kc, cand
+
+    static = [x.to(DEV) for x in inputs()]
+    cu(*static, 512)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = cu(*static, 512)
+    for zero in (False, True, False):
+        new = inputs(zero)
+        for s, x in zip(static, new):
+            s.copy_(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out.cpu(), ref(*new, 512))
