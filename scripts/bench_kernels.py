@@ -11,7 +11,7 @@ decode step) and, separately, eager calls (with the host's launch cost); the ref
 (host synchronisations), so the speed-up compares eager calls. Each case also checks the kernel against the
 reference output.
 
-DeepSeek's TileLang kernels are not run side by side: TileLang is not installed on the device machine.
+DeepSeek's TileLang kernels side by side: ``scripts/bench_tilelang_peer.py`` (needs TileLang and their kernel file).
 
 FP8-block / FP4 linears and grouped matmuls are timed on the CUDA paths side by side: ``[gemm=tiled]`` (the
 tiled kernel, gemm.py), ``[gemm=decode]`` (gemm_decode.py; ``--decode-variants``: its tunables) and ``[gemm=tc]``
