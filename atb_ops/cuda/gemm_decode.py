@@ -219,6 +219,31 @@ def _active_experts_kernel(ids_ptr, act_ptr, M, E, n_slots, MP: tl.constexpr, EB
 
 
 @triton.jit
+def expert_slot(ids_ptr, act_ptr, M, E, n_slots, slot, MP: tl.constexpr, EP: tl.constexpr):
+    """The rows of one expert slot of a grouped call (this kernel's and gemm_tc's): (sel [MP]: rows m whose id is
+    the slot's expert -- the slot after the last active expert takes the rows with an id outside [0, E), which get
+    zeros --, cnt = number of them, pos [MP]: the r-th selected row has pos r, e: the expert (int64, 0 past the
+    active ones), n_act: active experts). EP > 0 (small calls): the active experts are listed here from the ids;
+    else read from the prologue's list at act_ptr (n_slots entries, then the count)."""
+    m_all = tl.arange(0, MP)
+    ids = tl.load(ids_ptr + m_all, mask=m_all < M, other=-1).to(tl.int32)
+    if EP > 0:
+        ev = tl.arange(0, EP)
+        has = tl.max((ids[:, None] == ev[None, :]).to(tl.int32), 0) * (ev < E).to(tl.int32)
+        n_act = tl.sum(has, 0)
+        e = tl.sum(tl.where((has > 0) & (tl.cumsum(has, 0) - 1 == slot), ev, 0), 0)
+    else:
+        n_act = tl.load(act_ptr + n_slots)
+        e = tl.load(act_ptr + tl.minimum(slot, n_slots - 1))
+    sel = tl.where(slot < n_act, ids == e, (ids < 0) | (ids >= E)) & (m_all < M) & (slot <= n_act)
+    sel_i = sel.to(tl.int32)
+    cnt = tl.sum(sel_i, 0)
+    pos = tl.cumsum(sel_i, 0) - 1
+    e = tl.where(slot < n_act, e, 0).to(tl.int64)
+    return sel, cnt, pos, e, n_act
+
+
+@triton.jit
 def _decode_gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, act_ptr,
                         M, N, K, E, stride_we, stride_se, stride_wn, stride_sn, stride_xw, k_split, n_slots,
                         FMT: tl.constexpr, SCALE_E8M0: tl.constexpr, GROUPED: tl.constexpr, ASM: tl.constexpr,
@@ -230,21 +255,8 @@ def _decode_gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, act_ptr,
     split = tl.program_id(2)
     # rows of this program: cnt rows, the r-th one (r < cnt) = the r-th m with sel[m]
     if GROUPED:
+        sel, cnt, pos, e, n_act = expert_slot(ids_ptr, act_ptr, M, E, n_slots, slot, MP, EP)
         m_all = tl.arange(0, MP)
-        ids = tl.load(ids_ptr + m_all, mask=m_all < M, other=-1).to(tl.int32)
-        if EP > 0:  # small calls: the active experts listed here (no prologue kernel)
-            ev = tl.arange(0, EP)
-            has = tl.max((ids[:, None] == ev[None, :]).to(tl.int32), 0) * (ev < E).to(tl.int32)
-            n_act = tl.sum(has, 0)
-            e = tl.sum(tl.where((has > 0) & (tl.cumsum(has, 0) - 1 == slot), ev, 0), 0)
-        else:
-            n_act = tl.load(act_ptr + n_slots)
-            e = tl.load(act_ptr + tl.minimum(slot, n_slots - 1))
-        sel = tl.where(slot < n_act, ids == e, (ids < 0) | (ids >= E)) & (m_all < M) & (slot <= n_act)
-        sel_i = sel.to(tl.int32)
-        cnt = tl.sum(sel_i, 0)
-        pos = tl.cumsum(sel_i, 0) - 1
-        e = tl.where(slot < n_act, e, 0).to(tl.int64)
     else:
         cnt = M
         e = 0

@@ -160,22 +160,9 @@ def _tc_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, ctr_ptr, ids_ptr, act_ptr
     slot = tl.program_id(1)
     split = tl.program_id(2)
     if GROUPED:
-        # this slot's expert and its rows: cnt rows, the r-th one = the r-th m with sel[m] (see gemm_decode.py)
+        # this slot's expert and its rows: cnt rows, the r-th one = the r-th m with sel[m]
+        sel, cnt, pos, e, n_act = gd.expert_slot(ids_ptr, act_ptr, M, E, n_slots, slot, MP, EP)
         m_all = tl.arange(0, MP)
-        ids = tl.load(ids_ptr + m_all, mask=m_all < M, other=-1).to(tl.int32)
-        if EP > 0:
-            ev = tl.arange(0, EP)
-            has = tl.max((ids[:, None] == ev[None, :]).to(tl.int32), 0) * (ev < E).to(tl.int32)
-            n_act = tl.sum(has, 0)
-            e = tl.sum(tl.where((has > 0) & (tl.cumsum(has, 0) - 1 == slot), ev, 0), 0)
-        else:
-            n_act = tl.load(act_ptr + n_slots)
-            e = tl.load(act_ptr + tl.minimum(slot, n_slots - 1))
-        sel = tl.where(slot < n_act, ids == e, (ids < 0) | (ids >= E)) & (m_all < M) & (slot <= n_act)
-        sel_i = sel.to(tl.int32)
-        cnt = tl.sum(sel_i, 0)
-        pos = tl.cumsum(sel_i, 0) - 1
-        e = tl.where(slot < n_act, e, 0).to(tl.int64)
         r_first = 0
     else:
         cnt = tl.minimum(M - slot * BT, BT)  # linear: slot = tile of BT rows
