@@ -11,7 +11,8 @@ rank also runs a real ``all_reduce`` on its TP and EP communicators.
   and the MTP head under TP / TP + EP (all-to-all and all-reduce) / EP equal one GPU to 1e-5 relative in float32
   (``test_tp_models._worker``), each rank reading only its slices;
 - engine: greedy outputs of ``LLM(..., tensor_parallel_size=N, distributed_executor_backend="mp")`` (prefix
-  caching, chunked prefill, MTP) and of data-parallel attention + EP equal one GPU.
+  caching, chunked prefill, MTP), of the ``ray`` executor (one actor per GPU; needs ray) and of data-parallel
+  attention + EP equal one GPU.
 
 NVLink multicast stays off (the device machines' rule): NCCL_NVLS_ENABLE=0 and friends are set for every rank.
 """
@@ -137,6 +138,25 @@ def test_nccl_llm_greedy_equals_one_gpu(world):
         finally:
             llm.shutdown()
         assert not any(p.is_alive() for p in llm.executor.procs)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_nccl_ray_greedy_equals_one_gpu(world, monkeypatch):
+    """The Ray executor on this host: one rank actor per GPU (a local Ray started by the executor), graph-captured
+    decode mirrored to every rank, greedy outputs equal one GPU (issue 16 item 3)."""
+    pytest.importorskip("ray")
+    from ascend_dsv4 import LLM
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    kw = dict(device=DEVICE, dtype="float32", max_model_len=256, max_num_batched_tokens=24,
+              enable_prefix_caching=True, config_overrides=dict(o_groups=4))
+    want = _greedy(LLM("toy-v4", **kw))
+    llm = LLM("toy-v4", tensor_parallel_size=world, distributed_executor_backend="ray", **kw)
+    try:
+        assert llm.runner.mirrored and (DEVICE == "cpu" or llm.runner.graphs is not None)
+        assert _greedy(llm) == want, world
+    finally:
+        llm.shutdown()
 
 
 @pytest.mark.parametrize("world", [w for w in WORLDS if w.values[0] > 1])
