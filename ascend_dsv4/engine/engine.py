@@ -71,9 +71,11 @@ class LLMEngine:
                                "the draft of a step depends on the host's view of the step before")
         # greedy decode steps launched before the host has processed the step in flight (engine/overlap.py);
         # only a runner that can launch a step without waiting (ModelRunner.launch_greedy) takes part
-        self.overlap = AsyncDecode(self) if async_scheduling and hasattr(runner, "launch_greedy") else None
+        can = hasattr(runner, "launch_greedy") and not getattr(runner, "mirrored", False)
+        self.overlap = AsyncDecode(self) if async_scheduling and can else None
         if async_scheduling and self.overlap is None:
-            log.info("async_scheduling: this executor launches steps synchronously; running without it")
+            log.info("async_scheduling: not under tensor / expert / data parallelism yet (every rank must replay "
+                     "the same step); running without it")
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
 

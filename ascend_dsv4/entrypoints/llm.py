@@ -164,6 +164,8 @@ class LLM:
             raise ConfigError("batch_invariant=True is not supported with tensor / expert / data parallelism yet "
                               "(the all-reduce order is not made batch-invariant); run it at world size 1")
         if data_parallel_size > 1:
+            if async_scheduling:
+                log.info("async_scheduling: not under data parallelism yet; running without it")
             if not enable_expert_parallel:
                 log.info("data_parallel_size = %d: the routed experts are expert-parallel over all %d ranks "
                          "(enable_expert_parallel implied)", data_parallel_size,
