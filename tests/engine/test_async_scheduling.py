@@ -152,3 +152,39 @@ def test_cuda_graphs_async_equals_sync(dtype):
     assert _run(fast, prompts, params) == want
     assert calls["ahead"] >= 20
     assert fast.runner.graphs is not None and fast.runner.graphs.replays > 0
+
+
+def test_nan_logits_end_one_request_only_in_flight(monkeypatch):
+    """A request whose logits row turns non-finite while steps run ahead ends with the error; the other's tokens are
+    those of the synchronous engine and every page comes back."""
+    import math
+
+    prompts = _prompts(2)
+    p = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    want = _run(_llm(False), [prompts[1]], p)[0]
+    fast = _llm(True)
+    calls = _count_launches(fast)
+    eng, model = fast.engine, fast.runner.model
+    free0 = fast.runner.pools.token_alloc.num_free
+    real = model.logits
+    ids = [eng.add_request(x, p) for x in prompts]
+    bad_req = eng.requests[ids[0]]
+
+    def logits(streams, rows):
+        out = real(streams, rows).clone()
+        # row 0 is the first request while it runs (it arrived first); poison it after a few tokens
+        if bad_req.status.name == "RUNNING" and len(bad_req.output_ids) >= 3 and out.shape[0] == 2:
+            out[0, 7] = math.nan
+        return out
+
+    monkeypatch.setattr(model, "logits", logits)
+    last = {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            last[o.request_id] = o
+    eng.step()  # drops a step still in flight
+    bad, good = last[ids[0]], last[ids[1]]
+    assert bad.finish_reason == "abort" and "non-finite logits" in bad.error and len(bad.token_ids) < 12
+    assert good.error is None and (good.token_ids, good.text, good.finish_reason) == want
+    assert calls["ahead"] > 0
+    assert fast.runner.pools.token_alloc.num_free == free0
