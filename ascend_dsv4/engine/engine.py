@@ -130,17 +130,11 @@ class LLMEngine:
 
     # ---- stepping ------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        outputs = [self._output(r, [], "") for r in list(self.requests.values())
-                   if r.status == Status.ABORTED and r.error]
-        for o in outputs:
-            self.requests.pop(o.request_id, None)
+        outputs = self._take_aborted()
         if self.overlap is not None and self.overlap.inflight is not None:
             return self.overlap.step(outputs)
         batch = self.scheduler.schedule()
-        outputs += [self._output(r, [], "") for r in list(self.requests.values())
-                    if r.status == Status.ABORTED and r.error]  # aborted by the scheduler (can never fit)
-        for o in outputs:
-            self.requests.pop(o.request_id, None)
+        outputs += self._take_aborted()  # aborted by the scheduler (can never fit)
         if not batch:
             return outputs
         pools, runner = self.runner.pools, self.runner
@@ -227,6 +221,13 @@ class LLMEngine:
                     self.prefix_cache.cache_unfinished(r)  # prompt chunks become shareable at once
                 pools.trim(r.seq)
         return outputs
+
+    def _take_aborted(self) -> list[RequestOutput]:
+        """Final outputs of the requests the engine aborted with an error since the last step (and forget them)."""
+        outs = [self._output(r, [], "") for r in list(self.requests.values()) if r.status == Status.ABORTED and r.error]
+        for o in outs:
+            self.requests.pop(o.request_id, None)
+        return outs
 
     @staticmethod
     def _plain_requests(reqs, drafts, by_req) -> list[int]:

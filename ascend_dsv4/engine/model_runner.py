@@ -142,6 +142,7 @@ class ModelRunner:
         # (cuda_graphs="static": the same static-buffer decode path off CUDA, run without capture -- tests)
         self.graphs = None
         self.last_prepare_s = 0.0  # host time of the last step's preparation (pages, context / static inputs)
+        self._prepare_t0: float | None = None  # start of the graph step being prepared (rank 0's decode_graph)
         # set by a multi-rank executor: graph steps are mirrored to every rank (replay_decode), and no step may be
         # launched without waiting (launch_greedy), since the other ranks must replay the same graph
         self.mirrored = False
@@ -232,7 +233,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         for s in seqs:
             self.pools.ensure(s, s.num_tokens + 1)
-        self._t0 = t0
+        self._prepare_t0 = t0
         return self.replay_decode(seqs, tokens, key)
 
     def replay_decode(self, seqs: Sequence[SeqBlocks], tokens: Sequence[Sequence[int]], key):
@@ -243,7 +244,9 @@ class ModelRunner:
         staged = g.stage(seqs, tokens, key)
         if staged is None:
             return None
-        self.last_prepare_s = time.perf_counter() - getattr(self, "_t0", time.perf_counter())
+        if self._prepare_t0 is not None:  # a worker rank replays without preparing: nothing to time
+            self.last_prepare_s = time.perf_counter() - self._prepare_t0
+            self._prepare_t0 = None
         return g.replay(staged, len(seqs))
 
     @torch.inference_mode()

@@ -10,7 +10,8 @@ per head block. Per chunk of BN keys (rows ``idx[t, n]``, -1 = absent and never 
 The key list is the main set ``idx`` followed by the optional extra set ``idx2`` over another row pool (V4's
 compressed entries), all in one softmax. V4's sink enters as exp(sink_h) in the denominator (the running
 max starts at the sink). When a token's keys are few compared with the GPU (decode), the key list is split
-over several programs (flash-decoding) and ``_combine_kernel`` merges the partial (m, l, acc) triples.
+over several programs (flash-decoding) and ``attention_v2.combine_splits_kernel`` merges the partial (m, l, acc)
+triples.
 P is rounded to the value dtype for the P.V product (as FlashAttention does); accumulation stays float32.
 
 This kernel is the "old" path: attention_v2.py (one pipelined loop, wgmma-sized head tiles, output columns in
@@ -107,30 +108,6 @@ def _attn_kernel(q1_ptr, q2_ptr, kv_ptr, idx_ptr, kv2_ptr, idx2_ptr, sink_ptr, o
                  mask=hm[:, None] & (d1 < D1)[None, :])
 
 
-@triton.jit
-def _combine_kernel(part_ptr, ml_ptr, sink_ptr, out_ptr, T, H, D1, n_split,
-                    HAS_SINK: tl.constexpr, BS: tl.constexpr, BD1: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    s = tl.arange(0, BS)
-    sm = s < n_split
-    off = (s * T + t) * H + h
-    m_s = tl.load(ml_ptr + off * 2, mask=sm, other=-1.0e30)
-    l_s = tl.load(ml_ptr + off * 2 + 1, mask=sm, other=0.0)
-    m = tl.max(m_s, 0)
-    if HAS_SINK:
-        sink2 = tl.load(sink_ptr + h).to(tl.float32) * 1.4426950408889634
-        m = tl.maximum(m, sink2)
-    w = tl.exp2(m_s - m)
-    l = tl.sum(l_s * w, 0)
-    if HAS_SINK:
-        l += tl.exp2(sink2 - m)
-    d = tl.arange(0, BD1)
-    acc = tl.load(part_ptr + off[:, None] * BD1 + d[None, :], mask=sm[:, None], other=0.0)
-    o = tl.sum(acc * w[:, None], 0) / tl.where(l > 0, l, 1.0)
-    tl.store(out_ptr + (t * H + h) * D1 + d, o.to(out_ptr.dtype.element_ty), mask=d < D1)
-
-
 def _tile(h_count: int, bd1: int, bd2: int, t_count: int = 1, n_keys: int = 0) -> tuple[int, int, int]:
     """(heads per program, keys per chunk, warps); ATB_CUDA_ATTN="BH,BN,WARPS" overrides (benchmarks).
 
@@ -201,8 +178,9 @@ def _run(q1, q2, kv, idx, kv2, idx2, sink, scale, out_dtype):
         HAS_Q2=q2 is not None, HAS_EXTRA=has_extra, HAS_SINK=sink is not None, SPLIT=split,
         BH=bh, BN=bn, BD1=bd1, BD2=bd2, PREC=prec, num_warps=warps, num_stages=2)
     if split:
-        _combine_kernel[(t_count, h_count)](part, ml, sinkc, out, t_count, h_count, d1, n_split,
-                                            HAS_SINK=sink is not None, BS=pow2(n_split, 2), BD1=bd1, num_warps=4)
+        attention_v2.combine_splits_kernel[(t_count, h_count)](
+            part, ml, sinkc, out, t_count, h_count, d1, bd1, n_split, HAS_SINK=sink is not None, NORMALISED=False,
+            BS=pow2(n_split, 2), BD1=bd1, num_warps=4)
     return out
 
 

@@ -147,9 +147,12 @@ def _attn2_kernel(q1_ptr, q2_ptr, kv_ptr, idx_ptr, kv2_ptr, idx2_ptr, sink_ptr, 
 
 
 @triton.jit
-def _combine2_kernel(part_ptr, ml_ptr, sink_ptr, out_ptr, T, H, D1, n_split,
-                     HAS_SINK: tl.constexpr, BS: tl.constexpr, BD1: tl.constexpr):
-    """out[t, h] = sum_s w_s l_s o_s / (sum_s w_s l_s + 2^(sink - M)), w_s = 2^(m_s - M)."""
+def combine_splits_kernel(part_ptr, ml_ptr, sink_ptr, out_ptr, T, H, D1, PS, n_split, HAS_SINK: tl.constexpr,
+                          NORMALISED: tl.constexpr, BS: tl.constexpr, BD1: tl.constexpr):
+    """Merge the key-list splits of one (token, head) -- this kernel's and attention.py's:
+    out = sum_s w_s a_s / (sum_s w_s l_s + 2^(sink - M)), w_s = 2^(m_s - M), M = max(m_s, sink), where the split
+    partial a_s [PS columns per row] is its un-normalised float32 accumulator (attention.py) or, NORMALISED, its
+    output o_s = acc_s / l_s (here, bf16), weighted by w_s l_s instead."""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, BS)
@@ -161,15 +164,16 @@ def _combine2_kernel(part_ptr, ml_ptr, sink_ptr, out_ptr, T, H, D1, n_split,
     if HAS_SINK:
         sink2 = tl.load(sink_ptr + h).to(tl.float32) * 1.4426950408889634
         m = tl.maximum(m, sink2)
-    w = tl.exp2(m_s - m) * l_s
-    den = tl.sum(w, 0)
+    w = tl.exp2(m_s - m)
+    den = tl.sum(w * l_s, 0)
     if HAS_SINK:
         den += tl.exp2(sink2 - m)
+    if NORMALISED:
+        w = w * l_s
     d = tl.arange(0, BD1)
-    o_s = tl.load(part_ptr + off[:, None] * D1 + d[None, :], mask=sm[:, None] & (d < D1)[None, :], other=0.0)
-    o = tl.sum(o_s.to(tl.float32) * w[:, None], 0) / tl.where(den > 0, den, 1.0)
+    a_s = tl.load(part_ptr + off[:, None] * PS + d[None, :], mask=sm[:, None] & (d < D1)[None, :], other=0.0)
+    o = tl.sum(a_s.to(tl.float32) * w[:, None], 0) / tl.where(den > 0, den, 1.0)
     tl.store(out_ptr + (t * H + h) * D1 + d, o.to(out_ptr.dtype.element_ty), mask=d < D1)
-
 
 def tile(h_count: int, d1: int, d2: int, elem: int, t_count: int, n_keys: int, n_sm: int):
     """(BH heads per program, BN keys per chunk, ND column groups, warps, pipeline stages, trim (-1 = auto),
@@ -253,6 +257,7 @@ def run(q1, q2, kv, idx, kv2, idx2, sink, scale, out_dtype):
             if st == 2:
                 raise
     if split:
-        _combine2_kernel[(t_count, h_count)](part, ml, sinkc, out, t_count, h_count, d1, n_split,
-                                             HAS_SINK=sink is not None, BS=pow2(n_split, 2), BD1=bd1, num_warps=4)
+        combine_splits_kernel[(t_count, h_count)](part, ml, sinkc, out, t_count, h_count, d1, d1, n_split,
+                                                  HAS_SINK=sink is not None, NORMALISED=True, BS=pow2(n_split, 2),
+                                                  BD1=bd1, num_warps=4)
     return out

@@ -40,6 +40,7 @@ plain Triton arithmetic with the same values, and the activation columns are loa
 from __future__ import annotations
 
 import os
+import re
 import weakref
 
 import torch
@@ -123,12 +124,16 @@ fma.rn.bf16x2 $0, a0, k, z;
 fma.rn.bf16x2 $1, a1, k, z;
 }""")
 
-# the same with one multiply, by 2^126 * scale = 2^(s - 1) (bfloat16 bits (s + 126) << 7: E8M0 bytes s <= 128 only)
-_FP4_PTX_1MUL = tl.constexpr(_FP4_PTX.value.replace("""fma.rn.bf16x2 $0, $0, k, z;
-fma.rn.bf16x2 $2, $2, k, z;
-fma.rn.bf16x2 $1, $1, k, z;
-fma.rn.bf16x2 $3, $3, k, z;
-""", ""))
+
+
+def one_multiply(ptx: str) -> str:
+    """An FP4 decoder without its 2^126 rebias multiplies (``fma ... k, z``): the scale multiply that follows then
+    carries 2^126 * scale = 2^(s - 1) (bfloat16 bits (s + 126) << 7: E8M0 bytes s <= 128 only)."""
+    return re.sub(r"fma\.rn\.bf16x2 \$(\d), \$\1, k, z;\n", "", ptx)
+
+
+# the same with one multiply
+_FP4_PTX_1MUL = tl.constexpr(one_multiply(_FP4_PTX.value))
 
 FP4_PTX = _FP4_PTX.value  # for the PTX emulation test (tests/ops/test_gemm_decode.py)
 FP4_PTX_1MUL = _FP4_PTX_1MUL.value

@@ -118,11 +118,7 @@ fma.rn.bf16x2 $2, $2, $5, z;
 fma.rn.bf16x2 $3, $3, $5, z;
 }""")
 # one multiply, by 2^126 * scale = 2^(s - 1) (E8M0 bytes s <= 128: see gemm_decode.small_scales)
-_FP4X4_PTX_1MUL = tl.constexpr(_FP4X4_PTX.value.replace("""fma.rn.bf16x2 $0, $0, k, z;
-fma.rn.bf16x2 $1, $1, k, z;
-fma.rn.bf16x2 $2, $2, k, z;
-fma.rn.bf16x2 $3, $3, k, z;
-""", ""))
+_FP4X4_PTX_1MUL = tl.constexpr(gd.one_multiply(_FP4X4_PTX.value))
 FP4X4_PTX = _FP4X4_PTX.value  # for the PTX emulation test (tests/ops/test_gemm_tc.py)
 FP4X4_PTX_1MUL = _FP4X4_PTX_1MUL.value
 
