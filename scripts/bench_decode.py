@@ -12,9 +12,10 @@ values; the compressor pools hold random entries), then decode steps run through
 same call the engine makes): step context built on the host, the model, the logits of the new token.
 
 Reported per (format, batch, ctx): ms/step (median of ``--steps`` after warm-up), tokens/s, and the HBM floor:
-the bytes a step must read (every non-routed weight, the weights of the routed experts the step's tokens
-actually selected, the KV rows it reads: window 128 + CSA top-512 entries + indexer keys of all ctx/4 entries
-+ HCA ctx/128 entries, per sequence and layer) over the copy bandwidth measured in the same run; the ratio
+the bytes a step must read (every non-routed weight but the embedding table, of which a step reads one row per
+token; the weights of the routed experts the step's tokens actually selected; the KV rows it reads: window 128 +
+CSA top-512 entries + indexer keys of all ctx/4 entries + HCA ctx/128 entries, per sequence and layer) over the
+copy bandwidth measured in the same run; the ratio
 floor / measured is the "% of HBM floor". "host prepare ms" is the host time of a step before its launch
 (``ModelRunner.last_prepare_s``: page allocation, then the step context in eager mode, or the compact inputs in
 one pinned buffer and their upload in graph mode); scripts/bench_host_step.py splits it into pieces on a CPU.
@@ -92,15 +93,22 @@ def to_official_formats_(model: torch.nn.Module) -> None:
 
 
 def weight_bytes(model) -> tuple[int, dict]:
-    """(bytes of every parameter except the routed experts, {layer: bytes of one routed expert})."""
+    """(bytes of every parameter a decode step reads except the routed experts, {layer: bytes of one routed
+    expert}). The embedding table is left out: a step reads only its batch's rows (:func:`embed_bytes`)."""
     other, per_expert = 0, {}
     for name, p in model.named_parameters():
         if ".experts." in name:
             lid = int(name.split(".")[1])
             per_expert[lid] = per_expert.get(lid, 0) + p.numel() * p.element_size() // p.shape[0]
-        else:
+        elif name.split(".")[0] != "embed":
             other += p.numel() * p.element_size()
     return other, per_expert
+
+
+def embed_bytes(model, batch: int) -> int:
+    """Bytes of the embedding rows a decode step of ``batch`` tokens reads (one row per token)."""
+    w = model.embed.weight
+    return batch * w.shape[-1] * w.element_size()
 
 
 def kv_bytes_per_seq(cfg, ctx: int, dtype_bytes: int) -> int:
@@ -125,7 +133,7 @@ def copy_bandwidth(dev) -> float:
     return 2 * 256 * 1024 * 1024 * 4 / (t * 1e-3)
 
 
-def make_runner(model, cfg, batch: int, ctx: int, steps: int, dev, graphs: bool = False):
+def make_runner(model, cfg, batch: int, ctx: int, steps: int, dev, graphs: bool | str = False):
     B = 64
     per_seq_tok = -(-(ctx + steps + 256) // B) + 1
     sizes = PoolSizes(block_size=B, c4_block_size=64, c128_block_size=8,
@@ -177,6 +185,7 @@ def time_decode(runner, seqs, steps: int, warmup: int, vocab: int, expert_log: l
 
 
 PROFILE = False
+PROFILE_OPS = False
 
 
 def profile_steps(runner, seqs, vocab: int, label: str, n: int = 3) -> None:
@@ -190,6 +199,67 @@ def profile_steps(runner, seqs, vocab: int, label: str, n: int = 3) -> None:
         torch.cuda.synchronize()
     print(f"profile ({label}, {n} steps, device time by kernel):")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
+
+
+def profile_ops(model, cfg, batch: int, ctx: int, dev, backend: str, label: str, n: int = 2) -> None:
+    """Device time by torch op and the repository's source lines that issue it, for the graph path's code run
+    uncaptured (``CudaGraphDecoder.capture`` off: the same static-buffer step, so the kernels are the ones a replay runs,
+    but each op is visible to the profiler with its Python stack)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    runner, seqs = make_runner(model, cfg, batch, ctx, n + 4, dev, "static" if dev.type == "cpu" else True)
+    if runner.graphs is not None:
+        runner.graphs.capture = False  # the graph step's code, run op by op
+    g = torch.Generator().manual_seed(3)
+
+    def step():
+        runner.step(seqs, [[int(x)] for x in torch.randint(0, cfg.vocab_size, (len(seqs),), generator=g)])
+
+    with atb_ops.use_backend(backend):
+        step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+            for _ in range(n):
+                step()
+            torch.cuda.synchronize()
+    from torch.autograd import DeviceType
+
+    mine = ("atb_ops/", "ascend_dsv4/", "parallel/", "quant/")
+    evs = prof.events()
+    cpu = [ev for ev in evs if ev.device_type == DeviceType.CPU]
+    # the work: (name, us, the CPU event that issued it). A kernel's correlation id is that of the runtime call
+    # that launched it (cudaLaunchKernel, cuLaunchKernelEx for Triton, ...)
+    if dev.type == "cpu":  # smoke test: CPU time of each aten op
+        work = [(ev.name, ev.self_cpu_time_total, ev) for ev in cpu if ev.name.startswith("aten::")]
+    else:
+        launchers = {ev.id: ev for ev in cpu if ev.name.startswith("cu")}
+        work = [(ev.name, ev.time_range.elapsed_us(), launchers.get(ev.id)) for ev in evs
+                if ev.device_type == DeviceType.CUDA]
+    # the repository's Python frames open around each issuing event, by time (a sweep over nested intervals;
+    # the runtime calls' parent links are not reliable across the profiler's thread ids)
+    frames = sorted((ev for ev in cpu if ev.name.startswith(mine)), key=lambda e: e.time_range.start)
+    issuers = sorted({id(w[2]): w[2] for w in work if w[2] is not None}.values(), key=lambda e: e.time_range.start)
+    where, stack, i = {}, [], 0
+    for ev in issuers:
+        t = ev.time_range.start
+        while i < len(frames) and frames[i].time_range.start <= t:
+            stack.append(frames[i])
+            i += 1
+        stack = [f for f in stack if f.time_range.end >= t]
+        where[id(ev)] = " <- ".join(f.name for f in reversed(stack[-3:])) or "?"
+    agg: dict = {}
+    for name, us, ev in work:
+        a = agg.setdefault((name, where.get(id(ev), "?")), [0.0, 0])
+        a[0] += us
+        a[1] += 1
+    rows = [(v[0] / n, v[1] // n, k[0], k[1]) for k, v in agg.items()]
+    rows.sort(reverse=True)
+    total = sum(r[0] for r in rows)
+    print(f"op profile ({label}, graph path uncaptured, {n} steps; per step: device us, calls, op, where):")
+    print(f"  total device time {total / 1e3:.3f} ms per step; {sum(w[2] is not None for w in work)} of {len(work)} "
+          "kernels matched to the call that launched them")
+    for us, cnt, key, where in rows[:45]:
+        print(f"  {us:9.1f} us {cnt:4d}x {key[:34]:34s} {where[:160]}")
 
 
 def bench_ours(fmt: str, batches, ctxs, steps, warmup, dev, bw, rows, backend, toy=False, modes=("eager",)):
@@ -227,11 +297,16 @@ def bench_ours(fmt: str, batches, ctxs, steps, warmup, dev, bw, rows, backend, t
                         ms = time_decode(runner, seqs, steps, warmup, cfg.vocab_size)
                         if PROFILE and graphs:
                             profile_steps(runner, seqs, cfg.vocab_size, f"{fmt} batch {batch} ctx {ctx}")
+                        if PROFILE_OPS and graphs:
+                            del runner, seqs
+                            torch.cuda.empty_cache()
+                            profile_ops(model, cfg, batch, ctx, dev, backend, f"{fmt} batch {batch} ctx {ctx}")
+                            runner = seqs = None
                 except torch.cuda.OutOfMemoryError:
                     print(f"| ours ({backend}, {mode}) | {fmt} | {batch} | {ctx} | OOM |", flush=True)
                     torch.cuda.empty_cache()
                     continue
-                byt = (other + sum(per_expert[l] * act.get(l, 0) for l in per_expert)
+                byt = (other + embed_bytes(model, batch) + sum(per_expert[l] * act.get(l, 0) for l in per_expert)
                        + batch * kv_bytes_per_seq(cfg, ctx, 2))
                 floor = byt / bw * 1e3
                 row = dict(impl=f"ours-{backend}-{mode}", fmt=fmt, batch=batch, ctx=ctx, ms=ms, host_prepare_ms=HOST_MS[0],
@@ -300,9 +375,12 @@ def main() -> None:
     ap.add_argument("--toy", action="store_true", help="the toy model instead (smoke test of this script)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--profile", action="store_true", help="print a per-kernel device-time profile (graph mode)")
+    ap.add_argument("--profile-ops", action="store_true",
+                    help="print device time by torch op and source line (graph mode's code, run uncaptured)")
     a = ap.parse_args()
-    global PROFILE
+    global PROFILE, PROFILE_OPS
     PROFILE = a.profile
+    PROFILE_OPS = a.profile_ops
     dev = torch.device(a.device)
     if dev.type == "cpu":  # smoke test only
         torch.cuda.synchronize = lambda *args: None

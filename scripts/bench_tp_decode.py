@@ -10,7 +10,7 @@ ModelRunner.replay_decode is mirrored), or eager with ``--enforce-eager``. Repor
 tokens/s, the share of a step's time the GPU spends in NCCL kernels (torch.profiler: device time of kernels whose
 name contains "nccl", over 3 steps, rank 0; the collectives also wait for the slowest rank, which this counts as
 communication), and the HBM floor of the per-GPU bytes: the bytes the busiest rank must read in a step (its
-non-routed weight slices, its slices / whole experts of the routed experts the step selected, the KV rows its heads
+non-routed weight slices (of the embedding, the batch's rows only), its slices / whole experts of the routed experts the step selected, the KV rows its heads
 read: the KV is replicated, so every rank reads all of them) over the copy bandwidth measured in the same run.
 
 Usage (a host with N >= TP GPUs): python scripts/bench_tp_decode.py --tp 1,2,4 [--ep] [--batches 8,32,128]
@@ -67,8 +67,8 @@ def rank_main(rank: int, world: int, ep: bool, args, port: int, out_path: str) -
     import torch.distributed as dist
 
     import atb_ops
-    from bench_decode import (copy_bandwidth, flash3, init_on_device_, kv_bytes_per_seq, make_runner, time_decode,
-                              to_official_formats_, weight_bytes)
+    from bench_decode import (copy_bandwidth, embed_bytes, flash3, init_on_device_, kv_bytes_per_seq, make_runner,
+                              time_decode, to_official_formats_, weight_bytes)
 
     from ascend_dsv4.models import build_model, preset
     from parallel.groups import destroy_parallel, init_parallel, set_rank_device
@@ -114,8 +114,8 @@ def rank_main(rank: int, world: int, ep: bool, args, port: int, out_path: str) -
                 dist.barrier()
                 ms = time_decode(runner, seqs, args.steps, args.warmup, cfg.vocab_size)
                 comm = _nccl_ms(runner, seqs, cfg.vocab_size)
-            byt = other + sum(per_expert[lid] * local.get(lid, 0) for lid in per_expert) + batch * kv_bytes_per_seq(
-                cfg, args.ctx, 2)
+            byt = (other + embed_bytes(model, batch) + sum(per_expert[lid] * local.get(lid, 0) for lid in per_expert)
+                   + batch * kv_bytes_per_seq(cfg, args.ctx, 2))
             rows.append(dict(rank=rank, batch=batch, ms=ms, comm_ms=comm, bytes=byt, floor_ms=byt / bw * 1e3, bw=bw))
             del runner, seqs
             if dev.type == "cuda":
