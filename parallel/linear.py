@@ -47,3 +47,29 @@ class Linear(nn.Module):
     def extra_repr(self) -> str:
         return (f"{self.in_features} -> {self.out_features}, fmt={self.fmt}, fp8_input={self.fp8_input}, "
                 f"fp32={self.compute_fp32}")
+
+
+def bf16_exact(w: torch.Tensor, rows: int = 4096) -> bool:
+    """Whether every value of the float32 ``w`` is a BF16 value (its low 16 bits are zero), checked in row chunks
+    (no full-size temporary)."""
+    flat = w.reshape(-1, w.shape[-1]) if w.dim() > 1 else w.reshape(1, -1)
+    return all(not (flat[i:i + rows].view(torch.int32) & 0xFFFF).any() for i in range(0, flat.shape[0], rows))
+
+
+@torch.no_grad()
+def compact_fp32_weights_(model: nn.Module) -> int:
+    """Store the float32 weights of ``compute_fp32`` linears (DeepSeek-V4's head and compressor projections: BF16
+    in the checkpoint, upcast to float32 parameters by the official code) as BF16 where that is exact; the layers
+    still compute in float32: the reference op upcasts the weight (bitwise the same results), the CUDA op splits
+    the float32 input into three BF16 parts on the BF16 tensor cores (float32 accuracy, ``atb_ops/cuda/gemm.py``
+    ``_bf16x3``). Halves the bytes a decode step reads for them (the Flash head: 2.1 -> 1.1 GB per step).
+    For backends whose float32 linear takes a BF16 weight so (CUDA); returns the bytes freed."""
+    freed = 0
+    for mod in model.modules():
+        w = getattr(mod, "weight", None)
+        if (isinstance(mod, Linear) and mod.compute_fp32 and mod.fmt == "dense" and w is not None
+                and w.dtype == torch.float32 and bf16_exact(w)):
+            mod.set_weight(w.to(torch.bfloat16))
+            freed += w.numel() * 2
+    return freed
+

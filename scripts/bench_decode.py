@@ -41,7 +41,7 @@ sys.path.insert(0, ROOT)
 import atb_ops  # noqa: E402
 from ascend_dsv4.models import preset  # noqa: E402
 from ascend_dsv4.kv.blocks import PoolSizes  # noqa: E402
-from ascend_dsv4.engine.model_runner import ModelRunner  # noqa: E402
+from ascend_dsv4.engine.model_runner import ModelRunner, compact_fp32_weights_for  # noqa: E402
 from ascend_dsv4.models import build_model  # noqa: E402
 from parallel.linear import Linear  # noqa: E402
 from quant.fp4 import quant_fp4  # noqa: E402
@@ -67,6 +67,9 @@ def init_on_device_(model: torch.nn.Module, seed: int = 0) -> None:
             p.normal_(1.0, 0.2, generator=g)
         else:
             p.normal_(0.0, 0.5, generator=g)
+    for mod in model.modules():  # float32-compute linears hold BF16 values, as loading the BF16 checkpoint gives
+        if isinstance(mod, Linear) and mod.compute_fp32 and mod.weight.dtype == torch.float32:
+            mod.weight.copy_(mod.weight.bfloat16().float())
     cfg = model.cfg
     for name, b in model.named_buffers():
         if name.endswith("tid2eid"):
@@ -257,7 +260,9 @@ def profile_ops(model, cfg, batch: int, ctx: int, dev, backend: str, label: str,
     total = sum(r[0] for r in rows)
     print(f"op profile ({label}, graph path uncaptured, {n} steps; per step: device us, calls, op, where):")
     print(f"  total device time {total / 1e3:.3f} ms per step; {sum(w[2] is not None for w in work)} of {len(work)} "
-          "kernels matched to the call that launched them")
+          f"kernels matched to the call that launched them; {len(frames)} Python frames of the repository seen")
+    if not frames:
+        print("  (no repository frames: names seen, e.g. " + "; ".join(sorted({e.name for e in cpu})[:8]) + ")")
     for us, cnt, key, where in rows[:45]:
         print(f"  {us:9.1f} us {cnt:4d}x {key[:34]:34s} {where[:160]}")
 
@@ -269,6 +274,7 @@ def bench_ours(fmt: str, batches, ctxs, steps, warmup, dev, bw, rows, backend, t
     init_on_device_(model)
     if fmt == "fp8":
         to_official_formats_(model)
+    compact_fp32_weights_for(model, dev, backend)  # as the runner does: weights are counted as stored
     other, per_expert = weight_bytes(model)
     picked: dict[int, set] = {}
 

@@ -118,6 +118,16 @@ class PendingStep(NamedTuple):
     done: object  # torch.cuda.Event recorded after the copies (None off CUDA: the copies were synchronous)
 
 
+def compact_fp32_weights_for(model: torch.nn.Module, device: torch.device, backend: str | None) -> None:
+    """BF16 storage for the float32-compute linears whose values are BF16 (:func:`parallel.linear.
+    compact_fp32_weights_`) where the op backend reads them so (CUDA): the same results, half their bytes."""
+    if device.type == "cuda" and backend in (None, "cuda"):
+        from parallel.linear import compact_fp32_weights_
+
+        if compact_fp32_weights_(model):
+            torch.cuda.empty_cache()  # the float32 copies go back to the device (memory sizing reads its free bytes)
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, sizes: PoolSizes, device: torch.device | str = "cpu",
                  kv_dtype: torch.dtype | None = None, backend: str | None = None, quant_summary: dict | None = None,
@@ -130,6 +140,7 @@ class ModelRunner:
         self.quant_summary = quant_summary
         # the KV layout the op backend's attention ops need (atb_ops.KVLayout; reference layout by default)
         self.kv_layout = atb_ops.kv_layout(backend, self.device)
+        compact_fp32_weights_for(model, self.device, backend)
         mult = self.kv_layout.block_size_multiple
         if sizes.block_size % mult:
             raise ConfigError(f"block_size {sizes.block_size} is not a multiple of {mult}, which the "
@@ -164,6 +175,7 @@ class ModelRunner:
         npu = backend == "npu" or (backend is None and torch.device(device).type == "npu")
         with runner_ops:
             net, summary = build_model(model, cfg, dtype, device, numerics, npu=npu, **load)
+        compact_fp32_weights_for(net, torch.device(device), backend)  # before the pools are sized
         sizes = plan_pool_sizes(cfg, block_size, max_num_seqs, max_model_len, max_num_batched_tokens)
         if gpu_memory_utilization is not None:
             from .memory_sizing import sized_for_memory

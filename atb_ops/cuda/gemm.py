@@ -202,7 +202,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None = None
         return linear(x.reshape(-1, x.shape[-1]), w, w_scale, fmt).view(*x.shape[:-1], w.shape[0])
     m, k = x.shape
     if fmt == "dense":
-        if w.dtype == torch.float32 and x.dtype == torch.float32 and 0 < m <= 256 and not INTERPRET:
+        if x.dtype == torch.float32 and w.dtype == torch.bfloat16 and m > 0 and not INTERPRET and _mm_f32():
+            return _bf16x3(x, w)  # a float32-compute layer stored in BF16 (parallel.linear.compact_fp32_weights_)
+        if x.dtype == torch.float32 and w.dtype in (torch.float32, torch.bfloat16) and 0 < m <= 256 and not INTERPRET:
             return _fp32_gemv(x, w)
         if w.dtype == x.dtype:
             return x @ w.t()
@@ -227,8 +229,40 @@ def linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None = None
     return out
 
 
+_MM_F32: list = []  # [bool] once probed
+
+
+def _mm_f32() -> bool:
+    """Whether this torch has ``torch.mm(..., out_dtype=torch.float32)`` for BF16 operands on CUDA (cuBLAS BF16
+    GEMM with the float32 accumulator written out, not rounded to BF16); probed on first use, not at import."""
+    if not _MM_F32:
+        try:
+            a = torch.ones(2, 8, dtype=torch.bfloat16, device="cuda")
+            _MM_F32.append(torch.mm(a, a.t(), out_dtype=torch.float32).dtype == torch.float32)
+        except (RuntimeError, TypeError, NotImplementedError):
+            _MM_F32.append(False)
+    return _MM_F32[0]
+
+
+def _bf16x3(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """float32 x [M, K] @ W^T for a BF16 weight W [N, K], at float32 accuracy on the BF16 tensor cores.
+
+    x = x1 + x2 + x3 exactly (to 2^-24 relative: three BF16 parts of 8 significant bits each, x1 = bf16(x),
+    x2 = bf16(x - x1), x3 = bf16(x - x1 - x2)); every product xi * w is exact in float32 and accumulates in float32
+    (one cuBLAS GEMM of the 3M stacked rows, float32 output); y = (x3 W^T + x2 W^T) + x1 W^T. Reads W once, in
+    BF16: the model's head and compressor projections keep their checkpoint BF16 values and compute in float32."""
+    m = x.shape[0]
+    x1 = x.to(torch.bfloat16)
+    r = x - x1.float()
+    x2 = r.to(torch.bfloat16)
+    x3 = (r - x2.float()).to(torch.bfloat16)
+    y = torch.mm(torch.cat([x1, x2, x3]), w.t(), out_dtype=torch.float32)
+    return (y[2 * m:] + y[m:2 * m]) + y[:m]
+
+
 def _fp32_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """float32 x [M <= 256, K] @ float32 W^T through the tensor cores in three TF32 passes ("tf32x3": about
+    """float32 x [M <= 256, K] @ W^T (W float32, or BF16 upcast exactly in registers: the same result as its
+    float32 copy) through the tensor cores in three TF32 passes ("tf32x3": about
     float32 accuracy); cuBLAS's float32 path for these skinny shapes (the model's float32 head and compressor
     projections) runs on FMA units at about half the HBM rate."""
     m, k = x.shape

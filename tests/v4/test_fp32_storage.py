@@ -1,0 +1,98 @@
+"""BF16 storage of the float32-compute linears (parallel.linear.compact_fp32_weights_): DeepSeek-V4's head and
+compressor projections are BF16 in the checkpoint and float32 parameters in the official code; where their values
+are BF16 the CUDA runner stores them so (half the bytes a decode step reads): the reference op upcasts the weight
+(bitwise the same results), the CUDA op computes at float32 accuracy on the BF16 tensor cores (three-part split
+of the float32 input)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ascend_dsv4.engine.model_runner import ModelRunner
+from ascend_dsv4.models.deepseek_v4.model import DeepseekV4Model
+from ascend_dsv4.weights.random_init import init_random_
+from parallel.linear import Linear, bf16_exact, compact_fp32_weights_
+from v4_helpers import SMALL_POOLS, toy_cfg
+
+
+def _fp32_linears(model):
+    return {n: m for n, m in model.named_modules() if isinstance(m, Linear) and m.compute_fp32}
+
+
+def _model(bf16_values: bool, device="cpu"):
+    model = init_random_(DeepseekV4Model(toy_cfg(index_topk=128), torch.float32, "exact"), 0).eval().to(device)
+    if bf16_values:  # what loading the BF16 checkpoint into the float32 parameters gives
+        with torch.no_grad():
+            for m in _fp32_linears(model).values():
+                m.weight.copy_(m.weight.bfloat16().float())
+    return model
+
+
+def _logits(model, device="cpu", backend=None):
+    runner = ModelRunner(model, SMALL_POOLS, device, backend=backend)
+    g = torch.Generator().manual_seed(0)
+    seqs = [runner.new_sequence() for _ in range(2)]
+    prompts = [torch.randint(0, model.cfg.vocab_size, (n,), generator=g).tolist() for n in (37, 9)]
+    out = [runner.step([s], [p]) for s, p in zip(seqs, prompts)]  # prefill
+    out.append(runner.step(seqs, [[5], [11]]))  # one decode step of both
+    return torch.cat([o.reshape(-1, o.shape[-1]) for o in out]).cpu()
+
+
+def test_bf16_exact():
+    w = torch.randn(300, 64).bfloat16().float()
+    assert bf16_exact(w) and bf16_exact(w[:1]) and bf16_exact(torch.zeros(0, 8))
+    w[299, 63] += 2.0**-20 * w[299, 63].abs().clamp(min=1)  # one value off the BF16 grid, in the last chunk
+    assert not bf16_exact(w) and not bf16_exact(w, rows=7)
+    assert bf16_exact(torch.tensor([float("inf"), -0.0, 1.0]))
+
+
+def test_compaction_keeps_every_logit_bitwise():
+    model = _model(bf16_values=True)
+    before = _logits(model)
+    names = _fp32_linears(model)
+    assert "head" in names and any(n.endswith("compressor.wkv") for n in names)
+    freed = compact_fp32_weights_(model)
+    assert freed == sum(m.weight.numel() * 2 for m in names.values())
+    assert all(m.weight.dtype == torch.bfloat16 and m.compute_fp32 for m in names.values())
+    assert compact_fp32_weights_(model) == 0  # idempotent
+    assert torch.equal(_logits(model), before)
+
+
+def test_values_off_the_bf16_grid_stay_float32():
+    model = _model(bf16_values=False)
+    assert compact_fp32_weights_(model) == 0
+    assert all(m.weight.dtype == torch.float32 for m in _fp32_linears(model).values())
+
+
+def test_cpu_runner_leaves_the_weights_as_they_are():
+    model = _model(bf16_values=True)
+    ModelRunner(model, SMALL_POOLS, "cpu")
+    assert all(m.weight.dtype == torch.float32 for m in _fp32_linears(model).values())
+
+
+@pytest.mark.cuda
+def test_cuda_runner_compacts_and_logits_stay(monkeypatch):
+    """The CUDA op over a BF16 weight (three BF16 parts of the float32 input, one cuBLAS GEMM with float32 output)
+    is as accurate as a float32 GEMM against a float64 oracle, at the head's row counts and prefill sizes; a CUDA
+    runner compacts, and the model's logits stay those of the same model kept in float32 (1e-5 relative)."""
+    import parallel.linear
+    from atb_ops.cuda.gemm import linear
+    from v4_helpers import rel_err
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w = torch.randn(1000, 512, device="cuda", generator=g).bfloat16()
+    for m in (1, 7, 64, 256, 300, 2048):
+        x = torch.randn(m, 512, device="cuda", generator=g) * torch.logspace(-3, 3, 512, device="cuda")
+        y = linear(x, w)
+        assert y.dtype == torch.float32 and y.shape == (m, 1000)
+        ref = x.double() @ w.double().t()
+        err = ((y.double() - ref).norm() / ref.norm()).item()
+        assert err < 1e-6, (m, err)
+    model = _model(bf16_values=True, device="cuda")
+    compacted = _logits(model, "cuda", backend="cuda")
+    assert all(m.weight.dtype == torch.bfloat16 for m in _fp32_linears(model).values())
+    monkeypatch.setattr(parallel.linear, "compact_fp32_weights_", lambda model: 0)
+    kept = _model(bf16_values=True, device="cuda")
+    assert rel_err(_logits(kept, "cuda", backend="cuda"), compacted) < 1e-5
+    assert all(m.weight.dtype == torch.float32 for m in _fp32_linears(kept).values())
