@@ -204,10 +204,52 @@ def profile_steps(runner, seqs, vocab: int, label: str, n: int = 3) -> None:
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
 
 
+class _Ranges:
+    """Profiler ranges ("mod <name>" around every submodule's forward, "op <name>" around every atb_ops op call)
+    for the duration of a ``with``: the kernels a range launches are attributed to it by time."""
+
+    def __init__(self, model):
+        self.model, self.hooks, self.saved, self.open = model, [], {}, {}
+
+    def __enter__(self):
+        from torch.profiler import record_function
+
+        for name, mod in self.model.named_modules():
+            if not name:
+                continue
+
+            def pre(m, args, name=name):
+                r = record_function("mod " + name)
+                r.__enter__()
+                self.open.setdefault(name, []).append(r)
+
+            def post(m, args, out, name=name):
+                self.open[name].pop().__exit__(None, None, None)
+
+            self.hooks += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
+        for op in atb_ops.OPS:
+            fn = getattr(atb_ops, op)
+            self.saved[op] = fn
+
+            def wrapped(*a, _fn=fn, _op=op, **k):
+                with record_function("op " + _op):
+                    return _fn(*a, **k)
+
+            setattr(atb_ops, op, wrapped)
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.hooks:
+            h.remove()
+        for op, fn in self.saved.items():
+            setattr(atb_ops, op, fn)
+
+
 def profile_ops(model, cfg, batch: int, ctx: int, dev, backend: str, label: str, n: int = 2) -> None:
-    """Device time by torch op and the repository's source lines that issue it, for the graph path's code run
-    uncaptured (``CudaGraphDecoder.capture`` off: the same static-buffer step, so the kernels are the ones a replay runs,
-    but each op is visible to the profiler with its Python stack)."""
+    """Device time by kernel and where it comes from (the atb_ops op and the model's modules around its launch),
+    for the graph path's code run uncaptured (``CudaGraphDecoder.capture`` off: the same static-buffer step, so the
+    kernels are the ones a replay runs, each launch visible to the profiler)."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     runner, seqs = make_runner(model, cfg, batch, ctx, n + 4, dev, "static" if dev.type == "cpu" else True)
@@ -221,13 +263,10 @@ def profile_ops(model, cfg, batch: int, ctx: int, dev, backend: str, label: str,
     with atb_ops.use_backend(backend):
         step()
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+        with _Ranges(model), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(n):
                 step()
             torch.cuda.synchronize()
-    from torch.autograd import DeviceType
-
-    mine = ("atb_ops/", "ascend_dsv4/", "parallel/", "quant/")
     evs = prof.events()
     cpu = [ev for ev in evs if ev.device_type == DeviceType.CPU]
     # the work: (name, us, the CPU event that issued it). A kernel's correlation id is that of the runtime call
@@ -237,19 +276,21 @@ def profile_ops(model, cfg, batch: int, ctx: int, dev, backend: str, label: str,
     else:
         launchers = {ev.id: ev for ev in cpu if ev.name.startswith("cu")}
         work = [(ev.name, ev.time_range.elapsed_us(), launchers.get(ev.id)) for ev in evs
-                if ev.device_type == DeviceType.CUDA]
-    # the repository's Python frames open around each issuing event, by time (a sweep over nested intervals;
-    # the runtime calls' parent links are not reliable across the profiler's thread ids)
-    frames = sorted((ev for ev in cpu if ev.name.startswith(mine)), key=lambda e: e.time_range.start)
+                if ev.device_type == DeviceType.CUDA and not ev.name.startswith(("mod ", "op "))]  # not the ranges
+    # the ranges open around each issuing event, by time (a sweep over nested intervals; the runtime calls'
+    # parent links are not reliable across the profiler's thread ids)
+    ranges = sorted((ev for ev in cpu if ev.name.startswith(("mod ", "op "))), key=lambda e: e.time_range.start)
     issuers = sorted({id(w[2]): w[2] for w in work if w[2] is not None}.values(), key=lambda e: e.time_range.start)
     where, stack, i = {}, [], 0
     for ev in issuers:
         t = ev.time_range.start
-        while i < len(frames) and frames[i].time_range.start <= t:
-            stack.append(frames[i])
+        while i < len(ranges) and ranges[i].time_range.start <= t:
+            stack.append(ranges[i])
             i += 1
         stack = [f for f in stack if f.time_range.end >= t]
-        where[id(ev)] = " <- ".join(f.name for f in reversed(stack[-3:])) or "?"
+        ops = [f.name[3:] for f in stack if f.name.startswith("op ")]
+        mods = [f.name[4:] for f in stack if f.name.startswith("mod ")]
+        where[id(ev)] = f"{ops[-1] if ops else '-'} in {mods[-1] if mods else '(no module)'}"
     agg: dict = {}
     for name, us, ev in work:
         a = agg.setdefault((name, where.get(id(ev), "?")), [0.0, 0])
@@ -258,13 +299,20 @@ def profile_ops(model, cfg, batch: int, ctx: int, dev, backend: str, label: str,
     rows = [(v[0] / n, v[1] // n, k[0], k[1]) for k, v in agg.items()]
     rows.sort(reverse=True)
     total = sum(r[0] for r in rows)
-    print(f"op profile ({label}, graph path uncaptured, {n} steps; per step: device us, calls, op, where):")
-    print(f"  total device time {total / 1e3:.3f} ms per step; {sum(w[2] is not None for w in work)} of {len(work)} "
-          f"kernels matched to the call that launched them; {len(frames)} Python frames of the repository seen")
-    if not frames:
-        print("  (no repository frames: names seen, e.g. " + "; ".join(sorted({e.name for e in cpu})[:8]) + ")")
-    for us, cnt, key, where in rows[:45]:
-        print(f"  {us:9.1f} us {cnt:4d}x {key[:34]:34s} {where[:160]}")
+    print(f"op profile ({label}, graph path uncaptured, {n} steps; per step: device us, kernels, kernel, op in module):")
+    print(f"  total device time {total / 1e3:.3f} ms per step, {sum(r[1] for r in rows)} kernels; "
+          f"{sum(w[2] is not None for w in work)} of {len(work)} matched to the call that launched them")
+    by_site: dict = {}
+    for us, cnt, key, site in rows:
+        op, _, mod = site.partition(" in ")
+        k = (op, ".".join(p for p in mod.split(".") if not p.isdigit()))
+        by_site[k] = [by_site.get(k, [0, 0])[0] + us, by_site.get(k, [0, 0])[1] + cnt]
+    print("  by op and module (layers summed):")
+    for (op, mod), (us, cnt) in sorted(by_site.items(), key=lambda kv: -kv[1][0])[:40]:
+        print(f"  {us:9.1f} us {cnt:4d} kernels  {op:22s} {mod}")
+    print("  by kernel:")
+    for us, cnt, key, site in rows[:40]:
+        print(f"  {us:9.1f} us {cnt:4d}x {key[:40]:40s} {site[:120]}")
 
 
 def bench_ours(fmt: str, batches, ctxs, steps, warmup, dev, bw, rows, backend, toy=False, modes=("eager",)):
