@@ -12,7 +12,7 @@ OUT=${OUT:-/tmp/out}
 B="python3 scripts/bench_kernels.py --no-reference"
 for stage in "$@"; do
   case $stage in
-    main-tests) (cd .. && timeout ${T_MAIN:-90} python3 -m pytest -q -p no:cacheprovider -m cuda \
+    main-tests) (cd .. && PYTHONPATH=$PWD:/tmp/site timeout ${T_MAIN:-90} python3 -m pytest -q -p no:cacheprovider -m cuda \
                    tests/ops/test_gemm_tc.py tests/ops/test_gemm_decode.py 2>&1 | tail -15) | tee $OUT/main_tests.txt ;;
     tests) timeout ${T_TESTS:-120} python3 -m pytest -q -p no:cacheprovider tests/ops/test_gemm_tc_large.py \
              2>&1 | tail -25 | tee $OUT/tests.txt ;;
