@@ -14,7 +14,7 @@ for stage in "$@"; do
   case $stage in
     main-tests) (cd .. && PYTHONPATH=$PWD:/tmp/site timeout ${T_MAIN:-90} python3 -m pytest -q -p no:cacheprovider -m cuda \
                    tests/ops/test_gemm_tc.py tests/ops/test_gemm_decode.py 2>&1 | tail -15) | tee $OUT/main_tests.txt ;;
-    tests) timeout ${T_TESTS:-120} python3 -m pytest -q -p no:cacheprovider tests/ops/test_gemm_tc_large.py \
+    tests) timeout ${T_TESTS:-120} python3 -m pytest -q -p no:cacheprovider tests/ops/test_gemm_tc_large.py -k "${TESTS_K:-not nothing}" \
              2>&1 | tail -25 | tee $OUT/tests.txt ;;
     lin1) timeout ${T_LIN:-100} $B --gemm-paths tc,tcl,auto --only '^linear (fp8_block|fp4 |bf16)[^M]*M=(1|32) ' \
             2>&1 | tee $OUT/lin1.txt
