@@ -57,12 +57,13 @@ FP8S_PTX = _FP8S_PTX.value  # for the PTX emulation test (tests/ops/test_gemm_tc
 
 # e4m3 words (4 bytes = weight columns 4h .. 4h+3), two words at a time: $4 / $5 = words w0 / w1, $6 = their
 # scale pair (bfloat16 2^(s - 7), or 2^120 = 0x7B80 with the scale applied later); output $i = byte i of (w0, w1)
-# as bfloat16 (= phase i of the K columns). prmt puts byte i of w0 / w1 in the high byte of lane 0 / 1, the mask
-# clears the others; then as the FP8 decoder: >> 4 (magnitude at bits 4-10), sign bit 11 -> 15 (a + 15 * sign),
+# as bfloat16 (= phase i of the K columns). prmt makes t = [b, b, c, c] (b, c = byte i of w0, w1: each lane holds its
+# byte twice); t >> 4 puts the 7 magnitude bits at 4-10 of each lane (kept by the mask 0x07F0), t & 0x8000 keeps the
+# sign bit at 15; one lop3 ((a & mask) | sign) merges them: bfloat16 bits = e4m3 * 2^-120 (subnormals included),
 # times the scale pair.
 _FP8X4_PTX = tl.constexpr("{\n.reg .b32 t, a, s, z;\nmov.b32 z, 0x80008000;\n" + "".join(
-    f"prmt.b32 t, $4, $5, 0x{4 + i}0{i}0;\nand.b32 t, t, 0xFF00FF00;\nshr.u32 a, t, 4;\nand.b32 s, a, 0x08000800;\n"
-    f"mad.lo.u32 a, s, 15, a;\nfma.rn.bf16x2 ${i}, a, $6, z;\n" for i in range(4)) + "}")
+    f"prmt.b32 t, $4, $5, 0x{4 + i}{4 + i}{i}{i};\nshr.u32 a, t, 4;\nand.b32 s, t, 0x80008000;\n"
+    f"lop3.b32 a, a, s, 0x07F007F0, 0xEC;\nfma.rn.bf16x2 ${i}, a, $6, z;\n" for i in range(4)) + "}")
 FP8X4_PTX = _FP8X4_PTX.value
 FOLD_LO, FOLD_HI = 10, 134  # E8M0 bytes whose scale folds exactly: 2^(s - 7) <= 2^127, products normal (>= 2^-126)
 
@@ -205,7 +206,7 @@ def _x_phases(x_ptr, rows64, kk, xm, M, k_end, XSPLIT: tl.constexpr):
 def _tcl_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, ctr_ptr, order_ptr, tile_ptr,
                 M, N, K, E, stride_we, stride_se, k_split, n_split, n_tiles,
                 FMT: tl.constexpr, SCALE_E8M0: tl.constexpr, GROUPED: tl.constexpr, ASM: tl.constexpr,
-                MUL1: tl.constexpr, FOLD: tl.constexpr, WORDS: tl.constexpr, EVEN_K: tl.constexpr,
+                MUL1: tl.constexpr, FOLD: tl.constexpr, WORDS: tl.constexpr, SPF: tl.constexpr, EVEN_K: tl.constexpr,
                 EVEN_N: tl.constexpr, FIXUP: tl.constexpr, XSPLIT: tl.constexpr,
                 BW: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
     pid_t = tl.program_id(0)
@@ -246,7 +247,11 @@ def _tcl_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, ctr_ptr, order_ptr, tile
         s_ptrs = s_base + n[:, None].to(tl.int64) * (K // 32) + k_lo // 8 + g[None, :]
         sc_next = tl.load(s_ptrs, mask=nm[:, None] & ((k_lo // 8 + g) * 8 < k_hi)[None, :], other=127)
     else:
-        s_rows = s_base + (n // 128).to(tl.int64) * tl.cdiv(K, 128)
+        # one scale per 128 x 128 block: a scalar per K step (BW divides 128, BK divides 128), loaded one step ahead (a
+        # load in the step that uses it would stall every step on its latency)
+        SB: tl.constexpr = 32 if WORDS else 128  # K units (words / bytes) per scale block
+        s_row = s_base + (pid_n * BW // 128) * tl.cdiv(K, 128)
+        sc_next = tl.load(s_row + k_lo // SB, mask=k_lo < k_hi, other=0)
     for k0 in range(k_lo, k_hi, KS):
         k0 = tl.multiple_of(k0, KS)
         kk = k0 + c
@@ -263,33 +268,35 @@ def _tcl_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, ctr_ptr, order_ptr, tile
             x0, x1, x2, x3 = _x_phases(x_ptr, rows64, kk, xm, M, k_end, XSPLIT)
             acc = _dot4(q0, q1, q2, q3, x0, x1, x2, x3, acc, ASM)
         else:
-            # one scale per weight row and 128-column block (fp8 blocks are 128 x 128; BK divides 128)
-            if WORDS:
-                sc = tl.load(s_rows + k0 // 32, mask=nm, other=0)
-            else:
-                sc = tl.load(s_rows + k0 // 128, mask=nm, other=0)
+            if SPF:
+                sc = sc_next
+                sc_next = tl.load(s_row + (k0 + KS) // SB, mask=k0 + KS < k_hi, other=0)
+            else:  # a [BW] vector of the same scale loaded in this step: Triton keeps the decode in the wgmma
+                # A-operand registers (with the prefetched scalar it stages the decoded tile in shared memory)
+                sc = tl.load(s_row + k0 // SB + n * 0, mask=nm, other=0)[:, None]
             if SCALE_E8M0:
                 sv = gd._e8m0_f32(sc)
             else:
                 sv = sc.to(tl.float32)
             if FOLD:  # 2^(s - 7): the rebias 2^120 times the block scale (exact; see foldable)
-                s16 = (((sc.to(tl.int32) & 0xFF) + 120) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+                s_bits = ((sc.to(tl.int32) & 0xFF) + 120) << 7
             else:
-                s16 = tl.full((BW,), 0x7B80, tl.int16).to(tl.bfloat16, bitcast=True)
+                s_bits = sc.to(tl.int32) * 0 + 0x7B80
+            s16 = (tl.zeros((BW, KS), tl.int32) + s_bits).to(tl.int16).to(tl.bfloat16, bitcast=True)
             if WORDS:  # int32 words of 4 e4m3 bytes: 4 MMAs per step against the 4 column phases of x
                 b = gd._ld(w_base + n[:, None].to(tl.int64) * k_end + kk[None, :], wm, 0, not (EVEN_K and EVEN_N))
-                q0, q1, q2, q3 = _fp8x4_decode(b, tl.broadcast_to(s16[:, None], (BW, KS)), ASM)
+                q0, q1, q2, q3 = _fp8x4_decode(b, s16, ASM)
                 x0, x1, x2, x3 = _x_phases(x_ptr, rows64, kk, xm, M, k_end, XSPLIT)
                 if FOLD:
                     acc = _dot4(q0, q1, q2, q3, x0, x1, x2, x3, acc, ASM)
                 else:
                     d = _dot4(q0, q1, q2, q3, x0, x1, x2, x3, tl.zeros((BW, BT), tl.float32), ASM)
-                    acc += d * sv[:, None]
+                    acc += d * sv
             else:
                 b = gd._ld(w_base + n[:, None].to(tl.int64) * K + kk[None, :], wm, 0.0, not (EVEN_K and EVEN_N))
                 xv = tl.load(x_ptr + rows64[None, :] * K + kk[:, None], mask=xm, other=0.0)
                 if FOLD:
-                    wq = _fp8s_decode(b, tl.broadcast_to(s16[:, None], (BW, BK)), ASM)
+                    wq = _fp8s_decode(b, s16, ASM)
                     if ASM:
                         acc = tl.dot(wq, xv, acc)
                     else:
@@ -299,7 +306,7 @@ def _tcl_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, ctr_ptr, order_ptr, tile
                         d = tl.dot(b.to(tl.bfloat16), xv)
                     else:
                         d = tl.dot(b.to(tl.float32), xv.to(tl.float32), input_precision="ieee")
-                    acc += d * sv[:, None]
+                    acc += d * sv
     o_off = rows64[None, :] * N + n[:, None]
     om = nm[:, None] & rm[None, :]
     if FIXUP:
@@ -324,11 +331,13 @@ def _config(fmt: str, rows_per_weight: float, grouped: bool) -> dict:
     MMA's N), BK elements per K step, warps, pipeline stages, programs per SM aimed at by split-K (ctas; split=N
     forces N splits), register cap (regs, 0: none), split-K sums by the last program (fixup=1) or a second kernel,
     activations pre-split into 4 column phases for fp4 and fp8 words (xsplit=1), fp8 read as int32 words of 4 bytes
-    (words=1; else bytes), fp8 E8M0 scales folded into the decoded weight where exact (fold=1).
+    (words=1; else bytes), fp8 E8M0 scales folded into the decoded weight where exact (fold=1), fp8 block scale
+    loaded one step ahead as a scalar (spf=1) or in its step as a vector (spf=0).
     ATB_CUDA_TCL_CFG="bw=128,warps=8" overrides (benchmarks)."""
     bt = 16 if rows_per_weight <= 16 else (32 if rows_per_weight <= 32 else 64)
-    cfg = dict(bw=128, bt=bt, bk=128, warps=8, stages=3, ctas=1, split=0, regs=0, fixup=1, xsplit=1, fold=1, words=1)
-    if not grouped:
+    cfg = dict(bw=128, bt=bt, bk=128, warps=8, stages=3, ctas=1, split=0, regs=0, fixup=1, xsplit=1, fold=1, words=1,
+               spf=1)
+    if not grouped or fmt == "fp4":
         cfg.update(xsplit=0)
     for kv in filter(None, os.environ.get("ATB_CUDA_TCL_CFG", "").split(",")):
         key, val = kv.split("=")
@@ -369,8 +378,8 @@ def _launch(x, w, w_scale, fmt, order, tiles, grouped):
     n_exp = w.shape[0] if grouped else 1
     cfg = _config(fmt, m / max(1, min(n_exp, m)) if grouped else m, grouped)
     bw, bt, bk = cfg["bw"], cfg["bt"], cfg["bk"]
-    if fmt == "fp8_block" and 128 % bk:
-        raise ValueError(f"fp8_block K steps must divide the 128-column scale block, got bk={bk}")
+    if fmt == "fp8_block" and (128 % bk or 128 % bw):
+        raise ValueError(f"fp8_block tiles must divide the 128 x 128 scale block, got bw={bw}, bk={bk}")
     words = fmt == "fp4" or (bool(cfg["words"]) and k % 4 == 0)
     ks = bk // 4 if words else bk
     k_end = k // 4 if words else k
@@ -403,7 +412,7 @@ def _launch(x, w, w_scale, fmt, order, tiles, grouped):
         xk, wc, s, out, dst, xc if ctr is None else ctr, order if grouped else xc, tiles if grouped else xc,
         m, n, k, n_exp, wc.stride(0) if grouped else 0, s.stride(0) if grouped else 0, k_split, split, n_rt,
         FMT=2 if fmt == "fp4" else 1, SCALE_E8M0=e8, GROUPED=grouped, ASM=not INTERPRET, MUL1=mul1, FOLD=fold,
-        WORDS=words and fmt == "fp8_block", EVEN_K=k_end % ks == 0, EVEN_N=n % bw == 0, FIXUP=fixup, XSPLIT=xsplit, BW=bw, BT=bt, BK=bk,
+        WORDS=words and fmt == "fp8_block", SPF=bool(cfg["spf"]), EVEN_K=k_end % ks == 0, EVEN_N=n % bw == 0, FIXUP=fixup, XSPLIT=xsplit, BW=bw, BT=bt, BK=bk,
         num_warps=cfg["warps"], num_stages=cfg["stages"],
         **({"maxnreg": cfg["regs"]} if cfg["regs"] and not INTERPRET else {}))
     if split > 1 and not fixup:

@@ -88,7 +88,7 @@ def test_sort_rows(bt):
     assert pos == 50
 
 
-CFGS = ["", "words=0", "fold=0,xsplit=0", "bt=16,bw=64,warps=4", "words=0,fold=0,bt=32"]
+CFGS = ["", "words=0", "fold=0,xsplit=0", "bt=16,bw=64,warps=4", "words=0,fold=0,bt=32", "spf=0,xsplit=1"]
 
 
 @pytest.mark.parametrize("cfg", CFGS)
@@ -205,7 +205,7 @@ def test_dispatch_tcl(monkeypatch):
 
 # ---- DeepSeek-V4 shapes on the GPU ------------------------------------------------------------------------------
 @pytest.mark.cuda
-@pytest.mark.parametrize("cfg", ["", "words=0,fold=0"])
+@pytest.mark.parametrize("cfg", ["", "words=0,fold=0", "spf=0,xsplit=1"])
 @pytest.mark.parametrize("fmt", ["fp4", "fp8_block"])
 @pytest.mark.parametrize("t", [8, 512])
 def test_grouped_matmul_tcl_real_shapes(fmt, t, cfg, monkeypatch):
