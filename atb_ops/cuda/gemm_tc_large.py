@@ -333,12 +333,21 @@ def _config(fmt: str, rows_per_weight: float, grouped: bool) -> dict:
     activations pre-split into 4 column phases for fp4 and fp8 words (xsplit=1), fp8 read as int32 words of 4 bytes
     (words=1; else bytes), fp8 E8M0 scales folded into the decoded weight where exact (fold=1), fp8 block scale
     loaded one step ahead as a scalar (spf=1) or in its step as a vector (spf=0).
-    ATB_CUDA_TCL_CFG="bw=128,warps=8" overrides (benchmarks)."""
+    ATB_CUDA_TCL_CFG="bw=128,warps=8" overrides (benchmarks).
+
+    Defaults from the variants timed on the H100 (scripts/bench_results/gemm_h100_session4.txt, T = 512 x 6 experts
+    and 1..64-row linears): 128 weight rows per program on 8 warps (64 rows on 4 warps: 6-31 % slower grouped), 64
+    rows per tile at ~48 rows per expert (128: 35-46 % slower); fp4 activations split in registers (the pre-split
+    copy: 17-23 % slower), 2 stages for grouped fp4 (w1 16 % faster than 3, w2 1 % slower); fp8 grouped as int32 words
+    with x pre-split (bytes: w1 5 % faster, w2 8 % slower; the scale prefetch and the fold: no measurable change);
+    linears aim at one program per SM (2: 26-28 % slower at 64 rows)."""
     bt = 16 if rows_per_weight <= 16 else (32 if rows_per_weight <= 32 else 64)
     cfg = dict(bw=128, bt=bt, bk=128, warps=8, stages=3, ctas=1, split=0, regs=0, fixup=1, xsplit=1, fold=1, words=1,
                spf=1)
     if not grouped or fmt == "fp4":
         cfg.update(xsplit=0)
+    if grouped and fmt == "fp4":
+        cfg.update(stages=2)
     for kv in filter(None, os.environ.get("ATB_CUDA_TCL_CFG", "").split(",")):
         key, val = kv.split("=")
         cfg[key.strip()] = int(val)
