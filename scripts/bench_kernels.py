@@ -329,7 +329,7 @@ def main() -> None:
     ap.add_argument("--tc-variants", default="",
                     help="';'-separated ATB_CUDA_TC_CFG settings of the swap-AB tensor-core GEMM, each its own row")
     ap.add_argument("--tcl-variants", default="",
-                    help="';'-separated ATB_CUDA_TCL_CFG settings of the sorted-rows tensor-core GEMM, each its own row")
+                    help="';'-separated ATB_CUDA_TCL_CFG settings of the sorted-rows tensor-core GEMM, one row each")
     ap.add_argument("--gemm-paths", default=None,
                     help="','-separated subset of the GEMM paths to time (tiled,decode,tc,tcl,auto); default all "
                          "but auto")

@@ -19,11 +19,15 @@ K split s. Row tiles vary fastest in the grid, so the tiles of one expert read a
 Per K step of BK elements the weight tile is decoded exactly to bfloat16 in registers:
 
 - fp4: :func:`.gemm_tc._fp4x4_decode` (int16 words of 4 codes, scale folded in; 4 MMAs per step against the 4
-  column phases of x, which are split by a copy before the kernel, or in registers: ``xsplit``);
-- fp8 with E8M0 scales whose bytes lie in [10, 134] (checked once per scale tensor; ``fold``): one PTX sequence
-  places the e4m3 bits in a bfloat16 and multiplies by 2^(s - 7) = 2^120 (rebias) * 2^(s - 127) (the block scale):
-  exact, so the MMAs accumulate into one register tile across K steps; otherwise (float32 scales, or ``fold=0``)
-  each step's product is multiplied by its block scale in float32 (as :mod:`.gemm_tc`).
+  column phases x[:, 4h + i] of x, split in registers from int64 loads, or by a copy before the kernel: ``xsplit``);
+- fp8: int32 words of 4 e4m3 bytes decoded into the same 4 column phases by one PTX sequence per pair of words
+  (``words=1``; as bytes with ``words=0``, which Triton's A-operand layout reads 2 bytes at a time). E8M0 block scales
+  whose bytes lie in [10, 134] (checked once per scale tensor; ``fold``) are folded into the decode: the e4m3 bits
+  placed in a bfloat16 (e4m3 * 2^-120) times 2^(s - 7) = 2^120 * 2^(s - 127), exact, so the MMAs accumulate into one
+  register tile across K steps; otherwise (float32 scales, or ``fold=0``) each step's product is multiplied by its
+  block scale in float32 (as :mod:`.gemm_tc`). The scale is one scalar per step, loaded one step ahead (``spf=1``;
+  Triton then stages the decoded tile in shared memory for the MMA) or as a vector in its step (``spf=0``: the tile
+  stays in registers); the two measured the same.
 
 Products are exact (bfloat16 x bfloat16) and accumulation float32: the result differs from the reference op only
 in the order of the float32 sums. A row's result does not depend on which tile or position it lands in (columns of
@@ -36,7 +40,6 @@ rather than left unwritten), as in :mod:`.gemm_tc`.
 from __future__ import annotations
 
 import os
-import re
 import weakref
 
 import torch
@@ -421,7 +424,8 @@ def _launch(x, w, w_scale, fmt, order, tiles, grouped):
         xk, wc, s, out, dst, xc if ctr is None else ctr, order if grouped else xc, tiles if grouped else xc,
         m, n, k, n_exp, wc.stride(0) if grouped else 0, s.stride(0) if grouped else 0, k_split, split, n_rt,
         FMT=2 if fmt == "fp4" else 1, SCALE_E8M0=e8, GROUPED=grouped, ASM=not INTERPRET, MUL1=mul1, FOLD=fold,
-        WORDS=words and fmt == "fp8_block", SPF=bool(cfg["spf"]), EVEN_K=k_end % ks == 0, EVEN_N=n % bw == 0, FIXUP=fixup, XSPLIT=xsplit, BW=bw, BT=bt, BK=bk,
+        WORDS=words and fmt == "fp8_block", SPF=bool(cfg["spf"]), EVEN_K=k_end % ks == 0, EVEN_N=n % bw == 0,
+        FIXUP=fixup, XSPLIT=xsplit, BW=bw, BT=bt, BK=bk,
         num_warps=cfg["warps"], num_stages=cfg["stages"],
         **({"maxnreg": cfg["regs"]} if cfg["regs"] and not INTERPRET else {}))
     if split > 1 and not fixup:
