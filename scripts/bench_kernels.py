@@ -14,8 +14,10 @@ reference output.
 DeepSeek's TileLang kernels side by side: ``scripts/bench_tilelang_peer.py`` (needs TileLang and their kernel file).
 
 FP8-block / FP4 linears and grouped matmuls are timed on the CUDA paths side by side: ``[gemm=tiled]`` (the
-tiled kernel, gemm.py), ``[gemm=decode]`` (gemm_decode.py; ``--decode-variants``: its tunables) and ``[gemm=tc]``
-(the swap-AB tensor-core kernel, gemm_tc.py; ``--tc-variants``: its tunables); ``--gemm-paths`` picks a subset. The
+tiled kernel, gemm.py), ``[gemm=decode]`` (gemm_decode.py; ``--decode-variants``: its tunables), ``[gemm=tc]``
+(the swap-AB tensor-core kernel, gemm_tc.py; ``--tc-variants``: its tunables) and ``[gemm=tcl]`` (the same MMA over
+rows sorted by expert, gemm_tc_large.py; ``--tcl-variants``); ``--gemm-paths`` picks a subset (``auto``: a row for
+the default rules). The
 grouped cases rotate over 8 expert-id draws (and the linears over 8 weights) so that the weights are read from HBM,
 and each grouped shape has a bf16 peer row: torch._grouped_mm (or a per-expert cuBLAS loop where it is missing) on
 rows already sorted by expert.
@@ -75,8 +77,9 @@ def ceilings(dev) -> dict:
 
 
 ROTATE = 8
-GEMM_PATHS = ["[gemm=tiled]", "[gemm=decode]", "[gemm=tc]"]  # + "[gemm=decode cfg=...]" per --decode-variants
-# entry and "[gemm=tc cfg=...]" per --tc-variants entry
+GEMM_PATHS = ["[gemm=tiled]", "[gemm=decode]", "[gemm=tc]", "[gemm=tcl]"]  # + "[gemm=decode cfg=...]" per
+# --decode-variants entry, "[gemm=tc cfg=...]" per --tc-variants entry and "[gemm=tcl cfg=...]" per --tcl-variants
+# entry; "[gemm=auto]" (the default rules) where --gemm-paths names it
 # tile variants of the attention kernel timed side by side: " [BH,BN,WARPS]" (see atb_ops/cuda/attention.py)
 # and of the second kernel: " [attn=old]" (attention.py's default tiles), " [attn2=BH,BN,ND,WARPS,STAGES]"
 # (attention_v2.py, see its ``tile``); "" = the default (ATB_CUDA_ATTN_IMPL=auto). --attn-variants replaces the list.
@@ -302,8 +305,8 @@ def cases(dev, quick: bool):
                                      ("fp4", we4, se4, 0.5 + 1 / 32), ("fp4-split", we4, se4, 0.5 + 1 / 32)):
                 byt = int(active * Nw * Kw * bpw) + _nb(x) + rows * Nw * 2
                 paths = [""] if fmt == "dense" else (["[gemm=tiled]"] if fmt == "fp4-split" else list(GEMM_PATHS))
-                if rows > 1024:  # beyond the decode / tensor-core kernels' MAX_ROWS: the tiled kernel only
-                    paths = [p for p in paths if p in ("", "[gemm=tiled]")]
+                if rows > 1024:  # beyond the decode / tc kernels' MAX_ROWS: the tiled and tcl kernels only
+                    paths = [p for p in paths if p in ("", "[gemm=tiled]", "[gemm=auto]") or p.startswith("[gemm=tcl")]
                 for path in paths:
                     yield (f"grouped_matmul {fmt} T={T}x6 E={E} {Nw}x{Kw} ({name}) {path}".rstrip(), "grouped_matmul",
                            [(x, wt, d, sc, fmt.split("-")[0]) for d in draws], {}, byt, fl)
@@ -325,18 +328,23 @@ def main() -> None:
                     help="';'-separated ATB_CUDA_DECODE_CFG settings of the decode GEMM, each timed as its own row")
     ap.add_argument("--tc-variants", default="",
                     help="';'-separated ATB_CUDA_TC_CFG settings of the swap-AB tensor-core GEMM, each its own row")
+    ap.add_argument("--tcl-variants", default="",
+                    help="';'-separated ATB_CUDA_TCL_CFG settings of the sorted-rows tensor-core GEMM, one row each")
     ap.add_argument("--gemm-paths", default=None,
-                    help="','-separated subset of the GEMM paths to time (tiled,decode,tc); default all")
+                    help="','-separated subset of the GEMM paths to time (tiled,decode,tc,tcl,auto); default all "
+                         "but auto")
     ap.add_argument("--attn-variants", default=None,
                     help="';'-separated attention variants, e.g. ';attn=old;attn2=64,32,2,4,3' ('' = default)")
     a = ap.parse_args()
     if a.gemm_paths:
-        keep = set(a.gemm_paths.split(","))
-        GEMM_PATHS[:] = [p for p in GEMM_PATHS if p[len("[gemm="):-1] in keep]
+        keep = a.gemm_paths.split(",")
+        GEMM_PATHS[:] = [p for p in GEMM_PATHS if p[len("[gemm="):-1] in keep] + (["[gemm=auto]"] if "auto" in keep
+                                                                                  else [])
     if a.attn_variants is not None:
         ATTN_VARIANTS[:] = [f" [{v}]" if v else "" for v in a.attn_variants.split(";")]
     GEMM_PATHS.extend(f"[gemm=decode cfg={v}]" for v in filter(None, a.decode_variants.split(";")))
     GEMM_PATHS.extend(f"[gemm=tc cfg={v}]" for v in filter(None, a.tc_variants.split(";")))
+    GEMM_PATHS.extend(f"[gemm=tcl cfg={v}]" for v in filter(None, a.tcl_variants.split(";")))
     dev = torch.device("cuda")
     name = torch.cuda.get_device_name(dev)
     ceil = ceilings(dev)
@@ -354,8 +362,10 @@ def main() -> None:
         gm = re.search(r"\[gemm=(\w+)(?: bm=(\d+))?(?: cfg=([^\]]+))?\]", case_name)
         os.environ["ATB_CUDA_GEMM"] = gm.group(1) if gm else "auto"
         tc_cfg = gm and gm.group(1) == "tc" and gm.group(3)
+        tcl_cfg = gm and gm.group(1) == "tcl" and gm.group(3)
         for var, val in (("ATB_CUDA_DECODE_BM", gm and gm.group(2)),
-                         ("ATB_CUDA_DECODE_CFG", gm and not tc_cfg and gm.group(3)), ("ATB_CUDA_TC_CFG", tc_cfg)):
+                         ("ATB_CUDA_DECODE_CFG", gm and gm.group(1) == "decode" and gm.group(3)),
+                         ("ATB_CUDA_TC_CFG", tc_cfg), ("ATB_CUDA_TCL_CFG", tcl_cfg)):
             if val:
                 os.environ[var] = val
             else:

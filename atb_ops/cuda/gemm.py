@@ -16,9 +16,10 @@ Dense ``linear`` stays on cuBLAS (torch.matmul), which is the ceiling for that c
 Decode-sized calls (bfloat16 activations, few rows per weight) over fp4 / fp8_block weights go to
 :mod:`.gemm_decode` (one pass over the weight bytes, decoded with PTX bit operations, mma.sync on [rows, columns]
 tiles) or :mod:`.gemm_tc` (swap-AB wgmma: weight rows as the MMA's M side, decoded in the A-operand registers)
-instead; ``ATB_CUDA_GEMM`` = ``decode`` / ``tc`` / ``tiled`` forces one path where it applies (benchmarks),
-``auto`` (default) selects by shape (:data:`TC_LINEAR_ROWS`, :data:`TC_GROUPED_MIN_ROWS` / ``_MAX_ROWS``,
-:data:`DECODE_ROWS`).
+instead, and large grouped calls to :mod:`.gemm_tc_large` (the same swap-AB MMA over rows sorted by expert, any row
+count); ``ATB_CUDA_GEMM`` = ``decode`` / ``tc`` / ``tcl`` / ``tiled`` forces one path where it applies
+(benchmarks), ``auto`` (default) selects by shape (:data:`TCL_GROUPED_MIN_ROWS`, :data:`TCL_LINEAR_ROWS`,
+:data:`TC_LINEAR_ROWS`, :data:`TC_GROUPED_MIN_ROWS` / ``_MAX_ROWS``, :data:`DECODE_ROWS`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import triton
 import triton.language as tl
 
 from .._registry import register
-from . import gemm_decode, gemm_tc
+from . import gemm_decode, gemm_tc, gemm_tc_large
 from .routing import stable_order
 from ._util import INTERPRET, dot_precision, mma, pow2, tl_dtype
 
@@ -51,21 +52,36 @@ TC_LINEAR_ROWS = 64
 TC_GROUPED_MIN_ROWS = 17
 TC_GROUPED_MAX_ROWS = 384
 
+# where the sorted-rows tensor-core kernel (gemm_tc_large.py, path "tcl") is preferred, checked first (measured on
+# the H100: scripts/bench_results/gemm_h100_session4.txt): grouped calls of at least TCL_GROUPED_MIN_ROWS rows
+# (T = 512 tokens x 6 experts: 1.02-1.47x torch._grouped_mm bf16, 1.4-4.4x the tiled kernel that served them; between
+# 385 and 1024 rows not measured: the old rules), and linears of up to TCL_LINEAR_ROWS[fmt] rows (fp4 at 1 / 32 / 64
+# rows: 5-9 % faster than the tc kernel in both runs; fp8 stays on tc, which was faster)
+TCL_GROUPED_MIN_ROWS = 1025
+TCL_LINEAR_ROWS = {"fp4": 64}
+
 
 def _path(x: torch.Tensor, fmt: str, w_scale, rows: int, rows_per_weight: float, grouped: bool = True) -> str:
-    """Which kernel serves this fp4 / fp8_block call: "tc" | "decode" | "tiled" (ATB_CUDA_GEMM = auto | tc |
-    decode | tiled; a forced path that does not apply to the call falls back to the tiled kernel)."""
+    """Which kernel serves this fp4 / fp8_block call: "tcl" | "tc" | "decode" | "tiled" (ATB_CUDA_GEMM = auto | tcl |
+    tc | decode | tiled; a forced path that does not apply to the call falls back to the tiled kernel)."""
     mode = os.environ.get("ATB_CUDA_GEMM", "auto")
-    if mode == "tiled" or not gemm_decode.eligible(x, fmt, w_scale, rows):
+    if mode == "tiled" or rows == 0 or not gemm_tc_large.eligible(x, fmt, w_scale):
         return "tiled"
-    if mode in ("tc", "decode"):
+    if mode == "tcl":
         return mode
+    small = gemm_decode.eligible(x, fmt, w_scale, rows)  # the decode / tc kernels' row limit
+    if mode in ("tc", "decode"):
+        return mode if small else "tiled"
     if grouped:
+        if rows >= TCL_GROUPED_MIN_ROWS:
+            return "tcl"
         if TC_GROUPED_MIN_ROWS <= rows <= TC_GROUPED_MAX_ROWS and rows_per_weight <= 16:
             return "tc"
+    elif rows <= TCL_LINEAR_ROWS.get(fmt, 0):
+        return "tcl"
     elif rows <= TC_LINEAR_ROWS:
         return "tc"
-    return "decode" if rows_per_weight <= DECODE_ROWS.get(fmt, 0) else "tiled"
+    return "decode" if small and rows_per_weight <= DECODE_ROWS.get(fmt, 0) else "tiled"
 
 
 def _use_decode(x: torch.Tensor, fmt: str, w_scale, rows: int, rows_per_weight: float, grouped: bool = True) -> bool:
@@ -211,6 +227,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None = None
         return (x.float() @ w.float().t()).to(x.dtype)
     _check(fmt, k)
     path = _path(x, fmt, w_scale, m, m, grouped=False)
+    if path == "tcl":
+        return gemm_tc_large.linear(x, w, w_scale, fmt)
     if path == "tc":
         return gemm_tc.linear(x, w, w_scale, fmt)
     if path == "decode":
@@ -313,6 +331,8 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor, w
     _check(fmt, k)
     n_exp, n = w.shape[0], w.shape[1]
     path = _path(x, fmt, w_scale, m, m / max(1, min(n_exp, m)))
+    if path == "tcl":
+        return gemm_tc_large.grouped_matmul(x, w, expert_ids, w_scale, fmt)
     if path == "tc":
         return gemm_tc.grouped_matmul(x, w, expert_ids, w_scale, fmt)
     if path == "decode":

@@ -64,7 +64,9 @@ def _config(fmt: str, rows_per_weight: float, grouped: bool) -> dict:
     registers at 128 at 16 rows per pass (four programs per SM; 5-10 % faster than uncapped), pre-split fp4
     activations (the copy is cheap next to ~100 us of expert weights; 8-12 % faster) and use 3 pipeline stages
     (fp4: 0.3-3 % faster than 4; fp8: the same); linears aim at 2 programs per SM up to 32 rows; at 64 rows fp8
-    adds the splits in a second kernel and fp4 aims at one program per SM."""
+    adds the splits in a second kernel and aims at 2 programs per SM (session 4: 0.0157 vs 0.0163 ms at 3 programs per
+    SM, whose 448 programs overran one wave; scripts/bench_results/gemm_h100_session4.txt) and fp4 aims at one
+    program per SM."""
     bt = 16 if rows_per_weight <= 16 else (32 if rows_per_weight <= 32 else 64)
     cfg = dict(bw=64, bt=bt, bk=128, warps=4, stages=3 if fmt == "fp8_block" else 4, ctas=3, regs=0, fixup=1, xsplit=0)
     if grouped:
@@ -72,7 +74,7 @@ def _config(fmt: str, rows_per_weight: float, grouped: bool) -> dict:
     elif bt <= 32:
         cfg.update(ctas=2)
     elif fmt == "fp8_block":
-        cfg.update(fixup=0)
+        cfg.update(fixup=0, ctas=2)
     else:
         cfg.update(ctas=1)
     for kv in filter(None, os.environ.get("ATB_CUDA_TC_CFG", "").split(",")):

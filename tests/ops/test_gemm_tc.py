@@ -134,7 +134,8 @@ def test_dispatch_tc(monkeypatch):
     x = torch.zeros(4, 64, dtype=torch.bfloat16)
     s = torch.zeros(8, 2, dtype=torch.uint8)
     monkeypatch.delenv("ATB_CUDA_GEMM", raising=False)  # auto: the measured shape rules
-    assert gemm._path(x, "fp4", s, 64, 64, grouped=False) == "tc"
+    assert gemm._path(x, "fp4", s, 64, 64, grouped=False) == "tcl"  # fp4 linears: gemm_tc_large since session 4
+    assert gemm._path(x, "fp8_block", s, 64, 64, grouped=False) == "tc"
     assert gemm._path(x, "fp8_block", s, 1, 1, grouped=False) == "tc"
     assert gemm._path(x, "fp8_block", s, 65, 65, grouped=False) == "tiled"
     assert gemm._path(x, "fp4", s, 6, 1) == "decode"  # one token x 6 experts
