@@ -75,6 +75,7 @@ def ceilings(dev) -> dict:
 
 
 ROTATE = 8
+FP4_MOE_PATHS = []  # "[gemm=fp4moe]", "[gemm=fp4moe cfg=...]" per --fp4moe-variants entry, "[gemm=auto]"
 GEMM_PATHS = ["[gemm=tiled]", "[gemm=decode]", "[gemm=tc]"]  # + "[gemm=decode cfg=...]" per --decode-variants
 # entry and "[gemm=tc cfg=...]" per --tc-variants entry
 # tile variants of the attention kernel timed side by side: " [BH,BN,WARPS]" (see atb_ops/cuda/attention.py)
@@ -302,6 +303,8 @@ def cases(dev, quick: bool):
                                      ("fp4", we4, se4, 0.5 + 1 / 32), ("fp4-split", we4, se4, 0.5 + 1 / 32)):
                 byt = int(active * Nw * Kw * bpw) + _nb(x) + rows * Nw * 2
                 paths = [""] if fmt == "dense" else (["[gemm=tiled]"] if fmt == "fp4-split" else list(GEMM_PATHS))
+                if fmt == "fp4":  # the MoE fp4 kernel (gemm_fp4_moe.py) and its variants; "[gemm=auto]": the default
+                    paths += FP4_MOE_PATHS
                 if rows > 1024:  # beyond the decode / tensor-core kernels' MAX_ROWS: the tiled kernel only
                     paths = [p for p in paths if p in ("", "[gemm=tiled]")]
                 for path in paths:
@@ -325,6 +328,9 @@ def main() -> None:
                     help="';'-separated ATB_CUDA_DECODE_CFG settings of the decode GEMM, each timed as its own row")
     ap.add_argument("--tc-variants", default="",
                     help="';'-separated ATB_CUDA_TC_CFG settings of the swap-AB tensor-core GEMM, each its own row")
+    ap.add_argument("--fp4moe-variants", default=None,
+                    help="';'-separated ATB_CUDA_FP4_MOE_CFG settings of the fp4 MoE GEMM, each its own row ('' = "
+                         "its defaults); given: fp4 grouped cases also get a '[gemm=auto]' row (the default path)")
     ap.add_argument("--gemm-paths", default=None,
                     help="','-separated subset of the GEMM paths to time (tiled,decode,tc); default all")
     ap.add_argument("--attn-variants", default=None,
@@ -337,6 +343,9 @@ def main() -> None:
         ATTN_VARIANTS[:] = [f" [{v}]" if v else "" for v in a.attn_variants.split(";")]
     GEMM_PATHS.extend(f"[gemm=decode cfg={v}]" for v in filter(None, a.decode_variants.split(";")))
     GEMM_PATHS.extend(f"[gemm=tc cfg={v}]" for v in filter(None, a.tc_variants.split(";")))
+    if a.fp4moe_variants is not None:
+        FP4_MOE_PATHS.extend(f"[gemm=fp4moe cfg={v}]" if v else "[gemm=fp4moe]" for v in a.fp4moe_variants.split(";"))
+        FP4_MOE_PATHS.append("[gemm=auto]")
     dev = torch.device("cuda")
     name = torch.cuda.get_device_name(dev)
     ceil = ceilings(dev)
@@ -354,8 +363,10 @@ def main() -> None:
         gm = re.search(r"\[gemm=(\w+)(?: bm=(\d+))?(?: cfg=([^\]]+))?\]", case_name)
         os.environ["ATB_CUDA_GEMM"] = gm.group(1) if gm else "auto"
         tc_cfg = gm and gm.group(1) == "tc" and gm.group(3)
+        moe_cfg = gm and gm.group(1) == "fp4moe" and gm.group(3)
         for var, val in (("ATB_CUDA_DECODE_BM", gm and gm.group(2)),
-                         ("ATB_CUDA_DECODE_CFG", gm and not tc_cfg and gm.group(3)), ("ATB_CUDA_TC_CFG", tc_cfg)):
+                         ("ATB_CUDA_DECODE_CFG", gm and not tc_cfg and not moe_cfg and gm.group(3)),
+                         ("ATB_CUDA_TC_CFG", tc_cfg), ("ATB_CUDA_FP4_MOE_CFG", moe_cfg)):
             if val:
                 os.environ[var] = val
             else:

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .._registry import register
-from . import gemm_decode, gemm_tc
+from . import gemm_decode, gemm_fp4_moe, gemm_tc
 from .routing import stable_order
 from ._util import INTERPRET, dot_precision, mma, pow2, tl_dtype
 
@@ -51,15 +51,24 @@ TC_LINEAR_ROWS = 64
 TC_GROUPED_MIN_ROWS = 17
 TC_GROUPED_MAX_ROWS = 384
 
+# fp4 grouped (MoE) calls of up to this many rows go to gemm_fp4_moe.py unless ATB_CUDA_FP4_MOE=old (measured on
+# the H100: scripts/bench_results/fp4_moe_h100_session4.txt)
+FP4_MOE_MAX_ROWS = 384
+
 
 def _path(x: torch.Tensor, fmt: str, w_scale, rows: int, rows_per_weight: float, grouped: bool = True) -> str:
-    """Which kernel serves this fp4 / fp8_block call: "tc" | "decode" | "tiled" (ATB_CUDA_GEMM = auto | tc |
-    decode | tiled; a forced path that does not apply to the call falls back to the tiled kernel)."""
+    """Which kernel serves this fp4 / fp8_block call: "fp4moe" | "tc" | "decode" | "tiled" (ATB_CUDA_GEMM = auto |
+    fp4moe | tc | decode | tiled; a forced path that does not apply to the call falls back to the tiled kernel)."""
     mode = os.environ.get("ATB_CUDA_GEMM", "auto")
     if mode == "tiled" or not gemm_decode.eligible(x, fmt, w_scale, rows):
         return "tiled"
+    moe = grouped and gemm_fp4_moe.eligible(x, fmt, w_scale, rows)
+    if mode == "fp4moe":
+        return "fp4moe" if moe else "tiled"
     if mode in ("tc", "decode"):
         return mode
+    if moe and rows <= FP4_MOE_MAX_ROWS and os.environ.get("ATB_CUDA_FP4_MOE", "new") != "old":
+        return "fp4moe"
     if grouped:
         if TC_GROUPED_MIN_ROWS <= rows <= TC_GROUPED_MAX_ROWS and rows_per_weight <= 16:
             return "tc"
@@ -279,6 +288,8 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor, w
     _check(fmt, k)
     n_exp, n = w.shape[0], w.shape[1]
     path = _path(x, fmt, w_scale, m, m / max(1, min(n_exp, m)))
+    if path == "fp4moe":
+        return gemm_fp4_moe.grouped_matmul(x, w, expert_ids, w_scale, fmt)
     if path == "tc":
         return gemm_tc.grouped_matmul(x, w, expert_ids, w_scale, fmt)
     if path == "decode":

@@ -1,0 +1,203 @@
+"""MoE decode: grouped expert matmul over FP4 experts, swap-AB on the Hopper tensor cores (few rows per expert).
+
+out[m, :] = x[m, :] @ W[e(m)]^T for bfloat16 x [M, K] over DeepSeek-V4's FP4 experts: W int8 [E, N, K/2] (element
+2c in the low nibble of byte c, an e2m1 code: sign, 2 exponent bits, 1 mantissa bit) with E8M0 scales uint8
+[E, N, K/32]: W[n, k] = e2m1(code) * 2^(s[n, k // 32] - 127), exactly as ``quant.fp4.dequant_fp4``.
+
+The kernel is :mod:`.gemm_tc`'s fp4 grouped path (weight rows as the wgmma M side, the few tokens of an expert as
+its N side; int16 words of 4 codes copied to shared memory by cp.async and decoded in the A-operand registers by
+:data:`.gemm_tc.FP4X4_PTX`; the activations pre-split into their 4 column phases x[:, 4h + i]; split-K with an
+ordered fix-up), changed where its compiled code showed it waiting rather than issuing: with one accumulator,
+Triton makes every wgmma of a K step wait for the one before it (``wgmma.wait_group 0`` after each of the 4 column
+phases: the decode of the next step cannot overlap the tensor cores); with ``NACC = 4`` accumulators, one per
+column phase, added at the end in a fixed order, the wgmmas stay asynchronous (``wait_group 7``) and overlap the
+next step's loads and decode. ``scripts/fp4_moe_sass.py`` prints the main loop's instruction mix per variant.
+
+Products are exact (bfloat16 x bfloat16 into float32), so results differ from the reference op (float32
+dequantised weight, float32 matmul) only in summation order. Rows: as in :mod:`.gemm_decode`, program slot j takes
+the j-th active expert (increasing id) and gathers its rows from ``expert_ids``; the slot after the last active
+expert writes zeros to rows whose id lies outside [0, E).
+
+``ATB_CUDA_FP4_MOE`` = ``new`` | ``old`` (old: :mod:`.gemm_tc` / :mod:`.gemm_decode` as before) selects the path in
+:mod:`.gemm`; ``ATB_CUDA_FP4_MOE_CFG="nacc=4,stages=3,regs=128,ctas=3"`` overrides tunables (benchmarks).
+Under TRITON_INTERPRET the weights are decoded by plain Triton arithmetic (same values) and the dots run on float32
+copies of the operands.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from . import gemm_decode as gd
+from . import gemm_tc as tc
+from ._util import INTERPRET
+
+MAX_ROWS = 1024  # rows of one call (rows are gathered in-kernel)
+
+@triton.jit
+def _mma(q, x, acc, ASM: tl.constexpr):
+    if ASM:
+        acc = tl.dot(q, x, acc)
+    else:  # float32 operands under the interpreter (exact for bfloat16 values)
+        acc = tl.dot(q.to(tl.float32), x.to(tl.float32), acc, input_precision="ieee")
+    return acc
+
+
+@triton.jit
+def _moe_fp4_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, ctr_ptr, ids_ptr, act_ptr,
+                    M, N, K, E, stride_we, stride_se, k_split, n_slots, n_split, max_pass,
+                    ASM: tl.constexpr, MUL1: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+                    EP: tl.constexpr, MP: tl.constexpr, FIXUP: tl.constexpr, NACC: tl.constexpr,
+                    BW: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+    """Program (weight tile pid_n of BW rows, expert slot, K split). x: [4, M, K/4] (column phases), w: int16 words
+    [E, N, K/4], s: uint8 [E, N, K/32]; out bfloat16 [M, N]; part float32 [n_split, M, N] (split-K partials)."""
+    pid_n = tl.program_id(0)
+    slot = tl.program_id(1)
+    split = tl.program_id(2)
+    sel, cnt, pos, e, n_act = gd.expert_slot(ids_ptr, act_ptr, M, E, n_slots, slot, MP, EP)
+    m_all = tl.arange(0, MP)
+    n = pid_n * BW + tl.arange(0, BW)
+    nm = n < N
+    w_base = w_ptr + e * stride_we
+    s_base = s_ptr + e * stride_se
+    k_end = K // 4  # int16 words (4 codes) per weight row = activation quads per row
+    KS: tl.constexpr = BK // 4  # words per K step
+    G: tl.constexpr = BK // 32  # scale groups per K step
+    k_lo = split * k_split
+    k_hi = tl.minimum(k_lo + k_split, k_end)
+    k_hi = tl.where(slot >= n_act, k_lo, k_hi)  # rows with an id outside [0, E): zeros
+    c = tl.arange(0, KS)
+    part_base = part_ptr + split.to(tl.int64) * M * N
+    ctr_base = ctr_ptr + (pid_n * tl.num_programs(1) + slot) * max_pass
+    for r0 in range(0, cnt, BT):
+        r = r0 + tl.arange(0, BT)
+        rm = r < cnt
+        hit = (pos[None, :] == r[:, None]) & sel[None, :]
+        rows64 = tl.sum(tl.where(hit, m_all[None, :], 0), 1).to(tl.int64)
+        acc = tl.zeros((BW, BT), tl.float32)
+        if NACC == 4:
+            acc1 = tl.zeros((BW, BT), tl.float32)
+            acc2 = tl.zeros((BW, BT), tl.float32)
+            acc3 = tl.zeros((BW, BT), tl.float32)
+        g = tl.arange(0, G)
+        s_ptrs = s_base + n[:, None].to(tl.int64) * (K // 32) + k_lo // 8 + g[None, :]
+        sc_next = tl.load(s_ptrs, mask=nm[:, None] & ((k_lo // 8 + g) * 8 < k_hi)[None, :], other=127)
+        for k0 in range(k_lo, k_hi, KS):
+            k0 = tl.multiple_of(k0, KS)
+            kk = k0 + c
+            km = kk < k_end
+            wm = nm[:, None] & km[None, :]
+            xm = km[:, None] & rm[None, :]
+            sc = sc_next  # this step's scales; the next step's are loaded one step ahead
+            s_ptrs += G
+            sc_next = tl.load(s_ptrs, mask=nm[:, None] & (((k0 + KS) // 8 + g) * 8 < k_hi)[None, :], other=127)
+            b = gd._ld(w_base + n[:, None].to(tl.int64) * k_end + kk[None, :], wm, 0, not (EVEN_K and EVEN_N))
+            s16 = tl.reshape(tl.broadcast_to(gd._scale_bf16(sc, MUL1)[:, :, None], (BW, G, 8)), (BW, KS))
+            q0, q1, q2, q3 = tc._fp4x4_decode(b, s16, ASM, MUL1)
+            xp = x_ptr + rows64[None, :] * k_end + kk[:, None]
+            x0 = tl.load(xp, mask=xm, other=0.0)
+            x1 = tl.load(xp + M * k_end, mask=xm, other=0.0)
+            x2 = tl.load(xp + 2 * M * k_end, mask=xm, other=0.0)
+            x3 = tl.load(xp + 3 * M * k_end, mask=xm, other=0.0)
+            if NACC == 4:
+                acc = _mma(q0, x0, acc, ASM)
+                acc1 = _mma(q1, x1, acc1, ASM)
+                acc2 = _mma(q2, x2, acc2, ASM)
+                acc3 = _mma(q3, x3, acc3, ASM)
+            else:
+                acc = _mma(q0, x0, acc, ASM)
+                acc = _mma(q1, x1, acc, ASM)
+                acc = _mma(q2, x2, acc, ASM)
+                acc = _mma(q3, x3, acc, ASM)
+        if NACC == 4:
+            acc = (acc + acc1) + (acc2 + acc3)
+        o_off = rows64[None, :] * N + n[:, None]
+        om = nm[:, None] & rm[None, :]
+        if FIXUP:
+            # split-K: partial sums to part[split]; the program that arrives last at this tile and pass adds them in
+            # split order (deterministic) and writes out; its counter is reset for the next launch
+            tl.store(part_base + o_off, acc, mask=om)
+            tl.debug_barrier()
+            ctr = ctr_base + r0 // BT
+            old = tl.atomic_add(ctr, 1, sem="acq_rel")
+            if old == n_split - 1:
+                tot = tl.zeros((BW, BT), tl.float32)
+                for sp in range(0, n_split):
+                    tot += tl.load(part_ptr + sp * M * N + o_off, mask=om, other=0.0, cache_modifier=".cg")
+                tl.store(out_ptr + o_off, tot.to(out_ptr.dtype.element_ty), mask=om)
+                tl.atomic_xchg(ctr, 0)
+        else:  # one split: the output itself (part_ptr = out_ptr); else float32 partials for _sum_splits_kernel
+            tl.store(part_base + o_off, acc.to(part_ptr.dtype.element_ty), mask=om)
+
+
+def _config(rows_per_weight: float) -> dict:
+    """Tunables: BW weight rows (wgmma M), BT rows per pass (wgmma N), BK codes per K step, pipeline stages,
+    programs per SM aimed at by split-K (ctas), register cap (regs; 0 = none), accumulators (nacc: 4, one per
+    column phase, or 1). ATB_CUDA_FP4_MOE_CFG="k=v,..." overrides (benchmarks)."""
+    bt = 16 if rows_per_weight <= 16 else (32 if rows_per_weight <= 32 else 64)
+    cfg = dict(bw=64, bt=bt, bk=128, stages=3, ctas=3, regs=128 if bt == 16 else 0, nacc=4)
+    for kv in filter(None, os.environ.get("ATB_CUDA_FP4_MOE_CFG", "").split(",")):
+        key, val = kv.split("=")
+        cfg[key.strip()] = int(val)
+    return cfg
+
+
+def eligible(x: torch.Tensor, fmt: str, w_scale: torch.Tensor | None, rows: int) -> bool:
+    """bfloat16 activations, fp4 weights with E8M0 scales, 1..MAX_ROWS rows, K a multiple of 128 (one step)."""
+    return (fmt == "fp4" and gd.eligible(x, fmt, w_scale, rows) and rows <= MAX_ROWS and x.shape[-1] % 128 == 0)
+
+
+def grouped_matmul(x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor, w_scale: torch.Tensor,
+                   fmt: str = "fp4") -> torch.Tensor:
+    """out[m] = x[m] @ W[expert_ids[m]]^T for bfloat16 x [M <= MAX_ROWS, K] over fp4 experts w [E, N, K/2] with
+    E8M0 scales [E, N, K/32]; returns bfloat16 [M, N]. Rows with an id outside [0, E) come out as zeros."""
+    m, k = x.shape
+    n_exp, n = w.shape[0], w.shape[1]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if n == 0 or m == 0:
+        return out
+    n_slots = max(1, min(n_exp, m))
+    ids = expert_ids.contiguous()
+    mp = triton.next_power_of_2(m)
+    ep = triton.next_power_of_2(n_exp)
+    if mp * ep <= gd.FUSED_ACTIVE:  # each program lists the active experts itself
+        act, ep_arg = ids, ep
+    else:
+        act, ep_arg = torch.empty(n_slots + 1, dtype=torch.int32, device=x.device), 0
+        gd._active_experts_kernel[(1,)](ids, act, m, n_exp, n_slots, MP=mp, EB=max(1, min(32, 8192 // mp)),
+                                        num_warps=8)
+    cfg = _config(m / n_slots)
+    bw, bt, bk = cfg["bw"], cfg["bt"], cfg["bk"]
+    ks = bk // 4
+    k_end = k // 4
+    k_steps = triton.cdiv(k_end, ks)
+    n_tiles = triton.cdiv(n, bw)
+    slots = n_slots + 1
+    split = tc._splits(n_tiles * n_slots, k_steps, x.device, cfg["ctas"])
+    k_split = triton.cdiv(k_steps, split) * ks
+    split = triton.cdiv(k_end, k_split)
+    xk = x.contiguous().view(m, k // 4, 4).permute(2, 0, 1).contiguous()  # [4, M, K/4]: column phases
+    wc = w.contiguous().view(torch.int16)
+    s = w_scale.contiguous().view(torch.uint8)
+    dst = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+    max_pass = triton.cdiv(m, bt)
+    ctr = tc._counters(x.device) if split > 1 and n_tiles * slots * max_pass <= tc.CTR_SIZE else None
+    if split > 1 and ctr is None:  # no counters (first call under graph capture): partial sums by a second kernel
+        ctr, fixup = xk, False
+    else:
+        fixup = split > 1
+        ctr = xk if ctr is None else ctr
+    mul1 = gd.small_scales(w_scale)
+    _moe_fp4_kernel[(n_tiles, slots, split)](
+        xk, wc, s, out, dst, ctr, ids, act, m, n, k, n_exp, wc.stride(0), s.stride(0), k_split, n_slots, split,
+        max_pass, ASM=not INTERPRET, MUL1=mul1, EVEN_K=k_end % ks == 0, EVEN_N=n % bw == 0, EP=ep_arg, MP=mp,
+        FIXUP=fixup, NACC=cfg["nacc"], BW=bw, BT=bt, BK=bk, num_warps=4,
+        num_stages=cfg["stages"], **({"maxnreg": cfg["regs"]} if cfg["regs"] and not INTERPRET else {}))
+    if split > 1 and not fixup:
+        total = m * n
+        gd._sum_splits_kernel[(triton.cdiv(total, 1024),)](dst, out, total, split, BLOCK=1024, num_warps=4)
+    return out
