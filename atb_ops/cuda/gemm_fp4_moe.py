@@ -49,12 +49,14 @@ def _mma(q, x, acc, ASM: tl.constexpr):
 
 @triton.jit
 def _moe_fp4_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, ctr_ptr, ids_ptr, act_ptr,
-                    M, N, K, E, stride_we, stride_se, k_split, n_slots, n_split, max_pass,
+                    M, N, K, KW, E, stride_we, stride_se, k_split, n_slots, n_split, max_pass,
                     ASM: tl.constexpr, MUL1: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
                     EP: tl.constexpr, MP: tl.constexpr, FIXUP: tl.constexpr, NACC: tl.constexpr,
                     BW: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
     """Program (weight tile pid_n of BW rows, expert slot, K split). x: [4, M, K/4] (column phases), w: int16 words
-    [E, N, K/4], s: uint8 [E, N, K/32]; out bfloat16 [M, N]; part float32 [n_split, M, N] (split-K partials)."""
+    [E, N, K/4], s: uint8 [E, N, K/32]; out bfloat16 [M, N]; part float32 [n_split, M, N] (split-K partials).
+    (KW = K / 4 is not used for addressing: with its divisibility by 16 visible, Triton copies 16-byte vectors but
+    then decodes in a layout it must convert through shared memory after the decode, 4x the bytes; seen in SASS.)"""
     pid_n = tl.program_id(0)
     slot = tl.program_id(1)
     split = tl.program_id(2)
@@ -135,11 +137,11 @@ def _moe_fp4_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, ctr_ptr, ids_ptr, ac
 
 
 def _config(rows_per_weight: float) -> dict:
-    """Tunables: BW weight rows (wgmma M), BT rows per pass (wgmma N), BK codes per K step, pipeline stages,
+    """Tunables: BW weight rows (wgmma M), BT rows per pass (wgmma N), BK codes per K step, warps, pipeline stages,
     programs per SM aimed at by split-K (ctas), register cap (regs; 0 = none), accumulators (nacc: 4, one per
     column phase, or 1). ATB_CUDA_FP4_MOE_CFG="k=v,..." overrides (benchmarks)."""
     bt = 16 if rows_per_weight <= 16 else (32 if rows_per_weight <= 32 else 64)
-    cfg = dict(bw=64, bt=bt, bk=128, stages=3, ctas=3, regs=128 if bt == 16 else 0, nacc=4)
+    cfg = dict(bw=64, bt=bt, bk=128, warps=4, stages=3, ctas=3, regs=128 if bt == 16 else 0, nacc=4)
     for kv in filter(None, os.environ.get("ATB_CUDA_FP4_MOE_CFG", "").split(",")):
         key, val = kv.split("=")
         cfg[key.strip()] = int(val)
@@ -193,9 +195,9 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor, w
         ctr = xk if ctr is None else ctr
     mul1 = gd.small_scales(w_scale)
     _moe_fp4_kernel[(n_tiles, slots, split)](
-        xk, wc, s, out, dst, ctr, ids, act, m, n, k, n_exp, wc.stride(0), s.stride(0), k_split, n_slots, split,
+        xk, wc, s, out, dst, ctr, ids, act, m, n, k, k_end, n_exp, wc.stride(0), s.stride(0), k_split, n_slots, split,
         max_pass, ASM=not INTERPRET, MUL1=mul1, EVEN_K=k_end % ks == 0, EVEN_N=n % bw == 0, EP=ep_arg, MP=mp,
-        FIXUP=fixup, NACC=cfg["nacc"], BW=bw, BT=bt, BK=bk, num_warps=4,
+        FIXUP=fixup, NACC=cfg["nacc"], BW=bw, BT=bt, BK=bk, num_warps=cfg["warps"],
         num_stages=cfg["stages"], **({"maxnreg": cfg["regs"]} if cfg["regs"] and not INTERPRET else {}))
     if split > 1 and not fixup:
         total = m * n
