@@ -25,14 +25,15 @@ from atb_ops.cuda import gemm_fp4_moe as fm  # noqa: E402
 
 
 def compile_variant(cfg: dict):
-    names = ("x_ptr w_ptr s_ptr out_ptr part_ptr ctr_ptr ids_ptr act_ptr M N K KW E stride_we stride_se k_split "
-             "n_slots n_split max_pass").split()
-    types = ["*bf16", "*i16", "*u8", "*bf16", "*fp32", "*i32", "*i64", "*i64"] + ["i32"] * 11
+    names = ("x_ptr w_ptr s_ptr out_ptr part_ptr ctr_ptr ids_ptr act_ptr M N K E stride_we stride_se k_split "
+             "n_slots n_split max_pass max_chunks overhead").split()
+    types = ["*bf16", "*i16", "*u8", "*bf16", "*fp32", "*i32", "*i64", "*i64"] + ["i32"] * 12
     sig = dict(zip(names, types))
-    cx = dict(ASM=True, MUL1=bool(cfg.get("mul1", 1)), EVEN_K=True, EVEN_N=True, EP=64, MP=64, FIXUP=True,
+    cx = dict(ASM=True, MUL1=bool(cfg.get("mul1", 1)), EVEN_K=True, EVEN_N=True, EP=64, MP=64,
+              PERSIST=bool(cfg["persist"]),
               NACC=cfg["nacc"], BW=cfg["bw"], BT=cfg["bt"], BK=cfg["bk"])
     sig.update({k: "constexpr" for k in cx})
-    div = [0, 1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 12, 13, 14, 15]  # pointers, N, K, KW, E, strides, k_split
+    div = [0, 1, 2, 3, 4, 5, 6, 7, 9, 10, 11, 12, 13, 14]  # pointers, N, K, E, strides, k_split: multiples of 16
     attrs = {(i,): [["tt.divisibility", 16]] for i in div}
     opts = {"num_warps": cfg["warps"], "num_stages": cfg["stages"]}
     if cfg["regs"]:

@@ -34,7 +34,7 @@ import triton.language as tl
 
 from . import gemm_decode as gd
 from . import gemm_tc as tc
-from ._util import INTERPRET
+from ._util import INTERPRET, sm_count
 
 MAX_ROWS = 1024  # rows of one call (rows are gathered in-kernel)
 
@@ -48,18 +48,13 @@ def _mma(q, x, acc, ASM: tl.constexpr):
 
 
 @triton.jit
-def _moe_fp4_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, ctr_ptr, ids_ptr, act_ptr,
-                    M, N, K, KW, E, stride_we, stride_se, k_split, n_slots, n_split, max_pass,
-                    ASM: tl.constexpr, MUL1: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                    EP: tl.constexpr, MP: tl.constexpr, FIXUP: tl.constexpr, NACC: tl.constexpr,
-                    BW: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
-    """Program (weight tile pid_n of BW rows, expert slot, K split). x: [4, M, K/4] (column phases), w: int16 words
-    [E, N, K/4], s: uint8 [E, N, K/32]; out bfloat16 [M, N]; part float32 [n_split, M, N] (split-K partials).
-    (KW = K / 4 is not used for addressing: with its divisibility by 16 visible, Triton copies 16-byte vectors but
-    then decodes in a layout it must convert through shared memory after the decode, 4x the bytes; seen in SASS.)"""
-    pid_n = tl.program_id(0)
-    slot = tl.program_id(1)
-    split = tl.program_id(2)
+def _unit(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, ctr_ptr, ids_ptr, act_ptr, M, N, K, E, stride_we, stride_se,
+          n_slots, max_pass, slot, pid_n, split, k_split, n_split,
+          ASM: tl.constexpr, MUL1: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, EP: tl.constexpr,
+          MP: tl.constexpr, NACC: tl.constexpr, BW: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+    """One unit of work: weight tile pid_n (BW rows) of expert slot ``slot``, K words [split * k_split, +k_split),
+    for all the slot's rows (BT per pass). n_split > 1: float32 partial sums to part[split], added in split order by
+    the unit that arrives last at the tile (an arrival counter per tile and pass, reset by that unit)."""
     sel, cnt, pos, e, n_act = gd.expert_slot(ids_ptr, act_ptr, M, E, n_slots, slot, MP, EP)
     m_all = tl.arange(0, MP)
     n = pid_n * BW + tl.arange(0, BW)
@@ -73,8 +68,8 @@ def _moe_fp4_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, ctr_ptr, ids_ptr, ac
     k_hi = tl.minimum(k_lo + k_split, k_end)
     k_hi = tl.where(slot >= n_act, k_lo, k_hi)  # rows with an id outside [0, E): zeros
     c = tl.arange(0, KS)
-    part_base = part_ptr + split.to(tl.int64) * M * N
-    ctr_base = ctr_ptr + (pid_n * tl.num_programs(1) + slot) * max_pass
+    part_base = part_ptr + split * M * N  # < PART_BYTES / 4 elements: int32 offsets
+    ctr_base = ctr_ptr + (pid_n * (n_slots + 1) + slot) * max_pass
     for r0 in range(0, cnt, BT):
         r = r0 + tl.arange(0, BT)
         rm = r < cnt
@@ -119,9 +114,7 @@ def _moe_fp4_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, ctr_ptr, ids_ptr, ac
             acc = (acc + acc1) + (acc2 + acc3)
         o_off = rows64[None, :] * N + n[:, None]
         om = nm[:, None] & rm[None, :]
-        if FIXUP:
-            # split-K: partial sums to part[split]; the program that arrives last at this tile and pass adds them in
-            # split order (deterministic) and writes out; its counter is reset for the next launch
+        if n_split > 1:
             tl.store(part_base + o_off, acc, mask=om)
             tl.debug_barrier()
             ctr = ctr_base + r0 // BT
@@ -132,20 +125,81 @@ def _moe_fp4_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, ctr_ptr, ids_ptr, ac
                     tot += tl.load(part_ptr + sp * M * N + o_off, mask=om, other=0.0, cache_modifier=".cg")
                 tl.store(out_ptr + o_off, tot.to(out_ptr.dtype.element_ty), mask=om)
                 tl.atomic_xchg(ctr, 0)
-        else:  # one split: the output itself (part_ptr = out_ptr); else float32 partials for _sum_splits_kernel
-            tl.store(part_base + o_off, acc.to(part_ptr.dtype.element_ty), mask=om)
+        else:
+            tl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=om)
+
+
+@triton.jit
+def _moe_fp4_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, ctr_ptr, ids_ptr, act_ptr,
+                    M, N, K, E, stride_we, stride_se, k_split, n_slots, n_split, max_pass, max_chunks, overhead,
+                    ASM: tl.constexpr, MUL1: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+                    EP: tl.constexpr, MP: tl.constexpr, PERSIST: tl.constexpr, NACC: tl.constexpr,
+                    BW: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+    """x: [4, M, K/4] (column phases), w: int16 words [E, N, K/4], s: uint8 [E, N, K/32]; out bfloat16 [M, N];
+    part float32 [n_split or max_chunks, M, N] (split-K partials).
+
+    PERSIST = 0: one unit per program (grid: weight tiles x expert slots + 1 x n_split K splits of k_split words).
+    PERSIST = 1: a fixed grid of P programs (as many as fit on the GPU at once) takes the units u = pid, pid + P, ...
+    of a list that every program derives alike from the number of active experts A (read on the device): A x
+    n_tiles weight tiles, each cut into `chunks` K ranges (chosen here, <= max_chunks, minimising
+    ceil(units / P) * (K steps per unit + overhead)), in (slot, tile, chunk) order, then n_tiles units of the slot
+    after the last active expert (rows with ids outside [0, E): zeros). Every unit is the same work whichever
+    program runs it, and split sums are added in chunk order: results do not depend on the schedule."""
+    KS: tl.constexpr = BK // 4
+    if PERSIST:
+        pid = tl.program_id(0)
+        P = tl.num_programs(0)
+        n_tiles = tl.cdiv(N, BW)
+        _, _, _, _, n_act = gd.expert_slot(ids_ptr, act_ptr, M, E, n_slots, 0, MP, EP)
+        k_steps = tl.cdiv(K // 4, KS)
+        tiles = n_act * n_tiles
+        chunks = 1
+        best = tl.cdiv(tiles + n_tiles, P) * (k_steps + overhead)
+        for cc in range(2, max_chunks + 1):
+            steps = tl.cdiv(k_steps, cc)
+            cost = tl.cdiv(tiles * tl.cdiv(k_steps, steps) + n_tiles, P) * (steps + overhead)
+            chunks = tl.where(cost < best, cc, chunks)
+            best = tl.minimum(cost, best)
+        steps = tl.cdiv(k_steps, chunks)
+        chunks = tl.cdiv(k_steps, steps)
+        per_slot = n_tiles * chunks
+        n_main = tiles * chunks
+        for u in range(pid, n_main + n_tiles, P):
+            if u < n_main:
+                slot = u // per_slot
+                pid_n = (u % per_slot) // chunks
+                split = u % chunks
+                _unit(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, ctr_ptr, ids_ptr, act_ptr, M, N, K, E, stride_we,
+                      stride_se, n_slots, max_pass, slot, pid_n, split, steps * KS, chunks,
+                      ASM, MUL1, EVEN_K, EVEN_N, EP, MP, NACC, BW, BT, BK)
+            else:
+                _unit(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, ctr_ptr, ids_ptr, act_ptr, M, N, K, E, stride_we,
+                      stride_se, n_slots, max_pass, n_act, u - n_main, 0, steps * KS, 1,
+                      ASM, MUL1, EVEN_K, EVEN_N, EP, MP, NACC, BW, BT, BK)
+    else:
+        _unit(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, ctr_ptr, ids_ptr, act_ptr, M, N, K, E, stride_we, stride_se,
+              n_slots, max_pass, tl.program_id(1), tl.program_id(0), tl.program_id(2), k_split, n_split,
+              ASM, MUL1, EVEN_K, EVEN_N, EP, MP, NACC, BW, BT, BK)
 
 
 def _config(rows_per_weight: float) -> dict:
     """Tunables: BW weight rows (wgmma M), BT rows per pass (wgmma N), BK codes per K step, warps, pipeline stages,
-    programs per SM aimed at by split-K (ctas), register cap (regs; 0 = none), accumulators (nacc: 4, one per
-    column phase, or 1). ATB_CUDA_FP4_MOE_CFG="k=v,..." overrides (benchmarks)."""
+    register cap (regs; 0 = none), accumulators (nacc: 4, one per column phase, or 1), the schedule (persist=1: a
+    fixed grid of pctas programs per SM taking balanced units, up to maxc K chunks per weight tile, ov = per-unit
+    overhead in K steps for the choice of chunks; persist=0: one program per tile and K split, split-K aiming at
+    ctas programs per SM, as gemm_tc). ATB_CUDA_FP4_MOE_CFG="k=v,..." overrides (benchmarks)."""
     bt = 16 if rows_per_weight <= 16 else (32 if rows_per_weight <= 32 else 64)
-    cfg = dict(bw=64, bt=bt, bk=128, warps=4, stages=3, ctas=3, regs=128 if bt == 16 else 0, nacc=4)
+    cfg = dict(bw=64, bt=bt, bk=128, warps=4, stages=3, ctas=3, regs=128 if bt == 16 else 0, nacc=4, persist=1,
+               pctas=0, maxc=8, ov=2)
     for kv in filter(None, os.environ.get("ATB_CUDA_FP4_MOE_CFG", "").split(",")):
         key, val = kv.split("=")
         cfg[key.strip()] = int(val)
+    if not cfg["pctas"]:  # programs that fit on one SM at once (65536 registers, 128 threads each)
+        cfg["pctas"] = max(1, min(4, 65536 // (128 * (cfg["regs"] or 255))))
     return cfg
+
+
+PART_BYTES = 32 << 20  # largest float32 split-K partial buffer (chunks x M x N) the persistent schedule may use
 
 
 def eligible(x: torch.Tensor, fmt: str, w_scale: torch.Tensor | None, rows: int) -> bool:
@@ -179,27 +233,29 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor, w
     k_steps = triton.cdiv(k_end, ks)
     n_tiles = triton.cdiv(n, bw)
     slots = n_slots + 1
-    split = tc._splits(n_tiles * n_slots, k_steps, x.device, cfg["ctas"])
-    k_split = triton.cdiv(k_steps, split) * ks
-    split = triton.cdiv(k_end, k_split)
+    max_pass = triton.cdiv(m, bt)
+    # split-K arrival counters (absent only under graph capture before the first eager call: no split then)
+    ctr = tc._counters(x.device) if n_tiles * slots * max_pass <= tc.CTR_SIZE else None
+    if cfg["persist"]:
+        split, k_split = 1, k_end
+        max_chunks = 1 if ctr is None else max(1, min(cfg["maxc"], k_steps // 2, PART_BYTES // (4 * m * n)))
+        grid = (cfg["pctas"] * sm_count(x.device),)
+        part = torch.empty(max_chunks, m, n, dtype=torch.float32, device=x.device) if max_chunks > 1 else out
+    else:
+        split = tc._splits(n_tiles * n_slots, k_steps, x.device, cfg["ctas"]) if ctr is not None else 1
+        k_split = triton.cdiv(k_steps, split) * ks
+        split = triton.cdiv(k_end, k_split)
+        max_chunks = 1
+        grid = (n_tiles, slots, split)
+        part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     xk = x.contiguous().view(m, k // 4, 4).permute(2, 0, 1).contiguous()  # [4, M, K/4]: column phases
     wc = w.contiguous().view(torch.int16)
     s = w_scale.contiguous().view(torch.uint8)
-    dst = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-    max_pass = triton.cdiv(m, bt)
-    ctr = tc._counters(x.device) if split > 1 and n_tiles * slots * max_pass <= tc.CTR_SIZE else None
-    if split > 1 and ctr is None:  # no counters (first call under graph capture): partial sums by a second kernel
-        ctr, fixup = xk, False
-    else:
-        fixup = split > 1
-        ctr = xk if ctr is None else ctr
     mul1 = gd.small_scales(w_scale)
-    _moe_fp4_kernel[(n_tiles, slots, split)](
-        xk, wc, s, out, dst, ctr, ids, act, m, n, k, k_end, n_exp, wc.stride(0), s.stride(0), k_split, n_slots, split,
-        max_pass, ASM=not INTERPRET, MUL1=mul1, EVEN_K=k_end % ks == 0, EVEN_N=n % bw == 0, EP=ep_arg, MP=mp,
-        FIXUP=fixup, NACC=cfg["nacc"], BW=bw, BT=bt, BK=bk, num_warps=cfg["warps"],
-        num_stages=cfg["stages"], **({"maxnreg": cfg["regs"]} if cfg["regs"] and not INTERPRET else {}))
-    if split > 1 and not fixup:
-        total = m * n
-        gd._sum_splits_kernel[(triton.cdiv(total, 1024),)](dst, out, total, split, BLOCK=1024, num_warps=4)
+    _moe_fp4_kernel[grid](
+        xk, wc, s, out, part, xk if ctr is None else ctr, ids, act, m, n, k, n_exp, wc.stride(0), s.stride(0),
+        k_split, n_slots, split, max_pass, max_chunks, cfg["ov"], ASM=not INTERPRET, MUL1=mul1,
+        EVEN_K=k_end % ks == 0, EVEN_N=n % bw == 0, EP=ep_arg, MP=mp, PERSIST=bool(cfg["persist"]),
+        NACC=cfg["nacc"], BW=bw, BT=bt, BK=bk, num_warps=cfg["warps"], num_stages=cfg["stages"],
+        **({"maxnreg": cfg["regs"]} if cfg["regs"] and not INTERPRET else {}))
     return out

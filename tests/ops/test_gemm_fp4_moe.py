@@ -23,7 +23,7 @@ from test_gemm_decode import _ids, _weights, _weights_on_device, check_close  # 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-CFGS = ["", "nacc=1", "regs=168,stages=4"]
+CFGS = ["", "nacc=1", "persist=0", "persist=0,nacc=1,regs=168,stages=4"]
 
 
 @pytest.mark.parametrize("cfg", CFGS)
@@ -42,14 +42,17 @@ def test_grouped_matmul_fp4_moe(m, cfg, monkeypatch):
     assert float((got.float() - ref.float()).norm() / ref.float().norm()) < 1e-2
 
 
-@pytest.mark.parametrize("fixup", [True, False])  # split-K sums by the last program / by a second kernel
-def test_fp4_moe_split_k_and_passes(fixup, monkeypatch):
-    """Split-K (partials added in split order) with several passes of rows on one expert (a counter per tile and
-    pass), 32 rows per pass, and the active-expert prologue kernel (large M * E)."""
+@pytest.mark.parametrize("persist", [1, 0])
+@pytest.mark.parametrize("counters", [True, False])  # no counters (first call under graph capture): no split
+def test_fp4_moe_split_k_and_passes(persist, counters, monkeypatch):
+    """Split-K (partials added in split order; persist=1: the chunks per weight tile chosen in-kernel, 6 here) with
+    several passes of rows on one expert (a counter per tile and pass), 32 rows per pass, and the active-expert
+    prologue kernel (large M * E)."""
     from atb_ops.cuda import gemm_decode as gd
 
+    monkeypatch.setenv("ATB_CUDA_FP4_MOE_CFG", f"persist={persist}")
     monkeypatch.setattr(tc, "_splits", lambda *a: 3)
-    if not fixup:
+    if not counters:
         monkeypatch.setattr(tc, "_counters", lambda dev: None)
     g = torch.Generator().manual_seed(42)
     e, n, k = 3, 64, 1536
@@ -59,10 +62,10 @@ def test_fp4_moe_split_k_and_passes(fixup, monkeypatch):
     ids[:35] = 2  # three passes of 16 on expert 2
     ids = ids.to(DEV)
     check_close(fm.grouped_matmul(x, w, ids, s, "fp4"), x, w, s, "fp4", ids)
-    if fixup:
+    if counters:
         assert int(tc._counters(x.device).abs().sum()) == 0  # every launch leaves its arrival counters at zero
     monkeypatch.setattr(gd, "FUSED_ACTIVE", 0)
-    monkeypatch.setenv("ATB_CUDA_FP4_MOE_CFG", "bt=32")
+    monkeypatch.setenv("ATB_CUDA_FP4_MOE_CFG", f"persist={persist},bt=32")
     check_close(fm.grouped_matmul(x, w, ids, s, "fp4"), x, w, s, "fp4", ids)
 
 
@@ -127,7 +130,7 @@ def test_dispatch_fp4_moe(monkeypatch):
 
 # ---- DeepSeek-V4 shapes on the GPU ------------------------------------------------------------------------------
 @pytest.mark.cuda
-@pytest.mark.parametrize("cfg", ["", "nacc=1"])
+@pytest.mark.parametrize("cfg", ["", "persist=0"])
 @pytest.mark.parametrize("t", [1, 8, 64])
 def test_grouped_matmul_fp4_moe_real_shapes(t, cfg, monkeypatch):
     monkeypatch.setenv("ATB_CUDA_FP4_MOE_CFG", cfg)
