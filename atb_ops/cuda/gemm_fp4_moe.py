@@ -7,11 +7,16 @@ out[m, :] = x[m, :] @ W[e(m)]^T for bfloat16 x [M, K] over DeepSeek-V4's FP4 exp
 The kernel is :mod:`.gemm_tc`'s fp4 grouped path (weight rows as the wgmma M side, the few tokens of an expert as
 its N side; int16 words of 4 codes copied to shared memory by cp.async and decoded in the A-operand registers by
 :data:`.gemm_tc.FP4X4_PTX`; the activations pre-split into their 4 column phases x[:, 4h + i]; split-K with an
-ordered fix-up), changed where its compiled code showed it waiting rather than issuing: with one accumulator,
-Triton makes every wgmma of a K step wait for the one before it (``wgmma.wait_group 0`` after each of the 4 column
-phases: the decode of the next step cannot overlap the tensor cores); with ``NACC = 4`` accumulators, one per
-column phase, added at the end in a fixed order, the wgmmas stay asynchronous (``wait_group 7``) and overlap the
-next step's loads and decode. ``scripts/fp4_moe_sass.py`` prints the main loop's instruction mix per variant.
+ordered fix-up) under a different schedule. One program per (weight tile, expert, K split) leaves the GPU partly
+idle at decode sizes: 8 tokens x 6 experts touch ~35 experts x 32 tiles = ~1100 programs, 2.1 waves of the 528
+that fit (4 per SM), so the third wave runs ~5 % full; one token gives 192 tiles, under half a wave. Here a fixed
+grid of as many programs as fit at once (``persist=1``) walks a list of equal units -- weight tile x K chunk, the
+number of chunks per tile chosen in the kernel from the number of active experts (read on the device: no host
+synchronisation) to minimise rounds x unit length -- so every SM streams weights until the end.
+
+``NACC = 4`` (one accumulator per column phase, added at the end in a fixed order) keeps the wgmmas asynchronous
+(Triton otherwise waits for each before the next); measured no faster, it is a tunable, off by default.
+``scripts/fp4_moe_sass.py`` prints the main loop's instruction mix, registers and spills per variant.
 
 Products are exact (bfloat16 x bfloat16 into float32), so results differ from the reference op (float32
 dequantised weight, float32 matmul) only in summation order. Rows: as in :mod:`.gemm_decode`, program slot j takes
@@ -19,7 +24,7 @@ the j-th active expert (increasing id) and gathers its rows from ``expert_ids``;
 expert writes zeros to rows whose id lies outside [0, E).
 
 ``ATB_CUDA_FP4_MOE`` = ``new`` | ``old`` (old: :mod:`.gemm_tc` / :mod:`.gemm_decode` as before) selects the path in
-:mod:`.gemm`; ``ATB_CUDA_FP4_MOE_CFG="nacc=4,stages=3,regs=128,ctas=3"`` overrides tunables (benchmarks).
+:mod:`.gemm`; ``ATB_CUDA_FP4_MOE_CFG="persist=0,nacc=4,stages=3,regs=128,ctas=3"`` overrides tunables (benchmarks).
 Under TRITON_INTERPRET the weights are decoded by plain Triton arithmetic (same values) and the dots run on float32
 copies of the operands.
 """
@@ -189,7 +194,7 @@ def _config(rows_per_weight: float) -> dict:
     overhead in K steps for the choice of chunks; persist=0: one program per tile and K split, split-K aiming at
     ctas programs per SM, as gemm_tc). ATB_CUDA_FP4_MOE_CFG="k=v,..." overrides (benchmarks)."""
     bt = 16 if rows_per_weight <= 16 else (32 if rows_per_weight <= 32 else 64)
-    cfg = dict(bw=64, bt=bt, bk=128, warps=4, stages=3, ctas=3, regs=128 if bt == 16 else 0, nacc=4, persist=1,
+    cfg = dict(bw=64, bt=bt, bk=128, warps=4, stages=3, ctas=3, regs=128 if bt == 16 else 0, nacc=1, persist=1,
                pctas=0, maxc=8, ov=2)
     for kv in filter(None, os.environ.get("ATB_CUDA_FP4_MOE_CFG", "").split(",")):
         key, val = kv.split("=")
