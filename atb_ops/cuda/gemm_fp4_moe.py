@@ -7,16 +7,27 @@ out[m, :] = x[m, :] @ W[e(m)]^T for bfloat16 x [M, K] over DeepSeek-V4's FP4 exp
 The kernel is :mod:`.gemm_tc`'s fp4 grouped path (weight rows as the wgmma M side, the few tokens of an expert as
 its N side; int16 words of 4 codes copied to shared memory by cp.async and decoded in the A-operand registers by
 :data:`.gemm_tc.FP4X4_PTX`; the activations pre-split into their 4 column phases x[:, 4h + i]; split-K with an
-ordered fix-up) under a different schedule. One program per (weight tile, expert, K split) leaves the GPU partly
-idle at decode sizes: 8 tokens x 6 experts touch ~35 experts x 32 tiles = ~1100 programs, 2.1 waves of the 528
-that fit (4 per SM), so the third wave runs ~5 % full; one token gives 192 tiles, under half a wave. Here a fixed
-grid of as many programs as fit at once (``persist=1``) walks a list of equal units -- weight tile x K chunk, the
-number of chunks per tile chosen in the kernel from the number of active experts (read on the device: no host
-synchronisation) to minimise rounds x unit length -- so every SM streams weights until the end.
+ordered fix-up), restructured into one unit of work (:func:`_unit`: weight tile x expert slot x K range) that two
+schedules share, with tunables for what its compiled code and the H100 runs pointed at
+(scripts/bench_results/fp4_moe_h100_session4.txt):
 
-``NACC = 4`` (one accumulator per column phase, added at the end in a fixed order) keeps the wgmmas asynchronous
-(Triton otherwise waits for each before the next); measured no faster, it is a tunable, off by default.
-``scripts/fp4_moe_sass.py`` prints the main loop's instruction mix, registers and spills per variant.
+- default: one program per (weight tile, expert slot, K split), split-K aiming at ``ctas = 2`` programs per SM
+  (gemm_tc: 3, which at one token x 6 experts of 4096 x 2048 splits the 384 tiles in two: 768 programs, 1.45 waves
+  of 528; with 2, 384 programs in one wave: 39 -> 46 % of HBM); measured 1.5-2 points of HBM faster than gemm_tc
+  on w1 at 8-64 tokens (both runs), equal on w2;
+- ``persist=1``: a fixed grid of as many programs as fit at once walks a list of equal units (tile x K chunk, the
+  chunks per tile chosen in the kernel from the number of active experts, read on the device) so that no wave runs
+  part-empty (8 tokens: ~1100 tiles = 2.1 waves of 528); measured 16-24 % slower at every size, also without K
+  chunks (not explained by one measurement; candidates: each unit restarts the copy pipeline, the per-unit
+  prologue spills at 128 registers): kept selectable, off;
+- ``nacc=4``: one accumulator per column phase (added at the end in a fixed order) keeps the wgmmas asynchronous
+  (``wait_group 7``; with one accumulator Triton waits for each wgmma before the next): measured no faster, off.
+
+What bounds it (SASS of the main loop, ``scripts/fp4_moe_sass.py``): ~300 instructions per thread per K step of
+4 KB of weights at 128 registers (4 programs of 4 warps per SM): 144 decode (14 integer operations + 4 bf16
+multiplies per 8 codes), ~35 to bring each row's 4 scale bytes into the A-operand layout (byte loads, a shared
+memory round trip, byte extracts, exponent shifts), ~50 uniform-datapath descriptor and pipeline bookkeeping, 8
+wgmma; at 60 % of HBM the SM issues on ~60 % of its cycles, so neither issue slots nor the integer pipe are full.
 
 Products are exact (bfloat16 x bfloat16 into float32), so results differ from the reference op (float32
 dequantised weight, float32 matmul) only in summation order. Rows: as in :mod:`.gemm_decode`, program slot j takes
@@ -24,7 +35,7 @@ the j-th active expert (increasing id) and gathers its rows from ``expert_ids``;
 expert writes zeros to rows whose id lies outside [0, E).
 
 ``ATB_CUDA_FP4_MOE`` = ``new`` | ``old`` (old: :mod:`.gemm_tc` / :mod:`.gemm_decode` as before) selects the path in
-:mod:`.gemm`; ``ATB_CUDA_FP4_MOE_CFG="persist=0,nacc=4,stages=3,regs=128,ctas=3"`` overrides tunables (benchmarks).
+:mod:`.gemm`; ``ATB_CUDA_FP4_MOE_CFG="persist=1,nacc=4,stages=3,regs=128,ctas=3"`` overrides tunables (benchmarks).
 Under TRITON_INTERPRET the weights are decoded by plain Triton arithmetic (same values) and the dots run on float32
 copies of the operands.
 """
@@ -158,7 +169,7 @@ def _moe_fp4_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, ctr_ptr, ids_ptr, ac
         _, _, _, _, n_act = gd.expert_slot(ids_ptr, act_ptr, M, E, n_slots, 0, MP, EP)
         k_steps = tl.cdiv(K // 4, KS)
         tiles = n_act * n_tiles
-        chunks = 1
+        chunks = n_act * 0 + 1  # a tensor from the start: max_chunks == 1 is specialised to a constant (empty loop)
         best = tl.cdiv(tiles + n_tiles, P) * (k_steps + overhead)
         for cc in range(2, max_chunks + 1):
             steps = tl.cdiv(k_steps, cc)
@@ -194,7 +205,7 @@ def _config(rows_per_weight: float) -> dict:
     overhead in K steps for the choice of chunks; persist=0: one program per tile and K split, split-K aiming at
     ctas programs per SM, as gemm_tc). ATB_CUDA_FP4_MOE_CFG="k=v,..." overrides (benchmarks)."""
     bt = 16 if rows_per_weight <= 16 else (32 if rows_per_weight <= 32 else 64)
-    cfg = dict(bw=64, bt=bt, bk=128, warps=4, stages=3, ctas=3, regs=128 if bt == 16 else 0, nacc=1, persist=1,
+    cfg = dict(bw=64, bt=bt, bk=128, warps=4, stages=3, ctas=2, regs=128 if bt == 16 else 0, nacc=1, persist=0,
                pctas=0, maxc=8, ov=2)
     for kv in filter(None, os.environ.get("ATB_CUDA_FP4_MOE_CFG", "").split(",")):
         key, val = kv.split("=")
@@ -257,8 +268,10 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor, w
     wc = w.contiguous().view(torch.int16)
     s = w_scale.contiguous().view(torch.uint8)
     mul1 = gd.small_scales(w_scale)
+    if ctr is None:  # never touched (one split), but an int32 pointer: the atomics are compiled in the persistent mode
+        ctr = torch.empty(1, dtype=torch.int32, device=x.device)
     _moe_fp4_kernel[grid](
-        xk, wc, s, out, part, xk if ctr is None else ctr, ids, act, m, n, k, n_exp, wc.stride(0), s.stride(0),
+        xk, wc, s, out, part, ctr, ids, act, m, n, k, n_exp, wc.stride(0), s.stride(0),
         k_split, n_slots, split, max_pass, max_chunks, cfg["ov"], ASM=not INTERPRET, MUL1=mul1,
         EVEN_K=k_end % ks == 0, EVEN_N=n % bw == 0, EP=ep_arg, MP=mp, PERSIST=bool(cfg["persist"]),
         NACC=cfg["nacc"], BW=bw, BT=bt, BK=bk, num_warps=cfg["warps"], num_stages=cfg["stages"],
