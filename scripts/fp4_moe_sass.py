@@ -1,7 +1,8 @@
 """Instruction counts of the FP4 MoE kernel's main loop (atb_ops/cuda/gemm_fp4_moe.py) per variant, from the
-SASS that Triton compiles for sm_90 (no GPU needed: triton's bundled ptxas and cuobjdump).
+SASS that Triton compiles for sm_90 (no GPU needed: triton's bundled ptxas and cuobjdump; use the device's Triton
+version, 3.6, e.g. a wheel unpacked into a folder put first on PYTHONPATH: codegen differs between versions).
 
-    python scripts/fp4_moe_sass.py "nacc=1" "nacc=4,regs=168" ...
+    python scripts/fp4_moe_sass.py "" "persist=1" "nacc=4,regs=168" ...
 
 Prints, per variant: registers, spills, and the opcode histogram of the innermost loop that holds the wgmma
 (HGMMA) instructions (one K step of BK codes per thread). Shapes: E=64 experts of 2048 x 4096, T=8 x 6 rows."""
@@ -77,7 +78,8 @@ def main() -> None:
         n, ops = loop_histogram(sass)
         md = ck.metadata
         print(f"[{spec or 'default'}] regs={regs and regs.group(1)} stack={stack and stack.group(1)} "
-              f"local ld/st={len(re.findall(r'LDL|STL', sass))} smem={md.shared} loop={n} instr per {cfg['bk']}-code step: {ops}", flush=True)
+              f"local ld/st={len(re.findall(r'LDL|STL', sass))} smem={md.shared} "
+              f"loop={n} instr per {cfg['bk']}-code step: {ops}", flush=True)
 
 
 if __name__ == "__main__":
