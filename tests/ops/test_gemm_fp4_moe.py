@@ -23,7 +23,7 @@ from test_gemm_decode import _ids, _weights, _weights_on_device, check_close  # 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-CFGS = ["", "nacc=4", "persist=1", "persist=1,nacc=4,regs=168,stages=4"]
+CFGS = ["", "nacc=4", "persist=1", "persist=1,nacc=4,regs=168,stages=4", "bw=128,regs=0", "bk=256,regs=0"]
 
 
 @pytest.mark.parametrize("cfg", CFGS)
