@@ -16,9 +16,10 @@ Dense ``linear`` stays on cuBLAS (torch.matmul), which is the ceiling for that c
 Decode-sized calls (bfloat16 activations, few rows per weight) over fp4 / fp8_block weights go to
 :mod:`.gemm_decode` (one pass over the weight bytes, decoded with PTX bit operations, mma.sync on [rows, columns]
 tiles) or :mod:`.gemm_tc` (swap-AB wgmma: weight rows as the MMA's M side, decoded in the A-operand registers)
-instead; ``ATB_CUDA_GEMM`` = ``decode`` / ``tc`` / ``tiled`` forces one path where it applies (benchmarks),
-``auto`` (default) selects by shape (:data:`TC_LINEAR_ROWS`, :data:`TC_GROUPED_MIN_ROWS` / ``_MAX_ROWS``,
-:data:`DECODE_ROWS`).
+instead, and fp4 grouped (MoE) calls of up to :data:`FP4_MOE_MAX_ROWS` rows to :mod:`.gemm_fp4_moe`
+(``ATB_CUDA_FP4_MOE=old``: the previous rules); ``ATB_CUDA_GEMM`` = ``decode`` / ``tc`` / ``fp4moe`` / ``tiled``
+forces one path where it applies (benchmarks), ``auto`` (default) selects by shape (:data:`TC_LINEAR_ROWS`,
+:data:`TC_GROUPED_MIN_ROWS` / ``_MAX_ROWS``, :data:`DECODE_ROWS`).
 """
 
 from __future__ import annotations
