@@ -77,6 +77,7 @@ def ceilings(dev) -> dict:
 
 
 ROTATE = 8
+FP4_MOE_PATHS = []  # "[gemm=fp4moe]", "[gemm=fp4moe cfg=...]" per --fp4moe-variants entry, "[gemm=auto]"
 GEMM_PATHS = ["[gemm=tiled]", "[gemm=decode]", "[gemm=tc]", "[gemm=tcl]"]  # + "[gemm=decode cfg=...]" per
 # --decode-variants entry, "[gemm=tc cfg=...]" per --tc-variants entry and "[gemm=tcl cfg=...]" per --tcl-variants
 # entry; "[gemm=auto]" (the default rules) where --gemm-paths names it
@@ -305,7 +306,10 @@ def cases(dev, quick: bool):
                                      ("fp4", we4, se4, 0.5 + 1 / 32), ("fp4-split", we4, se4, 0.5 + 1 / 32)):
                 byt = int(active * Nw * Kw * bpw) + _nb(x) + rows * Nw * 2
                 paths = [""] if fmt == "dense" else (["[gemm=tiled]"] if fmt == "fp4-split" else list(GEMM_PATHS))
-                if rows > 1024:  # beyond the decode / tc kernels' MAX_ROWS: the tiled and tcl kernels only
+                if fmt == "fp4":  # the MoE fp4 kernel (gemm_fp4_moe.py) and its variants; "[gemm=auto]": the default
+                    paths += FP4_MOE_PATHS
+                paths = list(dict.fromkeys(paths))  # "[gemm=auto]" once
+                if rows > 1024:  # beyond the decode / tc / fp4moe kernels' MAX_ROWS: the tiled and tcl kernels only
                     paths = [p for p in paths if p in ("", "[gemm=tiled]", "[gemm=auto]") or p.startswith("[gemm=tcl")]
                 for path in paths:
                     yield (f"grouped_matmul {fmt} T={T}x6 E={E} {Nw}x{Kw} ({name}) {path}".rstrip(), "grouped_matmul",
@@ -330,6 +334,9 @@ def main() -> None:
                     help="';'-separated ATB_CUDA_TC_CFG settings of the swap-AB tensor-core GEMM, each its own row")
     ap.add_argument("--tcl-variants", default="",
                     help="';'-separated ATB_CUDA_TCL_CFG settings of the sorted-rows tensor-core GEMM, one row each")
+    ap.add_argument("--fp4moe-variants", default=None,
+                    help="';'-separated ATB_CUDA_FP4_MOE_CFG settings of the fp4 MoE GEMM, each its own row ('' = "
+                         "its defaults); given: fp4 grouped cases also get a '[gemm=auto]' row (the default path)")
     ap.add_argument("--gemm-paths", default=None,
                     help="','-separated subset of the GEMM paths to time (tiled,decode,tc,tcl,auto); default all "
                          "but auto")
@@ -345,6 +352,9 @@ def main() -> None:
     GEMM_PATHS.extend(f"[gemm=decode cfg={v}]" for v in filter(None, a.decode_variants.split(";")))
     GEMM_PATHS.extend(f"[gemm=tc cfg={v}]" for v in filter(None, a.tc_variants.split(";")))
     GEMM_PATHS.extend(f"[gemm=tcl cfg={v}]" for v in filter(None, a.tcl_variants.split(";")))
+    if a.fp4moe_variants is not None:
+        FP4_MOE_PATHS.extend(f"[gemm=fp4moe cfg={v}]" if v else "[gemm=fp4moe]" for v in a.fp4moe_variants.split(";"))
+        FP4_MOE_PATHS.append("[gemm=auto]")
     dev = torch.device("cuda")
     name = torch.cuda.get_device_name(dev)
     ceil = ceilings(dev)
@@ -363,9 +373,10 @@ def main() -> None:
         os.environ["ATB_CUDA_GEMM"] = gm.group(1) if gm else "auto"
         tc_cfg = gm and gm.group(1) == "tc" and gm.group(3)
         tcl_cfg = gm and gm.group(1) == "tcl" and gm.group(3)
+        moe_cfg = gm and gm.group(1) == "fp4moe" and gm.group(3)
         for var, val in (("ATB_CUDA_DECODE_BM", gm and gm.group(2)),
                          ("ATB_CUDA_DECODE_CFG", gm and gm.group(1) == "decode" and gm.group(3)),
-                         ("ATB_CUDA_TC_CFG", tc_cfg), ("ATB_CUDA_TCL_CFG", tcl_cfg)):
+                         ("ATB_CUDA_TC_CFG", tc_cfg), ("ATB_CUDA_TCL_CFG", tcl_cfg), ("ATB_CUDA_FP4_MOE_CFG", moe_cfg)):
             if val:
                 os.environ[var] = val
             else:

@@ -16,10 +16,12 @@ Dense ``linear`` stays on cuBLAS (torch.matmul), which is the ceiling for that c
 Decode-sized calls (bfloat16 activations, few rows per weight) over fp4 / fp8_block weights go to
 :mod:`.gemm_decode` (one pass over the weight bytes, decoded with PTX bit operations, mma.sync on [rows, columns]
 tiles) or :mod:`.gemm_tc` (swap-AB wgmma: weight rows as the MMA's M side, decoded in the A-operand registers)
-instead, and large grouped calls to :mod:`.gemm_tc_large` (the same swap-AB MMA over rows sorted by expert, any row
-count); ``ATB_CUDA_GEMM`` = ``decode`` / ``tc`` / ``tcl`` / ``tiled`` forces one path where it applies
-(benchmarks), ``auto`` (default) selects by shape (:data:`TCL_GROUPED_MIN_ROWS`, :data:`TCL_LINEAR_ROWS`,
-:data:`TC_LINEAR_ROWS`, :data:`TC_GROUPED_MIN_ROWS` / ``_MAX_ROWS``, :data:`DECODE_ROWS`).
+instead, fp4 grouped (MoE) calls of up to :data:`FP4_MOE_MAX_ROWS` rows to :mod:`.gemm_fp4_moe`
+(``ATB_CUDA_FP4_MOE=old``: the previous rules), and large grouped calls to :mod:`.gemm_tc_large` (the same
+swap-AB MMA over rows sorted by expert, any row count); ``ATB_CUDA_GEMM`` = ``decode`` / ``tc`` / ``tcl`` /
+``fp4moe`` / ``tiled`` forces one path where it applies (benchmarks), ``auto`` (default) selects by shape
+(:data:`TCL_GROUPED_MIN_ROWS`, :data:`TCL_LINEAR_ROWS`, :data:`TC_LINEAR_ROWS`, :data:`TC_GROUPED_MIN_ROWS` /
+``_MAX_ROWS``, :data:`DECODE_ROWS`).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import triton
 import triton.language as tl
 
 from .._registry import register
-from . import gemm_decode, gemm_tc, gemm_tc_large
+from . import gemm_decode, gemm_fp4_moe, gemm_tc, gemm_tc_large
 from .routing import stable_order
 from ._util import INTERPRET, dot_precision, mma, pow2, tl_dtype
 
@@ -60,18 +62,28 @@ TC_GROUPED_MAX_ROWS = 384
 TCL_GROUPED_MIN_ROWS = 1025
 TCL_LINEAR_ROWS = {"fp4": 64}
 
+# fp4 grouped (MoE) calls of up to this many rows go to gemm_fp4_moe.py unless ATB_CUDA_FP4_MOE=old (measured on
+# the H100: scripts/bench_results/fp4_moe_h100_session4.txt)
+FP4_MOE_MAX_ROWS = 384
+
 
 def _path(x: torch.Tensor, fmt: str, w_scale, rows: int, rows_per_weight: float, grouped: bool = True) -> str:
-    """Which kernel serves this fp4 / fp8_block call: "tcl" | "tc" | "decode" | "tiled" (ATB_CUDA_GEMM = auto | tcl |
-    tc | decode | tiled; a forced path that does not apply to the call falls back to the tiled kernel)."""
+    """Which kernel serves this fp4 / fp8_block call: "tcl" | "fp4moe" | "tc" | "decode" | "tiled" (ATB_CUDA_GEMM =
+    auto | tcl | fp4moe | tc | decode | tiled; a forced path that does not apply to the call falls back to the
+    tiled kernel)."""
     mode = os.environ.get("ATB_CUDA_GEMM", "auto")
     if mode == "tiled" or rows == 0 or not gemm_tc_large.eligible(x, fmt, w_scale):
         return "tiled"
     if mode == "tcl":
         return mode
+    moe = grouped and gemm_fp4_moe.eligible(x, fmt, w_scale, rows)
+    if mode == "fp4moe":
+        return "fp4moe" if moe else "tiled"
     small = gemm_decode.eligible(x, fmt, w_scale, rows)  # the decode / tc kernels' row limit
     if mode in ("tc", "decode"):
         return mode if small else "tiled"
+    if moe and rows <= FP4_MOE_MAX_ROWS and os.environ.get("ATB_CUDA_FP4_MOE", "new") != "old":
+        return "fp4moe"
     if grouped:
         if rows >= TCL_GROUPED_MIN_ROWS:
             return "tcl"
@@ -333,6 +345,8 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor, w
     path = _path(x, fmt, w_scale, m, m / max(1, min(n_exp, m)))
     if path == "tcl":
         return gemm_tc_large.grouped_matmul(x, w, expert_ids, w_scale, fmt)
+    if path == "fp4moe":
+        return gemm_fp4_moe.grouped_matmul(x, w, expert_ids, w_scale, fmt)
     if path == "tc":
         return gemm_tc.grouped_matmul(x, w, expert_ids, w_scale, fmt)
     if path == "decode":

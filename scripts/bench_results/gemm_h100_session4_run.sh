@@ -1,6 +1,6 @@
 #!/bin/bash
 # One device call of the gemm session 4 (helper gemm3): tests, then the GEMM benchmark rows. Run from the worktree
-# copy on the device machine: bash scripts/run_gemm_session4.sh STAGE...   (logs under $OUT)
+# copy on the device machine: bash scripts/bench_results/gemm_h100_session4_run.sh STAGE...   (logs under $OUT)
 #   main-tests: the cuda tests of test_gemm_tc.py / test_gemm_decode.py from the checkout root (main's code)
 #   tests: test_gemm_tc_large.py (all) and the cuda tests of test_gemm_tc.py / test_gemm_decode.py (this branch)
 #   lin1: linears M=1/32/64 (tc, tcl, default rules, cuBLAS) + tcl variants at M=64 ($LIN_VARIANTS)
