@@ -230,8 +230,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None = None
         return linear(x.reshape(-1, x.shape[-1]), w, w_scale, fmt).view(*x.shape[:-1], w.shape[0])
     m, k = x.shape
     if fmt == "dense":
-        if x.dtype == torch.float32 and w.dtype == torch.bfloat16 and m > 0 and not INTERPRET and _mm_f32():
-            return _bf16x3(x, w)  # a float32-compute layer stored in BF16 (parallel.linear.compact_fp32_weights_)
+        if (x.dtype == torch.float32 and w.dtype == torch.bfloat16 and m > 0 and not INTERPRET
+                and (m > 256 or w.shape[0] >= BF16X3_MIN_N) and _mm_f32()):
+            # a float32-compute layer stored in BF16 (parallel.linear.compact_fp32_weights_): wide (the head) or
+            # prefill-sized; narrow decode-sized ones (compressor projections) take _fp32_gemv below, one launch
+            return _bf16x3(x, w)
         if x.dtype == torch.float32 and w.dtype in (torch.float32, torch.bfloat16) and 0 < m <= 256 and not INTERPRET:
             return _fp32_gemv(x, w)
         if w.dtype == x.dtype:
@@ -260,6 +263,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None = None
 
 
 _MM_F32: list = []  # [bool] once probed
+BF16X3_MIN_N = 8192  # output width from which a decode-sized float32 linear over a BF16 weight takes _bf16x3
 
 
 def _mm_f32() -> bool:
@@ -274,20 +278,56 @@ def _mm_f32() -> bool:
     return _MM_F32[0]
 
 
+@triton.jit
+def _split3_kernel(x_ptr, out_ptr, numel, BLOCK: tl.constexpr):
+    """out [3, numel] BF16: x1 = bf16(x), x2 = bf16(x - x1), x3 = bf16(x - x1 - x2) (x1 + x2 + x3 = x exactly for
+    float32 x away from the subnormal range: 3 x 8 significant bits)."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < numel
+    x = tl.load(x_ptr + i, mask=m, other=0.0)
+    x1 = x.to(tl.bfloat16)
+    r = x - x1.to(tl.float32)
+    x2 = r.to(tl.bfloat16)
+    x3 = (r - x2.to(tl.float32)).to(tl.bfloat16)
+    tl.store(out_ptr + i, x1, mask=m)
+    tl.store(out_ptr + numel + i, x2, mask=m)
+    tl.store(out_ptr + 2 * numel + i, x3, mask=m)
+
+
+@triton.jit
+def _sum3_kernel(y_ptr, out_ptr, numel, BLOCK: tl.constexpr):
+    """out = (y[2] + y[1]) + y[0] over y [3, numel] float32 (the small parts first)."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < numel
+    a = tl.load(y_ptr + i, mask=m, other=0.0)
+    b = tl.load(y_ptr + numel + i, mask=m, other=0.0)
+    c = tl.load(y_ptr + 2 * numel + i, mask=m, other=0.0)
+    tl.store(out_ptr + i, (c + b) + a, mask=m)
+
+
+def split3(x: torch.Tensor) -> torch.Tensor:
+    """BF16 [3, *x.shape]: the three-part split of float32 ``x`` (:func:`_split3_kernel`), one launch."""
+    xc = x.contiguous()
+    out = torch.empty((3,) + tuple(x.shape), dtype=torch.bfloat16, device=x.device)
+    n = xc.numel()
+    if n:
+        _split3_kernel[(triton.cdiv(n, 1024),)](xc, out, n, BLOCK=1024)
+    return out
+
+
 def _bf16x3(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """float32 x [M, K] @ W^T for a BF16 weight W [N, K], at float32 accuracy on the BF16 tensor cores.
 
     x = x1 + x2 + x3 exactly (to 2^-24 relative: three BF16 parts of 8 significant bits each, x1 = bf16(x),
     x2 = bf16(x - x1), x3 = bf16(x - x1 - x2)); every product xi * w is exact in float32 and accumulates in float32
     (one cuBLAS GEMM of the 3M stacked rows, float32 output); y = (x3 W^T + x2 W^T) + x1 W^T. Reads W once, in
-    BF16: the model's head and compressor projections keep their checkpoint BF16 values and compute in float32."""
-    m = x.shape[0]
-    x1 = x.to(torch.bfloat16)
-    r = x - x1.float()
-    x2 = r.to(torch.bfloat16)
-    x3 = (r - x2.float()).to(torch.bfloat16)
-    y = torch.mm(torch.cat([x1, x2, x3]), w.t(), out_dtype=torch.float32)
-    return (y[2 * m:] + y[m:2 * m]) + y[:m]
+    BF16: the model's head and compressor projections keep their checkpoint BF16 values and compute in float32.
+    Three launches: split, GEMM, sum."""
+    m, k = x.shape
+    y = torch.mm(split3(x).view(3 * m, k), w.t(), out_dtype=torch.float32)
+    out = torch.empty(m, w.shape[0], dtype=torch.float32, device=x.device)
+    _sum3_kernel[(triton.cdiv(out.numel(), 1024),)](y, out, out.numel(), BLOCK=1024)
+    return out
 
 
 def _fp32_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -96,3 +96,22 @@ def test_cuda_runner_compacts_and_logits_stay(monkeypatch):
     kept = _model(bf16_values=True, device="cuda")
     assert rel_err(_logits(kept, "cuda", backend="cuda"), compacted) < 1e-5
     assert all(m.weight.dtype == torch.float32 for m in _fp32_linears(kept).values())
+
+
+def test_split3_is_exact_through_the_kernel():
+    """The one-launch three-part split (Triton's interpreter off the GPU): x1 + x2 + x3 == x in float64, every
+    part BF16, zeros and signs kept; what _bf16x3 feeds to its BF16 GEMM."""
+    pytest.importorskip("triton")
+    from atb_ops.cuda.gemm import split3
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(5, 777, generator=g) * torch.logspace(-30, 30, 777)).to(dev)
+    x[0, :4] = torch.tensor([0.0, -0.0, 1.0, -3.0])
+    parts = split3(x)
+    assert parts.dtype == torch.bfloat16 and parts.shape == (3, 5, 777)
+    total = parts.double().sum(0)
+    assert torch.equal(total, x.double())
+    # each later part is below the previous part's last bit (x1 rounds or truncates x, as the converter does)
+    assert (parts[1].double().abs() <= parts[0].double().abs() * 2.0**-7).all()
+    assert (parts[2].double().abs() <= parts[1].double().abs() * 2.0**-7).all()
