@@ -34,6 +34,7 @@ import triton.language as tl
 
 from .._registry import register
 from . import gemm_decode, gemm_fp4_moe, gemm_tc, gemm_tc_large
+from .group_rows import tile_table
 from .routing import stable_order
 from ._util import INTERPRET, dot_precision, mma, pow2, tl_dtype
 
@@ -356,15 +357,18 @@ def expert_tiles(expert_ids: torch.Tensor, n_experts: int, bm: int):
     m = expert_ids.shape[0]
     dev = expert_ids.device
     ids = expert_ids.long()
-    counts = torch.zeros(n_experts, dtype=torch.long, device=dev).scatter_add_(0, ids, torch.ones_like(ids))
     # stable counting sort at decode sizes (routing.py; an outer-dimension cumsum over a one-hot [M, E] took
     # ~35 us a call on the H100), a radix sort above
     order = stable_order(ids, n_experts)
+    n_tiles = triton.cdiv(m, bm) + min(n_experts, m)
+    if ids.is_cuda or INTERPRET:  # the table below in one launch (group_rows.py)
+        te, r0, r1 = tile_table(ids, n_experts, bm, n_tiles)
+        return order, te, r0, r1
+    counts = torch.zeros(n_experts, dtype=torch.long, device=dev).scatter_add_(0, ids, torch.ones_like(ids))
     tiles = (counts + bm - 1) // bm
     tile_end = torch.cumsum(tiles, 0)
     tile_start = tile_end - tiles
     row_start = torch.cumsum(counts, 0) - counts
-    n_tiles = triton.cdiv(m, bm) + min(n_experts, m)
     t = torch.arange(n_tiles, device=dev)
     e = torch.searchsorted(tile_end, t, right=True)
     valid = e < n_experts

@@ -2,8 +2,8 @@
 
 At decode sizes (a few hundred (token, expert) rows) a stable radix sort is a sequence of launches that costs
 tens of microseconds per call, several times per layer. :func:`stable_order` computes the same permutation as
-``torch.argsort(ids, stable=True)`` as a counting sort in a handful of element-wise kernels, with no host
-synchronisation (capture-safe):
+``torch.argsort(ids, stable=True)`` with no host synchronisation (capture-safe): on the GPU in one launch
+(:func:`.group_rows.stable_positions`), elsewhere as a counting sort in a handful of element-wise torch ops:
 
     rank[i]  = #{j < i : ids[j] == ids[i]}            ([M, M] comparison, M <= SMALL)
     start[e] = sum_{e' < e} count[e']                 (exclusive prefix sum over the E experts)
@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 
 from .._registry import register
+from ._util import INTERPRET
+from .group_rows import stable_positions
 
 SMALL = 1024  # rows up to which the [M, M] comparison (1 M booleans) is cheaper than a radix sort
 
@@ -27,6 +29,8 @@ def stable_order(ids: torch.Tensor, n: int) -> torch.Tensor:
     m = ids.numel()
     if m == 0 or m > SMALL:
         return torch.argsort(ids, stable=True)
+    if ids.is_cuda or INTERPRET:  # the same permutation in one launch (group_rows.py)
+        return stable_positions(ids)
     idx = torch.arange(m, device=ids.device)
     rank = ((ids.unsqueeze(0) == ids.unsqueeze(1)) & (idx.unsqueeze(0) < idx.unsqueeze(1))).sum(1)
     counts = torch.zeros(n, dtype=torch.long, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))

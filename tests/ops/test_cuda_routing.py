@@ -34,3 +34,60 @@ def test_moe_permute_equals_reference(device, t, k, e):
     ids = ids.to(device)
     for a, b in zip(moe_permute(x, ids, e), ref_permute(x, ids, e)):
         assert torch.equal(a.cpu(), b.cpu())
+
+
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+def test_stable_order_both_paths(monkeypatch, path):
+    """The one-launch kernel (group_rows.stable_positions; Triton's interpreter off the GPU) and the torch counting
+    sort (CPU tensors outside the interpreter) give the stable argsort."""
+    import atb_ops.cuda.routing as routing
+
+    if path == "torch":
+        monkeypatch.setattr(routing, "INTERPRET", False)
+    g = torch.Generator().manual_seed(5)
+    for m, n in [(1, 1), (63, 3), (65, 64), (300, 256), (SMALL, 384)]:
+        ids = torch.randint(0, n, (m,), generator=g)
+        dev = "cuda" if path == "kernel" and torch.cuda.is_available() else "cpu"
+        got = routing.stable_order(ids.to(dev), n)
+        assert torch.equal(got.cpu(), torch.argsort(ids, stable=True)), (m, n)
+
+
+def _tiles_oracle(ids, n_experts, bm, n_tiles):
+    counts = torch.bincount(ids, minlength=n_experts)
+    tiles = (counts + bm - 1) // bm
+    tile_end = torch.cumsum(tiles, 0)
+    row_start = torch.cumsum(counts, 0) - counts
+    out = []
+    for t in range(n_tiles):
+        e = int((tile_end <= t).sum())
+        valid = e < n_experts
+        e = min(e, n_experts - 1)
+        r0 = int(row_start[e] + (t - (tile_end[e] - tiles[e])) * bm)
+        r1 = min(int(row_start[e] + counts[e]), r0 + bm) if valid else r0
+        out.append((e, r0, r1))
+    return torch.tensor(out, dtype=torch.long).reshape(-1, 3).t()
+
+
+@pytest.mark.parametrize("m,e,bm", [(0, 8, 16), (1, 8, 16), (37, 6, 16), (192, 64, 16), (200, 4, 64),
+                                    (384, 256, 16), (1024, 384, 32), (50, 1, 16)])
+def test_tile_table_equals_its_formula(monkeypatch, m, e, bm):
+    """group_rows.tile_table (one program; interpreter off the GPU) against the formula written out per tile, for
+    skewed and uniform routings, and gemm.expert_tiles' torch path against the same."""
+    import triton
+
+    import atb_ops.cuda.gemm as gemm
+    from atb_ops.cuda.group_rows import tile_table
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(m + e + bm)
+    n_tiles = triton.cdiv(m, bm) + min(e, m)
+    for ids in (torch.randint(0, e, (m,), generator=g), torch.full((m,), e - 1), torch.arange(m) % e):
+        want = _tiles_oracle(ids, e, bm, n_tiles)
+        got = torch.stack(tile_table(ids.to(dev), e, bm, n_tiles)).cpu()
+        assert torch.equal(got, want), (m, e, bm)
+        order, *rest = gemm.expert_tiles(ids.to(dev), e, bm)
+        assert torch.equal(torch.stack(rest).cpu(), want)
+        with monkeypatch.context() as mp:  # the torch formulation (CPU tensors outside the interpreter)
+            mp.setattr(gemm, "INTERPRET", False)
+            order, *rest = gemm.expert_tiles(ids, e, bm)
+            assert torch.equal(torch.stack(rest), want)
