@@ -43,8 +43,10 @@ def _skinny_kernel(x_ptr, w_ptr, part_ptr, ss_ptr, T, K, O, k_per_split,
         tl.store(ss_ptr + base, ss, mask=tm)
 
 
-def skinny_matmul(x: torch.Tensor, w: torch.Tensor, want_ss: bool = False):
-    """x [T, K], w [O, K] -> (float32 [T, BO] with BO = pow2(O) >= 16 (columns >= O are 0), sum(x^2) [T] or None)."""
+def skinny_matmul(x: torch.Tensor, w: torch.Tensor, want_ss: bool = False, partials: bool = False):
+    """x [T, K], w [O, K] -> (float32 [T, BO] with BO = pow2(O) >= 16 (columns >= O are 0), sum(x^2) [T] or None).
+    ``partials``: the per-split sums unreduced, float32 [S, T, BO] and [S, T] (a consumer kernel adds them up in
+    split order, saving the two reduction launches)."""
     t_count, k = x.shape
     n_out = w.shape[0]
     bo = pow2(n_out, 16)
@@ -61,6 +63,8 @@ def skinny_matmul(x: torch.Tensor, w: torch.Tensor, want_ss: bool = False):
     ss = torch.empty(n_split, t_count, dtype=torch.float32, device=x.device) if want_ss else part
     _skinny_kernel[(t_tiles, n_split)](x, w, part, ss, t_count, k, n_out, kps, BT=bt, BO=bo, BK=bk,
                                        CT=tl_dtype(ct), PREC=prec, WANT_SS=want_ss, num_warps=4)
+    if partials:
+        return part, (ss if want_ss else None)
     out = part[0] if n_split == 1 else part.sum(0)
     if not want_ss:
         return out, None

@@ -1,8 +1,9 @@
 """Triton manifold-constrained hyper-connections: hc_pre (with Sinkhorn), hc_post, hc_head
 (ascend_dsv4/models/deepseek_v4/README.md §2.2, §2.5).
 
-Per collapse: the split-K skinny matmul (:mod:`._skinny`) gives flat(x) @ fn^T and sum(flat(x)^2) (float32
-products, as the reference's float32 matmul); ``_split_kernel`` scales them by rsqrt(mean + eps), turns one
+Per collapse: the split-K skinny matmul (:mod:`._skinny`) gives the per-split partial sums of flat(x) @ fn^T and
+sum(flat(x)^2) (float32 products, as the reference's float32 matmul); ``_split_kernel`` adds the splits up in
+order, scales them by rsqrt(mean + eps), turns one
 token's mixes into pre / post / the Sinkhorn-normalised comb and writes u = sum_j pre_j x_j.
 """
 
@@ -17,28 +18,38 @@ from ._skinny import skinny_matmul
 from ._util import pow2
 
 
-def _mixes(x: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(flat(x) @ fn^T float32 [T, BO], sum(flat(x)^2) [T], BO); the rsqrt scaling is applied by _split_kernel."""
+def _mixes(x: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """(partial sums of flat(x) @ fn^T float32 [S, T, BO] and of sum(flat(x)^2) [S, T] over the S K-splits, BO, S);
+    _split_kernel adds the splits up (in split order) and applies the rsqrt scaling."""
     flat = x.view(x.shape[0], -1)
-    m, ss = skinny_matmul(flat, fn.float().contiguous(), want_ss=True)
-    return m, ss, m.shape[1]
+    m, ss = skinny_matmul(flat, fn.float().contiguous(), want_ss=True, partials=True)
+    return m, ss, m.shape[2], m.shape[0]
+
+
+@triton.jit
+def _split_sum(ptr, t, T, S, row, cols):
+    """sum over the S splits of ptr[s, t, row + cols] (float32 partials laid out [S, T, row])."""
+    v = tl.load(ptr + t * row + cols)
+    for s in range(1, S):
+        v += tl.load(ptr + (s * T + t) * row + cols)
+    return v
 
 
 @triton.jit
 def _split_kernel(m_ptr, ss_ptr, x_ptr, scale_ptr, base_ptr, u_ptr, post_ptr, comb_ptr, d, iters, hc_eps, norm_eps,
-                  N: tl.constexpr, BO: tl.constexpr, FULL: tl.constexpr, BD: tl.constexpr):
+                  T, S, N: tl.constexpr, BO: tl.constexpr, FULL: tl.constexpr, BD: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, N)
-    r = tl.rsqrt(tl.load(ss_ptr + t) / (N * d) + norm_eps)
+    r = tl.rsqrt(_split_sum(ss_ptr, t, T, S, 1, 0) / (N * d) + norm_eps)
     s0 = tl.load(scale_ptr)
-    pre = tl.sigmoid(tl.load(m_ptr + t * BO + j) * r * s0 + tl.load(base_ptr + j)) + hc_eps
+    pre = tl.sigmoid(_split_sum(m_ptr, t, T, S, BO, j) * r * s0 + tl.load(base_ptr + j)) + hc_eps
     if FULL:
         s1 = tl.load(scale_ptr + 1)
         s2 = tl.load(scale_ptr + 2)
-        post = 2.0 * tl.sigmoid(tl.load(m_ptr + t * BO + N + j) * r * s1 + tl.load(base_ptr + N + j))
+        post = 2.0 * tl.sigmoid(_split_sum(m_ptr, t, T, S, BO, N + j) * r * s1 + tl.load(base_ptr + N + j))
         tl.store(post_ptr + t * N + j, post)
         cidx = 2 * N + j[:, None] * N + j[None, :]  # comb[a, b] = mixes[2N + a N + b]
-        c = tl.load(m_ptr + t * BO + cidx) * r * s2 + tl.load(base_ptr + cidx)
+        c = _split_sum(m_ptr, t, T, S, BO, cidx) * r * s2 + tl.load(base_ptr + cidx)
         c = tl.exp(c - tl.max(c, 1)[:, None])
         c = c / tl.sum(c, 1)[:, None] + hc_eps
         c = c / (tl.sum(c, 0)[None, :] + hc_eps)
@@ -71,10 +82,10 @@ def hc_pre(x, fn, base, scale, sinkhorn_iters: int, hc_eps: float, norm_eps: flo
     comb = torch.empty(t_count, n, n, dtype=torch.float32, device=x.device)
     if t_count == 0:
         return u, post, comb
-    mixes, ss, bo = _mixes(xc, fn)
+    mixes, ss, bo, splits = _mixes(xc, fn)
     _split_kernel[(t_count,)](mixes, ss, xc, scale.float().contiguous(), base.float().contiguous(), u, post, comb, d,
-                              int(sinkhorn_iters), float(hc_eps), float(norm_eps), N=n, BO=bo, FULL=True,
-                              BD=min(pow2(d), 1024))
+                              int(sinkhorn_iters), float(hc_eps), float(norm_eps), t_count, splits, N=n, BO=bo,
+                              FULL=True, BD=min(pow2(d), 1024))
     return u, post, comb
 
 
@@ -87,9 +98,10 @@ def hc_head(x, fn, base, scale, hc_eps: float, norm_eps: float):
     u = torch.empty(t_count, d, dtype=x.dtype, device=x.device)
     if t_count == 0:
         return u
-    mixes, ss, bo = _mixes(xc, fn)
+    mixes, ss, bo, splits = _mixes(xc, fn)
     _split_kernel[(t_count,)](mixes, ss, xc, scale.float().contiguous(), base.float().contiguous(), u, u, u, d, 0,
-                              float(hc_eps), float(norm_eps), N=n, BO=bo, FULL=False, BD=min(pow2(d), 1024))
+                              float(hc_eps), float(norm_eps), t_count, splits, N=n, BO=bo, FULL=False,
+                              BD=min(pow2(d), 1024))
     return u
 
 
