@@ -22,8 +22,9 @@ did not change since the last step are not rewritten) and uploads it with ONE no
 (:meth:`DecodeInputs.upload`). :func:`derive_decode_context` then computes the step context from the device
 buffer with static shapes (no ``.item()``, no ``nonzero``, no host synchronisation), so a CUDA / NPU graph can
 capture it together with the model: on CUDA in ONE Triton launch (atb_ops/cuda/decode_context.py), elsewhere
-(and with ``ASCEND_DSV4_DECODE_CTX=torch``) with plain tensor ops, the specification of that kernel. Its tensors equal :func:`~.context.build_step_context`'s
-for the real rows, with the padding conventions of captured steps (engine/cuda_graphs.py):
+(and with ``ASCEND_DSV4_DECODE_CTX=torch``) with plain tensor ops, the specification of that kernel. Its
+tensors equal :func:`~.context.build_step_context`'s for the real rows, with the padding conventions of captured
+steps (engine/cuda_graphs.py):
 
 - ``swa_slot`` [b]: the new token's slot; a padding row writes to ``trash_token``;
 - ``window`` [b, W]: slots of positions ``t - W + 1 .. t`` (-1 where negative; all -1 on padding rows);

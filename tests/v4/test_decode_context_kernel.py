@@ -19,7 +19,8 @@ from ascend_dsv4.kv.context import build_step_context  # noqa: E402
 from ascend_dsv4.kv.decode_inputs import (DecodeInputs, DecodeLayout, decode_context_path,  # noqa: E402
                                           derive_decode_context, derive_decode_tensors_torch,
                                           derive_decode_tensors_triton)
-from test_decode_inputs import GEOMETRIES, TRASH_ENTRY, TRASH_TOKEN, _derive, _pools, _seq, assert_same_context  # noqa: E402,E501
+from test_decode_inputs import (GEOMETRIES, TRASH_ENTRY, TRASH_TOKEN, _derive, _pools, _seq,  # noqa: E402
+                               assert_same_context)
 
 
 def _layout(b, B, W, widths: dict, pages: dict) -> DecodeLayout:
