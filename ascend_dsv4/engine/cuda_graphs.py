@@ -8,8 +8,9 @@ padded token / ratio-4 / ratio-128 page tables -- into one pinned host buffer, O
 to the bucket's static device buffer, and the graph replays. Inside the captured region
 (:func:`decode_forward`) :func:`~ascend_dsv4.kv.decode_inputs.derive_decode_context` derives the step context
 from that buffer (new-token slots, the window grid, the entries completed this step, the visible-entry grids)
-with static shapes, and the model runs exactly the eager code on it (the ops are capture-safe: no ``.item()``,
-no data-dependent shapes). Padding conventions:
+with static shapes (on CUDA in one Triton launch; ``ASCEND_DSV4_DECODE_CTX=torch``: the torch ops), and the
+model runs exactly the eager code on it (the ops are capture-safe: no ``.item()``, no data-dependent shapes).
+Padding conventions:
 
 - padded rows (position -1 in the buffer) write their KV and compressor state rows to a reserved "trash" slot of
   the token pages, and a token completing no compressed entry (padded rows included) writes its entry (all

@@ -20,9 +20,11 @@ positions ``t - W + 1 .. t`` (window), ``t - 7 .. t`` (a completed ratio-4 entry
 The host fills a (pinned) host copy of the buffer (:meth:`DecodeInputs.fill`, numpy, rows of page tables that
 did not change since the last step are not rewritten) and uploads it with ONE non-blocking copy
 (:meth:`DecodeInputs.upload`). :func:`derive_decode_context` then computes the step context from the device
-buffer with plain tensor ops of static shapes (no ``.item()``, no ``nonzero``, no host synchronisation), so a
-CUDA / NPU graph can capture it together with the model. Its tensors equal :func:`~.context.build_step_context`'s
-for the real rows, with the padding conventions of captured steps (engine/cuda_graphs.py):
+buffer with static shapes (no ``.item()``, no ``nonzero``, no host synchronisation), so a CUDA / NPU graph can
+capture it together with the model: on CUDA in ONE Triton launch (atb_ops/cuda/decode_context.py), elsewhere
+(and with ``ASCEND_DSV4_DECODE_CTX=torch``) with plain tensor ops, the specification of that kernel. Its
+tensors equal :func:`~.context.build_step_context`'s for the real rows, with the padding conventions of captured
+steps (engine/cuda_graphs.py):
 
 - ``swa_slot`` [b]: the new token's slot; a padding row writes to ``trash_token``;
 - ``window`` [b, W]: slots of positions ``t - W + 1 .. t`` (-1 where negative; all -1 on padding rows);
@@ -36,6 +38,7 @@ for the real rows, with the padding conventions of captured steps (engine/cuda_g
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -190,11 +193,67 @@ def _entry_slots(table: torch.Tensor, item: torch.Tensor, ok: torch.Tensor, page
     return (pg * page + it % page).masked_fill(~(ok & (pg >= 0)), -1)
 
 
+def decode_context_path(device: torch.device) -> str:
+    """Which implementation :func:`derive_decode_context` uses for tensors on ``device``: ``"triton"`` (ONE kernel
+    launch, atb_ops/cuda/decode_context.py) on CUDA, ``"torch"`` (the plain tensor ops below: the specification)
+    elsewhere. ``ASCEND_DSV4_DECODE_CTX=torch`` selects the torch ops on CUDA too; ``=triton`` the kernel on any
+    device (on CPU through Triton's interpreter, ``TRITON_INTERPRET=1``: what the CPU tests use)."""
+    mode = os.environ.get("ASCEND_DSV4_DECODE_CTX", "auto").strip().lower() or "auto"
+    if mode not in ("auto", "torch", "triton"):
+        raise ValueError(f"ASCEND_DSV4_DECODE_CTX={mode!r}: expected auto, torch or triton")
+    if mode == "auto":
+        mode = "triton" if device.type == "cuda" and _has_triton() else "torch"
+    return mode
+
+
+def _has_triton() -> bool:
+    global _TRITON
+    if _TRITON is None:
+        try:
+            import triton  # noqa: F401
+            _TRITON = True
+        except ImportError:
+            _TRITON = False
+    return _TRITON
+
+
+_TRITON: bool | None = None
+
+
 def derive_decode_context(inputs: DecodeInputs, pools, trash_token: int,
                           trash_entry: dict[int, int]) -> StepContext:
     """The :class:`StepContext` of the decode step in ``inputs``' device buffer, computed on its device with
     static shapes (capture-safe); see the module docstring for what every tensor holds. ``trash_token`` /
     ``trash_entry[r]``: the slots padding rows and tokens completing no entry write to (never read).
+
+    On CUDA one Triton launch computes every tensor (:func:`decode_context_path`); elsewhere, and with
+    ``ASCEND_DSV4_DECODE_CTX=torch``, :func:`derive_decode_tensors_torch` (the specification, same values).
+    """
+    if decode_context_path(inputs.positions.device) == "triton":
+        t, rows, swa_slot, window, compress = derive_decode_tensors_triton(inputs, trash_token, trash_entry)
+    else:
+        t, rows, swa_slot, window, compress = derive_decode_tensors_torch(inputs, trash_token, trash_entry)
+    b = inputs.layout.batch
+    return StepContext(pools, t, rows, swa_slot, window, compress, rows, [1] * b, [0] * b)
+
+
+def derive_decode_tensors_triton(inputs: DecodeInputs, trash_token: int, trash_entry: dict[int, int]):
+    """:func:`derive_decode_tensors_torch`'s tensors from ONE kernel launch (atb_ops/cuda/decode_context.py)."""
+    from atb_ops.cuda.decode_context import decode_context  # lazy: CPU users never import triton
+
+    L = inputs.layout
+    ratios = [(r, width, page) for (r, width), (_, page) in zip(L.widths, L.entry_pages)]
+    t, rows, swa_slot, window, per = decode_context(
+        inputs.positions, inputs.token_table, [inputs.tables[r] for r, _, _ in ratios], block_size=L.block_size,
+        window=L.window, token_span=L.token_span, ratios=ratios, trash_token=trash_token,
+        trash_entry=[trash_entry[r] for r, _, _ in ratios])
+    compress = {r: CompressCtx(r, *x) for (r, _, _), x in zip(ratios, per)}
+    return t, rows, swa_slot, window, compress
+
+
+def derive_decode_tensors_torch(inputs: DecodeInputs, trash_token: int, trash_entry: dict[int, int]):
+    """(positions, rows, swa_slot, window, {r: CompressCtx}) of the decode step in ``inputs`` with plain torch ops
+    of static shapes: the specification of the Triton kernel.
 
     With t = positions (int64 [b], -1 on padding rows), valid = t >= 0, lo = max(t - S, 0) // B:
     slot(position q) = token_table[row, q // B - lo] * B + q % B; window = slot(t - W + 1 + j), j < W;
@@ -229,5 +288,4 @@ def derive_decode_context(inputs: DecodeInputs, pools, trash_token: int,
         ent = torch.arange(width, device=dev).unsqueeze(0).expand(b, -1)
         visible = _entry_slots(table, ent, ent < n_vis.unsqueeze(1), page)
         compress[r] = CompressCtx(r, new_cand, new_pos, new_slot, visible)
-    rows = torch.arange(b, device=dev)
-    return StepContext(pools, t, rows, swa_slot, window, compress, rows, [1] * b, [0] * b)
+    return t, torch.arange(b, device=dev), swa_slot, window, compress

@@ -7,7 +7,7 @@ import torch
 
 from ascend_dsv4 import LLM, SamplingParams
 from ascend_dsv4.kv.context import build_step_context
-from ascend_dsv4.kv.decode_inputs import DecodeInputs, DecodeLayout, derive_decode_context
+from ascend_dsv4.kv.decode_inputs import DecodeInputs, DecodeLayout, decode_context_path, derive_decode_context
 from test_decode_inputs import TRASH_ENTRY, TRASH_TOKEN, _pools, _seq, assert_same_context
 import test_graph_decode_cpu as cpu_e2e
 from v4_helpers import rel_err
@@ -47,11 +47,15 @@ def test_graph_decode_generate_matches_eager_with_shrinking_batch():
     assert [len(x) for x in got] == [4 + 3 * i for i in range(len(prompts))]
 
 
+@pytest.mark.parametrize("path", ["triton", "torch"])  # the one-launch kernel (default on CUDA), the torch ops
 @torch.inference_mode()
-def test_captured_context_derivation_follows_the_static_buffer():
+def test_captured_context_derivation_follows_the_static_buffer(path, monkeypatch):
     """derive_decode_context captured once, replayed after each upload of a different batch (other positions,
     fewer rows, other pages): equal to build_step_context every time (no host sync, no data-dependent shape)."""
     import random
+
+    monkeypatch.setenv("ASCEND_DSV4_DECODE_CTX", "auto" if path == "triton" else "torch")
+    assert decode_context_path(torch.device("cuda")) == path
 
     pools = _pools(128, (0, 4, 128), (64, 64, 8), device="cuda")
     inp = DecodeInputs(DecodeLayout.for_pools(pools, 8, {4: 768, 128: 32}), "cuda")
@@ -79,5 +83,6 @@ def test_captured_context_derivation_follows_the_static_buffer():
 
 def test_captured_runner_decode_matches_eager_runner():
     """The CPU end-to-end check (tests/v4/test_graph_decode_cpu.py) with real capture: ragged positions through
-    the window / ratio boundaries, a shrinking batch, float32."""
+    the window / ratio boundaries, a shrinking batch, float32; the context derived by the one-launch kernel."""
+    assert decode_context_path(torch.device("cuda")) == "triton"
     cpu_e2e.test_graph_path_decode_equals_eager_decode("cuda")

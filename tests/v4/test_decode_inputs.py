@@ -1,7 +1,8 @@
 """The decode fast path's device-side step context (kv/decode_inputs.py) equals build_step_context's.
 
 Random batches of sequences at random positions and at the window / ratio boundaries, several page geometries and
-layer mixes, padded rows, stale host rows; run on CPU tensors (the same ops run inside the captured graph)."""
+layer mixes, padded rows, stale host rows; run on CPU tensors (the torch ops; a captured graph on CUDA runs the
+one-launch kernel instead, checked against these ops by test_decode_context_kernel.py)."""
 
 from __future__ import annotations
 
