@@ -54,6 +54,9 @@ def bench_graph(fn) -> float | None:
     import triton.testing
 
     try:
+        # do_bench_cudagraph runs fn on a new side stream that does not wait for the default stream: the inputs
+        # must be complete first (scripts/bench_indexer.py g_ms)
+        torch.cuda.synchronize()
         return float(triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median"))
     except Exception:
         torch.cuda.synchronize()

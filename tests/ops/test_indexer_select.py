@@ -219,3 +219,35 @@ def test_indexer_topk_cuda_graph_replay(monkeypatch, path):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out.cpu(), ref(*new, 512))
+
+
+@pytest.mark.cuda
+def test_bench_graph_timing_sees_complete_inputs(monkeypatch):
+    # regression (session 4): scripts/bench_indexer.py timed the op right after building its inputs; triton's
+    # do_bench_cudagraph first calls it on a new side stream that does not wait for the default stream, so the op
+    # read cand before it was written (an illegal memory access at T=32 N=65536). Here cand is rewritten on the
+    # default stream behind a device sleep; the first timed call must already see the new ids.
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
+    import bench_indexer as bi
+
+    monkeypatch.setenv("ATB_CUDA_INDEXER", "rank")
+    monkeypatch.setattr(bi, "NO_SYNC", False)
+    cu = atb_ops.implementations("indexer_topk")["cuda"]
+    g = torch.Generator(device="cuda").manual_seed(3)
+    t, n = 4, 4096
+    q = torch.randn(t, 64, 128, device="cuda", generator=g).bfloat16()
+    w = torch.randn(t, 64, device="cuda", generator=g)
+    kc = torch.randn(t * n, 128, device="cuda", generator=g).bfloat16()
+    real = torch.arange(t * n, device="cuda").view(t, n)
+    want = cu(q, w, kc, real, 512)
+    cand = torch.full_like(real, -1)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)
+    cand.copy_(real)
+    first = []
+    bi.g_ms(lambda: first.append(cu(q, w, kc, cand, 512)) if not first else cu(q, w, kc, cand, 512))
+    torch.cuda.synchronize()
+    assert torch.equal(first[0], want)

@@ -1,0 +1,62 @@
+#!/usr/bin/env python3
+"""Reproduces the illegal memory access of scripts/bench_indexer.py's breakdown deterministically (session 4).
+
+triton.testing.do_bench_cudagraph calls fn first on a NEW side stream that does not wait for the default stream.
+Here cand is rewritten on the default stream behind a ~0.1 s device sleep, then timed at once:
+  fill=-1:   the side stream sees the old all -1 cand -> the first call's output is all -1 (wrong), no crash
+  fill=huge: the side stream sees rows 2^40 -> the score kernel gathers far outside k_cache -> illegal access
+with sync (what g_ms does now) both give the reference's output. Each case in its own process (a fault ends the
+CUDA context). Usage: python scripts/repro_indexer_graph_race.py [T N]
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def case(fill, sync, t, n, path):
+    import atb_ops
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import bench_indexer as bi
+
+    os.environ["ATB_CUDA_INDEXER"] = path
+    bi.NO_SYNC = not sync
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    q = torch.randn(t, 64, 128, device=dev, generator=g).bfloat16()
+    w = torch.randn(t, 64, device=dev, generator=g)
+    keys = torch.randn(t * n, 128, device=dev, generator=g).bfloat16()
+    cu = atb_ops.implementations("indexer_topk")["cuda"]
+    cand = torch.full((t, n), -1 if fill == "neg1" else 2**40, dtype=torch.int64, device=dev)
+    real = torch.arange(t * n, device=dev).view(t, n)
+    want = cu(q, w, keys, real, 512)  # compiled, and the output of the complete inputs
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # default stream busy ~0.1 s
+    cand.copy_(real)  # ... then the real candidate ids, on the default stream
+    first = []
+    try:
+        ms = bi.g_ms(lambda: first.append(cu(q, w, keys, cand, 512)) if not first else cu(q, w, keys, cand, 512))
+        torch.cuda.synchronize()
+        ok = torch.equal(first[0], want)
+        print(f"fill={fill} sync={sync} path={path}: ran {ms * 1e3:.1f}us, first call == complete-input output: {ok}"
+              f" (all -1: {bool((first[0] == -1).all())})", flush=True)
+    except Exception as e:  # noqa: BLE001
+        print(f"fill={fill} sync={sync} path={path}: FAILED {type(e).__name__}: {str(e)[:90]}", flush=True)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--case":
+        case(sys.argv[2], sys.argv[3] == "1", int(sys.argv[4]), int(sys.argv[5]), sys.argv[6])
+        sys.exit(0)
+    t, n = (int(sys.argv[1]), int(sys.argv[2])) if len(sys.argv) > 2 else (32, 65536)
+    for path in ("rank", "old"):
+        for fill in ("neg1", "huge"):
+            for sync in ("0", "1"):
+                subprocess.run([sys.executable, __file__, "--case", fill, sync, str(t), str(n), path], check=False,
+                               timeout=120)
