@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import atb_ops  # noqa: E402
 
-BREAK_PATHS = ("rank", "hist", "split", "bits", "old")
+BREAK_PATHS = ("fused", "rank", "hist", "split", "bits", "old")
 from atb_ops.cuda import indexer as ix  # noqa: E402
 
 
@@ -59,6 +59,9 @@ def _breakdown(res, cu, q, w, keys, cand, k, byt, hbm, T, n):
     hb = ix.hist_bits()
     sk = ix.score_keys(q, w, keys, cand)
     _timed(res, "score", lambda: ix.score_keys(q, w, keys, cand))
+    os.environ["ATB_CUDA_INDEXER_FIT"] = "1"  # one resident wave: 2 programs per SM, rounded down
+    _timed(res, "score 1-wave", lambda: ix.score_keys(q, w, keys, cand, tiles=[128, 4, 1, 2, 1]))
+    os.environ.pop("ATB_CUDA_INDEXER_FIT")
 
     def zeros():
         return torch.zeros(T, (1 << hb) + 32, dtype=torch.int32, device=q.device)
@@ -91,7 +94,7 @@ def main():
     ap.add_argument("--hbs", default="10;11;12;13", help="histogram bits tried on the sweep shapes")
     ap.add_argument("--shapes", default="1x2048;32x2048;32x8192;32x16384;32x65536")
     ap.add_argument("--no-sync", action="store_true", help="old timing: no synchronisation before a graph timing")
-    ap.add_argument("--paths", default="rank,hist,split,bits,old", help="op paths of the breakdown")
+    ap.add_argument("--paths", default="fused,rank,hist,split,bits,old", help="op paths of the breakdown")
     a = ap.parse_args()
     global NO_SYNC, BREAK_PATHS
     NO_SYNC, BREAK_PATHS = a.no_sync, tuple(a.paths.split(","))

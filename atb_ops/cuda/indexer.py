@@ -103,7 +103,16 @@ def _score_keys_kernel(q_ptr, w_ptr, k_ptr, cand_ptr, key_ptr, hist_ptr, HS, N, 
     runs in float32 when F32 (either operand float32, or mixed 16-bit dtypes), else in k_cache's 16-bit dtype.
     HB > 0: also counts the finite keys per bin of their top HB bits into hist[t, :2^HB] (row stride HS)."""
     t = tl.program_id(0).to(tl.int64)
-    blk0 = tl.program_id(1) * BPP
+    score_program(t, tl.program_id(1) * BPP, q_ptr, w_ptr, k_ptr, cand_ptr, key_ptr, hist_ptr + t * HS, N, Hi, Di,
+                  stride_k, BPP, BH, BD, BN, PREC, STAGES, F32, PRE, HB)
+
+
+@triton.jit
+def score_program(t, blk0, q_ptr, w_ptr, k_ptr, cand_ptr, key_ptr, hist_row, N, Hi, Di, stride_k, BPP,
+                  BH: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr,
+                  F32: tl.constexpr, PRE: tl.constexpr, HB: tl.constexpr):
+    """One score program: token t (int64), the BPP blocks of BN candidates from block blk0 (also used by
+    ``indexer_fused``)."""
     h = tl.arange(0, BH)
     d = tl.arange(0, BD)
     hm = h < Hi
@@ -130,7 +139,7 @@ def _score_keys_kernel(q_ptr, w_ptr, k_ptr, cand_ptr, key_ptr, hist_ptr, HS, N, 
                              mask=(rows_n >= 0)[:, None] & dm[None, :], other=0.0)
             n_nn = n_n + BN
             rows_nn = tl.load(cand_ptr + t * N + n_nn, mask=n_nn < n_end, other=-1)
-            _score_block(q, w, keys_c.to(op_ty), rows_c, n_c, key_ptr + t * N, N, PREC, hist_ptr + t * HS, HB)
+            _score_block(q, w, keys_c.to(op_ty), rows_c, n_c, key_ptr + t * N, N, PREC, hist_row, HB)
             keys_c, rows_c, n_c = keys_n, rows_n, n_n
             rows_n, n_n = rows_nn, n_nn
     else:
@@ -139,7 +148,7 @@ def _score_keys_kernel(q_ptr, w_ptr, k_ptr, cand_ptr, key_ptr, hist_ptr, HS, N, 
             rows = tl.load(cand_ptr + t * N + n, mask=n < N, other=-1)
             keys = tl.load(k_ptr + rows.to(tl.int64)[:, None] * stride_k + d[None, :],
                            mask=(rows >= 0)[:, None] & dm[None, :], other=0.0).to(op_ty)
-            _score_block(q, w, keys, rows, n, key_ptr + t * N, N, PREC, hist_ptr + t * HS, HB)
+            _score_block(q, w, keys, rows, n, key_ptr + t * N, N, PREC, hist_row, HB)
 
 
 @triton.jit
@@ -160,7 +169,7 @@ def _score_block(q, w, keys, rows, n, key_row, N, PREC: tl.constexpr, hist_row, 
 
 
 # ----------------------------------------------------------------------------------------------------- wrapper
-PATHS = ("auto", "rank", "hist", "split", "bits", "old")
+PATHS = ("auto", "fused", "rank", "hist", "split", "bits", "old")
 DEFAULT_PATH = "auto"
 # auto: the fastest path per candidate count N in one H100 run at T = 32 (scripts/bench_results/
 # indexer_select_h100.txt, graph replays): N <= 8192 bits (N = 2048: 20.7 us vs rank 24.1; N = 8192: 55.9 vs
@@ -182,9 +191,13 @@ def _mode(n):
     return path, ([int(v) for v in parts] or None)
 
 
-def _score_cfg(device, n, t_count, tiles=None):
-    """(BN, warps, stages, blocks per program, programs per token, register prefetch) of the score kernel."""
-    bn, warps, stages, per_sm, pre = 128, 4, 1, 4, 1  # best of the H100 sweep (scripts/bench_indexer.py)
+def _score_cfg(device, n, t_count, tiles=None, per_sm=4, fit=False):
+    """(BN, warps, stages, blocks per program, programs per token, register prefetch) of the score kernel.
+
+    Programs per token: per_sm * SMs / T rounded up (fit=False, the previous rule) or down (fit=True, or
+    ATB_CUDA_INDEXER_FIT=1: no partial last wave when per_sm programs fit on an SM); ATB_CUDA_INDEXER_SPLITS
+    sets it directly."""
+    bn, warps, stages, pre = 128, 4, 1, 1  # best of the H100 sweep (scripts/bench_indexer.py)
     if tiles:
         bn, warps, stages, per_sm = tiles[:4]
         pre = tiles[4] if len(tiles) > 4 else 0
@@ -192,7 +205,11 @@ def _score_cfg(device, n, t_count, tiles=None):
         bn, stages = 16, 1
     bn = min(bn, pow2(n, 16))
     nblk = triton.cdiv(n, bn)
-    splits = min(nblk, max(1, triton.cdiv(per_sm * sm_count(device), t_count)))
+    fit = fit or os.environ.get("ATB_CUDA_INDEXER_FIT", "0") == "1"
+    slots = per_sm * sm_count(device)
+    splits = int(os.environ.get("ATB_CUDA_INDEXER_SPLITS", 0)) or (slots // t_count if fit else
+                                                                  triton.cdiv(slots, t_count))
+    splits = min(nblk, max(1, splits))
     bpp = triton.cdiv(nblk, splits)
     return bn, warps, stages, bpp, triton.cdiv(nblk, bpp), bool(pre)
 
@@ -305,6 +322,10 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, 
             return select_topk(keys, cand, k)
         return _select_torch(keys, cand, k)
     hb = hist_bits()
+    if path == "fused":
+        from .indexer_fused import topk_fused
+
+        return topk_fused(q, weights, kc, cand, k, hb, tiles)
     if path == "rank":  # histogram, per-bin slot counters, |S|
         buf = torch.zeros(t_count, (2 << hb) + 32, dtype=torch.int32, device=q.device)
         keys = score_keys(q, weights, kc, cand, buf, hb, tiles)

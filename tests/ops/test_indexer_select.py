@@ -18,7 +18,7 @@ from atb_ops.cuda import indexer as ix  # noqa: E402
 from atb_ops.cuda.indexer_select import ORD_NEG_INF_INT  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-PATHS = ("rank", "hist", "split", "bits")
+PATHS = ("fused", "rank", "hist", "split", "bits")
 NAN_KEY, INF_KEY = 0x7FC00000, 0x7F800000  # order keys of NaN and +inf (keys lie in [ORD_NEG_INF, NAN_KEY])
 
 
@@ -145,7 +145,7 @@ def test_indexer_topk_paths_edge_cases(monkeypatch, path, hb):
     _check(q, -w.abs(), kc, cand, 25)
 
 
-@pytest.mark.parametrize("path", ["rank", "hist", "split"])
+@pytest.mark.parametrize("path", ["fused", "rank", "hist", "split"])
 def test_indexer_topk_small_caps_fallback(monkeypatch, path):
     # sort sizes at their minimum: most rows take the exact fallback, the others the small tier
     monkeypatch.setenv("ATB_CUDA_INDEXER", path)
@@ -157,8 +157,27 @@ def test_indexer_topk_small_caps_fallback(monkeypatch, path):
         _check(q, w, kc, cand, 12)
 
 
+@pytest.mark.parametrize("p,q,hb,cap", [(1, 1, "12", None), (3, 3, "12", None), (2, 1, "6", "16,32"), (5, 4, "3", None)])
+def test_indexer_topk_fused_program_counts(monkeypatch, p, q, hb, cap):
+    # the fused launch with 1..5 bucket programs and 1..4 sort programs per token (each sort program takes bins
+    # i = q, q + Q, ...), coarse bins (one bin over SEG keys -> the exact fallback) and a small |S| cap
+    monkeypatch.setenv("ATB_CUDA_INDEXER", "fused")
+    monkeypatch.setenv("ATB_CUDA_INDEXER_P", str(p))
+    monkeypatch.setenv("ATB_CUDA_INDEXER_Q", str(q))
+    monkeypatch.setenv("ATB_CUDA_INDEXER_HB", hb)
+    if cap:
+        monkeypatch.setenv("ATB_CUDA_INDEXER_CAP", cap)
+    g = gen(13)
+    for integer in (False, True):
+        q_, w, kc, cand = _inputs(g, 3, 160, 200, integer=integer)
+        cand[2, 50:] = -1
+        _check(q_, w, kc, cand, 24)
+        _check(q_, w, kc, cand[:, :10], 24)  # N < k
+        _check(q_[:1], w[:1], kc, cand[:1], 1)  # k = 1
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("path", ["rank", "hist", "split"])
+@pytest.mark.parametrize("path", ["fused", "rank", "hist", "split"])
 @pytest.mark.parametrize("t,n", [(1, 2048), (32, 2048), (32, 16384), (4, 65536), (32, 65536), (5, 300), (64, 8192)])
 def test_indexer_topk_paths_real_shapes(monkeypatch, path, t, n):
     # 64 heads x 128 dims bf16; integer inputs: exact scores with many ties, so the selection must equal the
@@ -187,7 +206,7 @@ def test_indexer_topk_paths_real_shapes(monkeypatch, path, t, n):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("path", ["rank", "hist", "split"])
+@pytest.mark.parametrize("path", ["fused", "rank", "hist", "split"])
 def test_indexer_topk_cuda_graph_replay(monkeypatch, path):
     # decode runs under CUDA graphs: capture once, replay on new inputs copied into the static buffers (the zeroed
     # histogram and the slot counter must be rebuilt on every replay), compare each replay with the reference
