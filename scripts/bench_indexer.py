@@ -51,23 +51,26 @@ def _timed(res, name, fn):
 
 def _breakdown(res, cu, q, w, keys, cand, k, byt, hbm, T, n):
     outs = {}
-    for path in BREAK_PATHS:
+    for spec in BREAK_PATHS:  # "PATH[:OPT=V:...]" -> ATB_CUDA_INDEXER=PATH, ATB_CUDA_INDEXER_OPT=V
+        path, *opts = spec.split(":")
         os.environ["ATB_CUDA_INDEXER"] = path
-        outs[path] = cu(q, w, keys, cand, 512)
-        _timed(res, f"{path} op", lambda: cu(q, w, keys, cand, 512))
+        for o in opts:
+            os.environ["ATB_CUDA_INDEXER_" + o.split("=")[0].upper()] = o.split("=")[1]
+        outs[spec] = cu(q, w, keys, cand, 512)
+        _timed(res, f"{spec} op", lambda: cu(q, w, keys, cand, 512))
+        for o in opts:
+            os.environ.pop("ATB_CUDA_INDEXER_" + o.split("=")[0].upper())
     os.environ.pop("ATB_CUDA_INDEXER")
     hb = ix.hist_bits()
     sk = ix.score_keys(q, w, keys, cand)
-    _timed(res, "score", lambda: ix.score_keys(q, w, keys, cand))
-    os.environ["ATB_CUDA_INDEXER_FIT"] = "1"  # one resident wave: 2 programs per SM, rounded down
-    _timed(res, "score 1-wave", lambda: ix.score_keys(q, w, keys, cand, tiles=[128, 4, 1, 2, 1]))
-    os.environ.pop("ATB_CUDA_INDEXER_FIT")
+    _timed(res, "score", lambda: ix.score_keys(q, w, keys, cand))  # the previous grid (4 * SMs / T rounded up)
+    _timed(res, "score 1-wave", lambda: ix.score_keys(q, w, keys, cand, wave=True))  # 2 * SMs / T rounded down
 
     def zeros():
         return torch.zeros(T, (1 << hb) + 32, dtype=torch.int32, device=q.device)
 
     _timed(res, "zeros", zeros)
-    _timed(res, "zeros+score+hist", lambda: ix.score_keys(q, w, keys, cand, zeros(), hb))
+    _timed(res, "zeros+score+hist", lambda: ix.score_keys(q, w, keys, cand, zeros(), hb, wave=True))
     hist = zeros()
     ix.score_keys(q, w, keys, cand, hist, hb)
     _timed(res, "select bits", lambda: ix.select_topk(sk, cand, k))

@@ -22,12 +22,14 @@ places each by its rank inside its bin (no sort); ``hist`` compacts and sorts th
 bin holds too many keys (thousands of exact ties).
 
 ATB_CUDA_INDEXER = "PATH[,BN,WARPS,STAGES,CTAS_PER_SM[,PRE]]" or just the tiles: PATH ``auto`` (default: bits,
-split or rank by the candidate count N, see ``_AUTO_BITS_MAX``), ``rank``, ``hist``, ``split``, ``bits`` (the
+split or rank by the candidate count N, see ``_AUTO_BITS_MAX``), ``fused`` (``indexer_fused``: score, bucket and
+sort programs in one launch), ``rank``, ``hist``, ``split``, ``bits`` (the
 previous selection: ``_select_kernel``, one program per token finding the k-th largest key by a 32-step MSB-first
 bit search of counts; rows over 16384 keys through torch.topk) or ``old`` (the first path: int64 keys +
 torch.topk); the tiles override the score kernel's (PRE=1: the register prefetch loop instead of Triton's
 pipeliner). ATB_CUDA_INDEXER_HB: histogram bits (12); ATB_CUDA_INDEXER_CAP="CAP1,CAP2": the sort sizes;
-ATB_CUDA_INDEXER_SEL_WARPS: the selection kernel's warps; ATB_CUDA_INDEXER_CH: keys per compaction chunk.
+ATB_CUDA_INDEXER_SEL_WARPS: the selection kernel's warps; ATB_CUDA_INDEXER_CH: keys per compaction chunk;
+ATB_CUDA_INDEXER_FIT / _SPLITS: the score kernel's grid (``_score_cfg``).
 """
 
 from __future__ import annotations
@@ -191,13 +193,17 @@ def _mode(n):
     return path, ([int(v) for v in parts] or None)
 
 
-def _score_cfg(device, n, t_count, tiles=None, per_sm=4, fit=False):
+def _score_cfg(device, n, t_count, tiles=None, wave=False):
     """(BN, warps, stages, blocks per program, programs per token, register prefetch) of the score kernel.
 
-    Programs per token: per_sm * SMs / T rounded up (fit=False, the previous rule) or down (fit=True, or
-    ATB_CUDA_INDEXER_FIT=1: no partial last wave when per_sm programs fit on an SM); ATB_CUDA_INDEXER_SPLITS
-    sets it directly."""
-    bn, warps, stages, pre = 128, 4, 1, 1  # best of the H100 sweep (scripts/bench_indexer.py)
+    Programs per token: wave (the histogram paths): CTAS_PER_SM (2) * SMs / T rounded down, one resident wave --
+    the default tiles take 255 registers x 128 threads, so 2 programs fit on an SM, and the previous rule's extra
+    programs ran as a short last wave (H100, T=32 N=65536: score kernel 210 us against 266 us); else the previous
+    rule: 4 * SMs / T rounded up (bits, old). ATB_CUDA_INDEXER_FIT=0/1 forces either rule,
+    ATB_CUDA_INDEXER_SPLITS the count itself."""
+    fit = os.environ.get("ATB_CUDA_INDEXER_FIT")
+    wave = wave if fit not in ("0", "1") else fit == "1"
+    bn, warps, stages, per_sm, pre = 128, 4, 1, 2 if wave else 4, 1  # best of the H100 sweeps
     if tiles:
         bn, warps, stages, per_sm = tiles[:4]
         pre = tiles[4] if len(tiles) > 4 else 0
@@ -205,22 +211,22 @@ def _score_cfg(device, n, t_count, tiles=None, per_sm=4, fit=False):
         bn, stages = 16, 1
     bn = min(bn, pow2(n, 16))
     nblk = triton.cdiv(n, bn)
-    fit = fit or os.environ.get("ATB_CUDA_INDEXER_FIT", "0") == "1"
     slots = per_sm * sm_count(device)
-    splits = int(os.environ.get("ATB_CUDA_INDEXER_SPLITS", 0)) or (slots // t_count if fit else
+    splits = int(os.environ.get("ATB_CUDA_INDEXER_SPLITS", 0)) or (slots // t_count if wave else
                                                                   triton.cdiv(slots, t_count))
     splits = min(nblk, max(1, splits))
     bpp = triton.cdiv(nblk, splits)
     return bn, warps, stages, bpp, triton.cdiv(nblk, bpp), bool(pre)
 
 
-def score_keys(q, weights, kc, cand, hist=None, hb=0, tiles=None):
+def score_keys(q, weights, kc, cand, hist=None, hb=0, tiles=None, wave=False):
     """[T, N] int32 order keys of the scores (see the module docstring); kc [P, Di] rows, unit stride. hist
-    [T, >= 2^hb] int32 zeros (hb > 0): receives the per-token count of finite keys per top-hb-bit bin."""
+    [T, >= 2^hb] int32 zeros (hb > 0): receives the per-token count of finite keys per top-hb-bit bin. wave: the
+    one-resident-wave grid (``_score_cfg``)."""
     t_count, n = cand.shape
     hi, di = q.shape[1], q.shape[2]
     keys = torch.empty(t_count, n, dtype=torch.int32, device=q.device)
-    bn, warps, stages, bpp, splits, pre = _score_cfg(q.device, n, t_count, tiles)
+    bn, warps, stages, bpp, splits, pre = _score_cfg(q.device, n, t_count, tiles, wave)
     f32 = torch.float32 in (q.dtype, kc.dtype) or q.dtype != kc.dtype
     hist_arg, hs = (keys, 0) if hist is None or hb == 0 else (hist, hist.stride(0))
     _score_keys_kernel[(t_count, splits)](q, weights, kc, cand, keys, hist_arg, hs, n, hi, di, kc.stride(0), bpp,
@@ -328,11 +334,11 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, 
         return topk_fused(q, weights, kc, cand, k, hb, tiles)
     if path == "rank":  # histogram, per-bin slot counters, |S|
         buf = torch.zeros(t_count, (2 << hb) + 32, dtype=torch.int32, device=q.device)
-        keys = score_keys(q, weights, kc, cand, buf, hb, tiles)
+        keys = score_keys(q, weights, kc, cand, buf, hb, tiles, wave=True)
         return select_rank(keys, buf, cand, k, hb)
     # per-token bins + the split path's slot counter (column 2^hb); rows padded to 128 bytes
     hist = torch.zeros(t_count, (1 << hb) + 32, dtype=torch.int32, device=q.device)
-    keys = score_keys(q, weights, kc, cand, hist, hb, tiles)
+    keys = score_keys(q, weights, kc, cand, hist, hb, tiles, wave=True)
     return select_hist(keys, hist, cand, k, hb, split=path == "split")
 
 

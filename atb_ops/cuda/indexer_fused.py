@@ -11,9 +11,11 @@ Grid [T * (SPL + P + Q)] (1D; program ids in this order, t = id % T inside each 
          finite keys in bins >= b*) from the histogram; bucket S's keys of candidates [p * RC, (p + 1) * RC) by
          bin: scratch[t, start[b] + slot] (start[b] = keys of S in bins > b, slot from a per-bin atomic counter)
          as int64 composites (key << 32) | (2^32 - 1 - n); then ticket_b[t] += 1.
-  sort   (T * Q):   wait for ticket_b[t] == P; program q sorts the segments of the nonempty bins >= b* with index
-         i = q, q + Q, ... (descending composite = the reference's order: score desc, candidate order on ties) and
-         writes out[t, start[b] + j] for start[b] + j < KW; q = 0 writes -1 at [|S|, KW).
+  sort   (T * Q):   wait for ticket_b[t] == P; q = 0 writes -1 at [|S|, KW). Default (RANK, ``_rank_slices``):
+         program q places the keys at scratch positions [s, s + R), s = q * R, (q + Q) * R, ..., each at
+         start[b] + (keys of its bin with a larger composite). ATB_CUDA_INDEXER_FSORT=bins: program q sorts the
+         segments of the nonempty bins >= b* with index q, q + Q, ... (tl.sort) and writes their first entries.
+         Either way: descending composite = the reference's order (score desc, candidate order on ties).
 |S| > CAP or a bin of S with more than SEG keys (thousands of equal scores): no bucketing; sort program 0 runs the
 exact bit search (``indexer_select._bits_select``).
 
@@ -75,11 +77,38 @@ def _seg_emit(seg, cand_row, out_row, st, ln, KW, C: tl.constexpr):
 
 
 @triton.jit
+def _rank_slices(t, qq, Q, cnt, hist_row, start_row, srow, cand_row, out_row, KW, HB: tl.constexpr, R: tl.constexpr,
+                 C: tl.constexpr):
+    """Sort program qq (RANK): places the S keys at scratch positions [s, s + R) for s = qq * R, (qq + Q) * R, ...
+    at out position start[b] + (keys of its own bin b with a larger composite): no sort, a comparison with the
+    bin's segment only (the bins already order the rest)."""
+    ii = tl.arange(0, R)
+    jc = tl.arange(0, C)
+    for base in range(qq * R, cnt, Q * R):
+        i = base + ii
+        im = i < cnt
+        c = tl.load(srow + i, mask=im, other=I64_MIN, cache_modifier=".cg")
+        bx = tl.where(im, key_bin((c >> 32).to(tl.int32), HB), 0)
+        st = tl.load(start_row + bx, mask=im, other=0, cache_modifier=".cg")
+        ln = tl.load(hist_row + bx, mask=im, other=0, cache_modifier=".cg")
+        r = tl.zeros([R], dtype=tl.int32)
+        for j0 in range(0, tl.max(ln, 0), C):
+            jj = j0 + jc
+            # default caching: these lines were written before the wait (no stale copy in this SM's L1)
+            o = tl.load(srow + st[:, None] + jj[None, :], mask=jj[None, :] < ln[:, None], other=I64_MIN)
+            r += tl.sum((o > c[:, None]).to(tl.int32), 1)
+        pos = st + r
+        keep = im & (pos < KW)
+        row = tl.load(cand_row + (4294967295 - (c & 4294967295)), mask=keep, other=-1)
+        tl.store(out_row + pos, row, mask=keep)
+
+
+@triton.jit
 def _fused_kernel(q_ptr, w_ptr, k_ptr, cand_ptr, key_ptr, buf_ptr, BS, start_ptr, scratch_ptr, out_ptr,
                   T, N, Hi, Di, stride_k, SPL, BPP, KW, P, RC, Q, CAP,
                   BH: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr, F32: tl.constexpr,
                   PRE: tl.constexpr, HB: tl.constexpr, CH: tl.constexpr, SEG: tl.constexpr, FCH: tl.constexpr,
-                  KP: tl.constexpr, FONE: tl.constexpr):
+                  KP: tl.constexpr, FONE: tl.constexpr, RANK: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
     pid = tl.program_id(0)
     NB: tl.constexpr = 1 << HB
     if pid < T * SPL:
@@ -120,20 +149,24 @@ def _fused_kernel(q_ptr, w_ptr, k_ptr, cand_ptr, key_ptr, buf_ptr, BS, start_ptr
             if qq == 0:
                 jj = tl.arange(0, KP)
                 tl.store(out_row + jj, tl.full([KP], -1, tl.int64), mask=(jj >= cnt) & (jj < KW))
-            m = (b >= bstar) & (h > 0)
-            mi = m.to(tl.int32)
-            idx = tl.cumsum(mi, 0) - mi  # index of each nonempty bin of S, highest bin last
-            for i in range(qq, tl.sum(mi, 0), Q):
-                one = m & (idx == i)
-                st = tl.sum(tl.where(one, ge - h, 0), 0)
-                ln = tl.sum(tl.where(one, h, 0), 0)
-                seg = scratch_ptr + t * CAP + st
-                if ln <= 32:
-                    _seg_emit(seg, cand_ptr + t * N, out_row, st, ln, KW, 32)
-                elif ln <= 256:
-                    _seg_emit(seg, cand_ptr + t * N, out_row, st, ln, KW, 256)
-                else:
-                    _seg_emit(seg, cand_ptr + t * N, out_row, st, ln, KW, SEG)
+            if RANK:
+                _rank_slices(t, qq, Q, cnt, row, start_ptr + t * NB, scratch_ptr + t * CAP, cand_ptr + t * N,
+                             out_row, KW, HB, R, C)
+            else:
+                m = (b >= bstar) & (h > 0)
+                mi = m.to(tl.int32)
+                idx = tl.cumsum(mi, 0) - mi  # index of each nonempty bin of S, highest bin last
+                for i in range(qq, tl.sum(mi, 0), Q):
+                    one = m & (idx == i)
+                    st = tl.sum(tl.where(one, ge - h, 0), 0)
+                    ln = tl.sum(tl.where(one, h, 0), 0)
+                    seg = scratch_ptr + t * CAP + st
+                    if ln <= 32:
+                        _seg_emit(seg, cand_ptr + t * N, out_row, st, ln, KW, 32)
+                    elif ln <= 256:
+                        _seg_emit(seg, cand_ptr + t * N, out_row, st, ln, KW, 256)
+                    else:
+                        _seg_emit(seg, cand_ptr + t * N, out_row, st, ln, KW, SEG)
         elif qq == 0:
             _bits_select(t, key_ptr, cand_ptr, scratch_ptr, out_ptr, N, KW, CAP, FCH, KP, FONE)
 
@@ -152,7 +185,7 @@ def topk_fused(q, weights, kc, cand, k, hb, tiles=None):
     t_count, n = cand.shape
     hi, di = q.shape[1], q.shape[2]
     # score programs: one resident wave (the kernel takes 255 registers x 128 threads: 2 programs per SM)
-    bn, warps, _, bpp, spl, pre = ix._score_cfg(q.device, n, t_count, tiles, per_sm=2, fit=True)
+    bn, warps, _, bpp, spl, pre = ix._score_cfg(q.device, n, t_count, tiles, wave=True)
     kp = pow2(k, 16)
     caps = os.environ.get("ATB_CUDA_INDEXER_CAP")
     cap = max(int(caps.split(",")[-1]) if caps else 8 * kp, kp)
@@ -163,6 +196,7 @@ def topk_fused(q, weights, kc, cand, k, hb, tiles=None):
     rc = triton.cdiv(triton.cdiv(n, p), ch) * ch
     p = triton.cdiv(n, rc)
     nq = int(os.environ.get("ATB_CUDA_INDEXER_Q", 2 if INTERPRET else 8))
+    rank = os.environ.get("ATB_CUDA_INDEXER_FSORT", "rank") != "bins"  # sort programs: rank slices / bin sorts
     fch = min(pow2(n, 16), 64 if INTERPRET else 2048)
     buf = torch.zeros(t_count, (2 << hb) + 32, dtype=torch.int32, device=q.device)
     start = torch.empty(t_count, 1 << hb, dtype=torch.int32, device=q.device)
@@ -173,5 +207,6 @@ def topk_fused(q, weights, kc, cand, k, hb, tiles=None):
     _fused_kernel[(t_count * (spl + p + nq),)](
         q, weights, kc, cand, keys, buf, buf.stride(0), start, scratch, out, t_count, n, hi, di, kc.stride(0), spl, bpp,
         k, p, rc, nq, cap, BH=pow2(hi, 16), BD=pow2(di, 16), BN=bn, PREC=dot_precision(q.dtype, kc.dtype), F32=f32,
-        PRE=pre, HB=hb, CH=ch, SEG=seg, FCH=fch, KP=kp, FONE=pow2(n, 16) <= fch, num_warps=warps)
+        PRE=pre, HB=hb, CH=ch, SEG=seg, FCH=fch, KP=kp, FONE=pow2(n, 16) <= fch, RANK=rank, R=16 if INTERPRET else 128,
+        C=8 if INTERPRET else 32, num_warps=warps)
     return out

@@ -158,10 +158,12 @@ def test_indexer_topk_small_caps_fallback(monkeypatch, path):
 
 
 @pytest.mark.parametrize("p,q,hb,cap", [(1, 1, "12", None), (3, 3, "12", None), (2, 1, "6", "16,32"), (5, 4, "3", None)])
-def test_indexer_topk_fused_program_counts(monkeypatch, p, q, hb, cap):
-    # the fused launch with 1..5 bucket programs and 1..4 sort programs per token (each sort program takes bins
-    # i = q, q + Q, ...), coarse bins (one bin over SEG keys -> the exact fallback) and a small |S| cap
+@pytest.mark.parametrize("fsort", ["rank", "bins"])
+def test_indexer_topk_fused_program_counts(monkeypatch, p, q, hb, cap, fsort):
+    # the fused launch with 1..5 bucket programs and 1..4 sort programs per token (rank slices q, q + Q, ... or
+    # bins q, q + Q, ...), coarse bins (one bin over SEG keys -> the exact fallback) and a small |S| cap
     monkeypatch.setenv("ATB_CUDA_INDEXER", "fused")
+    monkeypatch.setenv("ATB_CUDA_INDEXER_FSORT", fsort)
     monkeypatch.setenv("ATB_CUDA_INDEXER_P", str(p))
     monkeypatch.setenv("ATB_CUDA_INDEXER_Q", str(q))
     monkeypatch.setenv("ATB_CUDA_INDEXER_HB", hb)
@@ -262,6 +264,15 @@ def test_bench_graph_timing_sees_complete_inputs(monkeypatch):
     kc = torch.randn(t * n, 128, device="cuda", generator=g).bfloat16()
     real = torch.arange(t * n, device="cuda").view(t, n)
     want = cu(q, w, kc, real, 512)
+    # the side stream that do_bench_cudagraph takes next from torch's pool of 32 gets cached blocks first, so no
+    # cudaMalloc (which synchronises the device) hides the race (scripts/repro_indexer_graph_race.py)
+    s_prev, s0 = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(s0):
+        cu(q, w, kc, real, 512)
+    torch.cuda.synchronize()
+    for _ in range(64):
+        if torch.cuda.Stream().cuda_stream == s_prev.cuda_stream:
+            break
     cand = torch.full_like(real, -1)
     torch.cuda.synchronize()
     torch.cuda._sleep(200_000_000)
