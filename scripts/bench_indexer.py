@@ -70,7 +70,8 @@ def _breakdown(res, cu, q, w, keys, cand, k, byt, hbm, T, n):
         return torch.zeros(T, (1 << hb) + 32, dtype=torch.int32, device=q.device)
 
     _timed(res, "zeros", zeros)
-    _timed(res, "zeros+score+hist", lambda: ix.score_keys(q, w, keys, cand, zeros(), hb, wave=True))
+    _timed(res, "zeros+score+hist", lambda: ix.score_keys(q, w, keys, cand, zeros(), hb))
+    _timed(res, "zeros+score+hist 1-wave", lambda: ix.score_keys(q, w, keys, cand, zeros(), hb, wave=True))
     hist = zeros()
     ix.score_keys(q, w, keys, cand, hist, hb)
     _timed(res, "select bits", lambda: ix.select_topk(sk, cand, k))

@@ -91,9 +91,12 @@ ROTATE_BYTES = 150e6  # rotated attention inputs: 3x the 50 MB L2
 # ATB_CUDA_INDEXER_<NAME> (ch, hb, r, sel_warps), and score-kernel tiles " [indexer=BN,WARPS,STAGES,CTAS_PER_SM,PRE]"
 # (P, Q, FIT, SPLITS: the fused path's bucket / sort programs per token, score programs rounded down / given).
 # Session 4: the fused path (one launch) against the other paths and the score kernel fitted to one wave.
+# Session 4 measured the first rows (to N=65536 fused p=2); the rest are the next run's questions (fused's rank-slice
+# sort programs, the other paths on the one-wave score grid).
 INDEXER_VARIANTS = ("", " [indexer=fused]", " [indexer=fused q=4]", " [indexer=fused p=2]",
                     " [indexer=fused,128,4,1,4,1]", " [indexer=rank]", " [indexer=rank,128,4,1,2,1 fit=1]",
-                    " [indexer=split]", " [indexer=bits]")
+                    " [indexer=split]", " [indexer=bits]", " [indexer=fused frank=1]", " [indexer=rank fit=1]",
+                    " [indexer=split fit=1]")
 
 
 class Rotating:
@@ -367,7 +370,7 @@ def main() -> None:
             else:
                 os.environ.pop(var, None)
         im = re.search(r"\[indexer=([\w,]+)((?: \w+=\d+)*)\]", case_name)
-        for opt in ("CH", "HB", "R", "SEL_WARPS", "P", "Q", "FIT", "SPLITS", "CAP"):
+        for opt in ("CH", "HB", "R", "SEL_WARPS", "P", "Q", "FIT", "SPLITS", "CAP", "FRANK"):
             os.environ.pop(f"ATB_CUDA_INDEXER_{opt}", None)
         if im:
             os.environ["ATB_CUDA_INDEXER"] = im.group(1)

@@ -11,11 +11,12 @@ Grid [T * (SPL + P + Q)] (1D; program ids in this order, t = id % T inside each 
          finite keys in bins >= b*) from the histogram; bucket S's keys of candidates [p * RC, (p + 1) * RC) by
          bin: scratch[t, start[b] + slot] (start[b] = keys of S in bins > b, slot from a per-bin atomic counter)
          as int64 composites (key << 32) | (2^32 - 1 - n); then ticket_b[t] += 1.
-  sort   (T * Q):   wait for ticket_b[t] == P; q = 0 writes -1 at [|S|, KW). Default (RANK, ``_rank_slices``):
-         program q places the keys at scratch positions [s, s + R), s = q * R, (q + Q) * R, ..., each at
-         start[b] + (keys of its bin with a larger composite). ATB_CUDA_INDEXER_FSORT=bins: program q sorts the
-         segments of the nonempty bins >= b* with index q, q + Q, ... (tl.sort) and writes their first entries.
-         Either way: descending composite = the reference's order (score desc, candidate order on ties).
+  sort   (T * Q):   wait for ticket_b[t] == P; q = 0 writes -1 at [|S|, KW). Default: program q sorts the
+         segments of the nonempty bins >= b* with index q, q + Q, ... (tl.sort) and writes their entries at
+         start[b] + j < KW. ATB_CUDA_INDEXER_FRANK=1 (RANK, ``_rank_slices``, not yet timed on a GPU): program q
+         places the keys at scratch positions [s, s + R), s = q * R, (q + Q) * R, ..., each at start[b] + (keys of
+         its bin with a larger composite). Either way: descending composite = the reference's order (score desc,
+         candidate order on ties).
 |S| > CAP or a bin of S with more than SEG keys (thousands of equal scores): no bucketing; sort program 0 runs the
 exact bit search (``indexer_select._bits_select``).
 
@@ -174,7 +175,8 @@ def _fused_kernel(q_ptr, w_ptr, k_ptr, cand_ptr, key_ptr, buf_ptr, BS, start_ptr
 def topk_fused(q, weights, kc, cand, k, hb, tiles=None):
     """fused path: [T, k] int64 cand rows (the op's contract) in one launch. q [T, Hi, Di], weights [T, Hi],
     kc [P, Di] unit stride, cand [T, N] int64 contiguous, 0 < k <= N. ATB_CUDA_INDEXER_P / _Q: bucket / sort
-    programs per token; ATB_CUDA_INDEXER_CAP: most keys in S (its last value)."""
+    programs per token; ATB_CUDA_INDEXER_CAP: most keys in S (its last value); ATB_CUDA_INDEXER_FRANK=1: the
+    rank-slice sort programs."""
     import os
 
     import torch
@@ -196,7 +198,7 @@ def topk_fused(q, weights, kc, cand, k, hb, tiles=None):
     rc = triton.cdiv(triton.cdiv(n, p), ch) * ch
     p = triton.cdiv(n, rc)
     nq = int(os.environ.get("ATB_CUDA_INDEXER_Q", 2 if INTERPRET else 8))
-    rank = os.environ.get("ATB_CUDA_INDEXER_FSORT", "rank") != "bins"  # sort programs: rank slices / bin sorts
+    rank = os.environ.get("ATB_CUDA_INDEXER_FRANK", "0") == "1"  # sort programs: bin sorts / rank slices
     fch = min(pow2(n, 16), 64 if INTERPRET else 2048)
     buf = torch.zeros(t_count, (2 << hb) + 32, dtype=torch.int32, device=q.device)
     start = torch.empty(t_count, 1 << hb, dtype=torch.int32, device=q.device)

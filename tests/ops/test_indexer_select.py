@@ -158,12 +158,12 @@ def test_indexer_topk_small_caps_fallback(monkeypatch, path):
 
 
 @pytest.mark.parametrize("p,q,hb,cap", [(1, 1, "12", None), (3, 3, "12", None), (2, 1, "6", "16,32"), (5, 4, "3", None)])
-@pytest.mark.parametrize("fsort", ["rank", "bins"])
-def test_indexer_topk_fused_program_counts(monkeypatch, p, q, hb, cap, fsort):
+@pytest.mark.parametrize("frank", ["0", "1"])
+def test_indexer_topk_fused_program_counts(monkeypatch, p, q, hb, cap, frank):
     # the fused launch with 1..5 bucket programs and 1..4 sort programs per token (rank slices q, q + Q, ... or
     # bins q, q + Q, ...), coarse bins (one bin over SEG keys -> the exact fallback) and a small |S| cap
     monkeypatch.setenv("ATB_CUDA_INDEXER", "fused")
-    monkeypatch.setenv("ATB_CUDA_INDEXER_FSORT", fsort)
+    monkeypatch.setenv("ATB_CUDA_INDEXER_FRANK", frank)
     monkeypatch.setenv("ATB_CUDA_INDEXER_P", str(p))
     monkeypatch.setenv("ATB_CUDA_INDEXER_Q", str(q))
     monkeypatch.setenv("ATB_CUDA_INDEXER_HB", hb)
