@@ -29,10 +29,10 @@ NO_SYNC = False  # --no-sync: the timing without the synchronisation below (to r
 
 def g_ms(fn):
     """Median ms of fn replayed from a CUDA graph. do_bench_cudagraph runs fn (warm-up, estimate) on a NEW side
-    stream that does not wait for the default stream: inputs still being written there (randn / arange of the
-    shape just built, a histogram copied into a buffer) would be read half-written, e.g. cand rows that are not
-    yet candidate ids -> gathers far out of k_cache (the illegal memory access of the T=32 N=65536 breakdown,
-    scripts/bench_results/indexer_h100_session4.txt). Hence a device synchronisation first."""
+    stream that does not wait for the default stream, so inputs still being written there (randn / arange of the
+    shape just built, a histogram copied into a buffer) could be read half-written; hence a device
+    synchronisation first. (Suspected, not shown, to be the illegal memory access of the last session's T=32
+    N=65536 breakdown: scripts/bench_results/indexer_h100_session4.txt.)"""
     if not NO_SYNC:
         torch.cuda.synchronize()
     return float(triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median"))

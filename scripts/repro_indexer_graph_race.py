@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
-"""Reproduces the illegal memory access of scripts/bench_indexer.py's breakdown deterministically (session 4).
+"""Tests whether timing without a sync (the old scripts/bench_indexer.py g_ms) can read half-written inputs (session 4).
 
 triton.testing.do_bench_cudagraph calls fn first on a NEW side stream that does not wait for the default stream.
-Here cand is rewritten on the default stream behind a ~0.1 s device sleep, then timed at once:
-  fill=-1:   the side stream sees the old all -1 cand -> the first call's output is all -1 (wrong), no crash
-  fill=huge: the side stream sees rows 2^40 -> the score kernel gathers far outside k_cache -> illegal access
-with sync (what g_ms does now) both give the reference's output. recycle=1: the side stream is one of torch's
+Here cand is rewritten on the default stream behind a ~0.1 s device sleep, then timed at once. If the side stream
+ran ahead:
+  fill=-1:   it would see the old all -1 cand -> the first call's output all -1 (wrong), no crash
+  fill=huge: it would see rows 2^40 -> the score kernel gathers far outside k_cache -> illegal access
+with sync (what g_ms does now) both give the complete-input output. On the H100 (session 4, recycle=0) every case
+gave the complete-input output: the race did not show. recycle=1: the side stream is one of torch's
 pooled streams that already holds cached blocks (as after 32 stream creations), so no cudaMalloc synchronises the
 device first. Each case in its own process (a fault ends the CUDA context).
 Usage: python scripts/repro_indexer_graph_race.py [T N [RECYCLES, e.g. 1 or 0,1]]

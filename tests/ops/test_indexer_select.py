@@ -244,10 +244,10 @@ def test_indexer_topk_cuda_graph_replay(monkeypatch, path):
 
 @pytest.mark.cuda
 def test_bench_graph_timing_sees_complete_inputs(monkeypatch):
-    # regression (session 4): scripts/bench_indexer.py timed the op right after building its inputs; triton's
-    # do_bench_cudagraph first calls it on a new side stream that does not wait for the default stream, so the op
-    # read cand before it was written (an illegal memory access at T=32 N=65536). Here cand is rewritten on the
-    # default stream behind a device sleep; the first timed call must already see the new ids.
+    # guard of scripts/bench_indexer.py's g_ms: triton's do_bench_cudagraph first calls fn on a new side stream
+    # that does not wait for the default stream, so without g_ms's sync the op could read inputs still being
+    # written (suspected, not shown, for the last session's illegal memory access at T=32 N=65536). Here cand is
+    # rewritten on the default stream behind a device sleep; the first timed call must already see the new ids.
     import os
     import sys
 
