@@ -17,8 +17,8 @@ Grid [T * (SPL + P + Q)] (1D; program ids in this order, t = id % T inside each 
          places the keys at scratch positions [s, s + R), s = q * R, (q + Q) * R, ..., each at start[b] + (keys of
          its bin with a larger composite). Either way: descending composite = the reference's order (score desc,
          candidate order on ties).
-|S| > CAP or a bin of S with more than SEG keys (thousands of equal scores): no bucketing; sort program 0 runs the
-exact bit search (``indexer_select._bits_select``).
+A token whose S has a bin over SEG keys takes the rank slices whatever FRANK says. |S| > CAP (thousands of equal
+scores): no bucketing; sort program 0 runs the exact bit search (``indexer_select._bits_select``), as the rank path.
 
 Waits are only on programs with smaller ids, which the GPU dispatches first (in-order block dispatch, the
 assumption of decoupled look-back scans), so they cannot deadlock; under TRITON_INTERPRET=1 programs run in id
@@ -54,15 +54,15 @@ def _wait(ptr, target):
 
 @triton.jit
 def _bins(hist_row, KW, CAP, SEG: tl.constexpr, HB: tl.constexpr):
-    """b, h (counts), ge (keys in bins >= b), b*, |S| and whether S is bucketed (|S| <= CAP, bins <= SEG)."""
+    """b, h (counts), ge (keys in bins >= b), b*, |S|, whether S is bucketed (|S| <= CAP) and whether every bin
+    of S fits one sort (<= SEG keys)."""
     b = tl.arange(0, 1 << HB)
     h = tl.load(hist_row + b, cache_modifier=".cg")
     ge = tl.sum(h, 0) - tl.cumsum(h, 0) + h
     bstar = tl.max(tl.where(ge >= KW, b, 0), 0)
     ins = b >= bstar
     cnt = tl.sum(tl.where(ins, h, 0), 0)
-    ok = (cnt <= CAP) & (tl.max(tl.where(ins, h, 0), 0) <= SEG)
-    return b, h, ge, bstar, cnt, ok
+    return b, h, ge, bstar, cnt, cnt <= CAP, tl.max(tl.where(ins, h, 0), 0) <= SEG
 
 
 @triton.jit
@@ -123,7 +123,7 @@ def _fused_kernel(q_ptr, w_ptr, k_ptr, cand_ptr, key_ptr, buf_ptr, BS, start_ptr
         t = (j % T).to(tl.int64)
         row = buf_ptr + t * BS
         _wait(row + 2 * NB, SPL)
-        b, h, ge, bstar, cnt, ok = _bins(row, KW, CAP, SEG, HB)
+        b, h, ge, bstar, cnt, ok, _ = _bins(row, KW, CAP, SEG, HB)
         if ok:
             srow = start_ptr + t * NB
             tl.store(srow + b, ge - h, mask=b >= bstar)  # every bucket program of t stores the same values
@@ -144,13 +144,13 @@ def _fused_kernel(q_ptr, w_ptr, k_ptr, cand_ptr, key_ptr, buf_ptr, BS, start_ptr
         qq = j // T
         row = buf_ptr + t * BS
         _wait(row + 2 * NB + 1, P)
-        b, h, ge, bstar, cnt, ok = _bins(row, KW, CAP, SEG, HB)
+        b, h, ge, bstar, cnt, ok, fits = _bins(row, KW, CAP, SEG, HB)
         out_row = out_ptr + t * KW
         if ok:
             if qq == 0:
                 jj = tl.arange(0, KP)
                 tl.store(out_row + jj, tl.full([KP], -1, tl.int64), mask=(jj >= cnt) & (jj < KW))
-            if RANK:
+            if RANK or not fits:  # a bin over SEG keys (many near-equal scores): rank slices, no sort
                 _rank_slices(t, qq, Q, cnt, row, start_ptr + t * NB, scratch_ptr + t * CAP, cand_ptr + t * N,
                              out_row, KW, HB, R, C)
             else:

@@ -1,6 +1,6 @@
 """indexer_topk's histogram selection (atb_ops/cuda/indexer_select.py) against a stable descending sort.
 
-Every selection path (ATB_CUDA_INDEXER = rank / hist / split / bits) on random and adversarial key distributions: all keys
+Every selection path (ATB_CUDA_INDEXER = fused / rank / hist / split / bits) on random and adversarial key distributions: all keys
 equal (one bin, the exact fallback), few distinct values, coarse bins (ATB_CUDA_INDEXER_HB small) and small sort
 sizes (ATB_CUDA_INDEXER_CAP) that push |S| into each sort tier and past it, N < k, all -1, T = 0 / 1, ragged -1
 tails. Without a GPU the kernels run through TRITON_INTERPRET=1 at small shapes (tests/conftest.py).
