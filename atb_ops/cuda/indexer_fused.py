@@ -4,7 +4,9 @@ Why: the separate selection kernels of ``indexer_select`` start only when the wh
 each pays its launch and ramp; here the selection programs of a token start as soon as that token's scores are
 complete, in slots that the score programs leave free at the end of the grid.
 
-Grid [T * (SPL + P + Q)] (1D; program ids in this order, t = id % T inside each group):
+Grid [T * (SPL + P + Q)] (1D). Each program's FIRST action takes a ticket pid = atomic_add(counter, 1) (buf[0,
+2^(HB+1) + 2], zero on entry) and plays the role of that ticket, not of tl.program_id(0); roles by ticket, in this
+order (t = ticket % T inside each group):
   score  (T * SPL): ``indexer.score_program`` -- int32 order keys of BPP blocks of BN candidates of token t and
          their top-HB-bit histogram (atomics into buf row t) -- then ticket_s[t] += 1 (release).
   bucket (T * P):   wait for ticket_s[t] == SPL (acquire); the threshold bin b* and S (``indexer_select``: the
@@ -20,11 +22,17 @@ Grid [T * (SPL + P + Q)] (1D; program ids in this order, t = id % T inside each 
 A token whose S has a bin over SEG keys takes the rank slices whatever FRANK says. |S| > CAP (thousands of equal
 scores): no bucketing; sort program 0 runs the exact bit search (``indexer_select._bits_select``), as the rank path.
 
-Waits are only on programs with smaller ids, which the GPU dispatches first (in-order block dispatch, the
-assumption of decoupled look-back scans), so they cannot deadlock; under TRITON_INTERPRET=1 programs run in id
-order and every wait is already satisfied. buf [T, 2^(HB+1) + 32] int32 must be zero on entry (histogram, per-bin
-slot counters, the two tickets at columns 2^(HB+1) and 2^(HB+1) + 1). No host synchronisation, static shapes:
-CUDA-graph safe.
+Why the dynamic ticket: a program waits only on roles with smaller tickets. CUDA does not promise that blocks
+are dispatched (or made resident) in blockIdx order, so a wait on a smaller program id could spin forever while
+the awaited block is still undispatched behind the resident waiters. A ticket is taken by a program that is
+already running, so every smaller ticket belongs to a program that has started (resident or finished); by
+induction on the ticket (ticket 0 is a score program, which waits on nothing) every wait ends, whatever the
+dispatch order -- the dynamic tile id of decoupled look-back scans (CUB), which likewise does not rely on the
+dispatch order. Under TRITON_INTERPRET=1 programs run one after another, tickets equal ids and every wait is
+already satisfied. buf [T, 2^(HB+1) + 32] int32 must be zero on entry (histogram, per-bin slot counters, the two
+tickets of row t at columns 2^(HB+1) and 2^(HB+1) + 1, the ticket counter at row 0, column 2^(HB+1) + 2):
+``topk_fused`` allocates it with torch.zeros on every call, so a CUDA graph replays that memset too. No host
+synchronisation, static shapes: CUDA-graph safe.
 """
 
 from __future__ import annotations
@@ -110,8 +118,9 @@ def _fused_kernel(q_ptr, w_ptr, k_ptr, cand_ptr, key_ptr, buf_ptr, BS, start_ptr
                   BH: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr, F32: tl.constexpr,
                   PRE: tl.constexpr, HB: tl.constexpr, CH: tl.constexpr, SEG: tl.constexpr, FCH: tl.constexpr,
                   KP: tl.constexpr, FONE: tl.constexpr, RANK: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
-    pid = tl.program_id(0)
     NB: tl.constexpr = 1 << HB
+    # dynamic ticket, not tl.program_id(0): every smaller ticket is held by a started program (module docstring)
+    pid = tl.atomic_add(buf_ptr + 2 * NB + 2, 1, sem="relaxed")  # the role waits order the data
     if pid < T * SPL:
         t = (pid % T).to(tl.int64)
         row = buf_ptr + t * BS
@@ -200,6 +209,8 @@ def topk_fused(q, weights, kc, cand, k, hb, tiles=None):
     nq = int(os.environ.get("ATB_CUDA_INDEXER_Q", 2 if INTERPRET else 8))
     rank = os.environ.get("ATB_CUDA_INDEXER_FRANK", "0") == "1"  # sort programs: bin sorts / rank slices
     fch = min(pow2(n, 16), 64 if INTERPRET else 2048)
+    # zeroed on every call (a captured CUDA graph replays the memset): histogram, slot counters, the tickets of
+    # each row and, at buf[0, 2^(HB+1) + 2], the counter that hands out the program roles
     buf = torch.zeros(t_count, (2 << hb) + 32, dtype=torch.int32, device=q.device)
     start = torch.empty(t_count, 1 << hb, dtype=torch.int32, device=q.device)
     scratch = torch.empty(t_count, cap, dtype=torch.int64, device=q.device)
