@@ -19,10 +19,22 @@ import triton.testing
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import atb_ops  # noqa: E402
+
+BREAK_PATHS = ("fused", "rank", "hist", "split", "bits", "old")
 from atb_ops.cuda import indexer as ix  # noqa: E402
 
 
+NO_SYNC = False  # --no-sync: the timing without the synchronisation below (to reproduce the old failure)
+
+
 def g_ms(fn):
+    """Median ms of fn replayed from a CUDA graph. do_bench_cudagraph runs fn (warm-up, estimate) on a NEW side
+    stream that does not wait for the default stream, so inputs still being written there (randn / arange of the
+    shape just built, a histogram copied into a buffer) could be read half-written; hence a device
+    synchronisation first. (Suspected, not shown, to be the illegal memory access of the last session's T=32
+    N=65536 breakdown: scripts/bench_results/indexer_h100_session4.txt.)"""
+    if not NO_SYNC:
+        torch.cuda.synchronize()
     return float(triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median"))
 
 
@@ -39,20 +51,27 @@ def _timed(res, name, fn):
 
 def _breakdown(res, cu, q, w, keys, cand, k, byt, hbm, T, n):
     outs = {}
-    for path in ("rank", "hist", "split", "bits", "old"):
+    for spec in BREAK_PATHS:  # "PATH[:OPT=V:...]" -> ATB_CUDA_INDEXER=PATH, ATB_CUDA_INDEXER_OPT=V
+        path, *opts = spec.split(":")
         os.environ["ATB_CUDA_INDEXER"] = path
-        outs[path] = cu(q, w, keys, cand, 512)
-        _timed(res, f"{path} op", lambda: cu(q, w, keys, cand, 512))
+        for o in opts:
+            os.environ["ATB_CUDA_INDEXER_" + o.split("=")[0].upper()] = o.split("=")[1]
+        outs[spec] = cu(q, w, keys, cand, 512)
+        _timed(res, f"{spec} op", lambda: cu(q, w, keys, cand, 512))
+        for o in opts:
+            os.environ.pop("ATB_CUDA_INDEXER_" + o.split("=")[0].upper())
     os.environ.pop("ATB_CUDA_INDEXER")
     hb = ix.hist_bits()
     sk = ix.score_keys(q, w, keys, cand)
-    _timed(res, "score", lambda: ix.score_keys(q, w, keys, cand))
+    _timed(res, "score", lambda: ix.score_keys(q, w, keys, cand))  # the previous grid (4 * SMs / T rounded up)
+    _timed(res, "score 1-wave", lambda: ix.score_keys(q, w, keys, cand, wave=True))  # 2 * SMs / T rounded down
 
     def zeros():
         return torch.zeros(T, (1 << hb) + 32, dtype=torch.int32, device=q.device)
 
     _timed(res, "zeros", zeros)
     _timed(res, "zeros+score+hist", lambda: ix.score_keys(q, w, keys, cand, zeros(), hb))
+    _timed(res, "zeros+score+hist 1-wave", lambda: ix.score_keys(q, w, keys, cand, zeros(), hb, wave=True))
     hist = zeros()
     ix.score_keys(q, w, keys, cand, hist, hb)
     _timed(res, "select bits", lambda: ix.select_topk(sk, cand, k))
@@ -63,7 +82,8 @@ def _breakdown(res, cu, q, w, keys, cand, k, byt, hbm, T, n):
     buf[:, : 1 << hb] = hist[:, : 1 << hb]  # the rank path's buffer: histogram, zeroed slot counters
     _timed(res, "copy+select rank", lambda: ix.select_rank(sk, buf.clone(), cand, k, hb))
     _timed(res, "copy", lambda: buf.clone())
-    same = "  ".join(f"{p}==old: {float((o == outs['old']).float().mean()):.4f}" for p, o in outs.items())
+    base = outs.get('old', next(iter(outs.values())))
+    same = "  ".join(f"{p}==old: {float((o == base).float().mean()):.4f}" for p, o in outs.items())
     line = "  ".join(f"{kk} {v * 1e3:.1f}us ({_pct(byt, v, hbm):.1f}%)" for kk, v in res.items())
     print(f"T={T} N={n}: {line}  {same}", flush=True)
     return sk, hist
@@ -77,7 +97,11 @@ def main():
     ap.add_argument("--chs", default="1024;2048;4096;8192", help="compaction chunks tried on the sweep shapes")
     ap.add_argument("--hbs", default="10;11;12;13", help="histogram bits tried on the sweep shapes")
     ap.add_argument("--shapes", default="1x2048;32x2048;32x8192;32x16384;32x65536")
+    ap.add_argument("--no-sync", action="store_true", help="old timing: no synchronisation before a graph timing")
+    ap.add_argument("--paths", default="fused,rank,hist,split,bits,old", help="op paths of the breakdown")
     a = ap.parse_args()
+    global NO_SYNC, BREAK_PATHS
+    NO_SYNC, BREAK_PATHS = a.no_sync, tuple(a.paths.split(","))
     dev = torch.device("cuda")
     a_ = torch.empty(2**28, device=dev)
     b_ = torch.empty_like(a_)

@@ -56,6 +56,9 @@ def bench_graph(fn) -> float | None:
     import triton.testing
 
     try:
+        # do_bench_cudagraph runs fn on a new side stream that does not wait for the default stream: the inputs
+        # must be complete first (scripts/bench_indexer.py g_ms)
+        torch.cuda.synchronize()
         return float(triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median"))
     except Exception:
         torch.cuda.synchronize()
@@ -90,8 +93,14 @@ ROTATE_BYTES = 150e6  # rotated attention inputs: 3x the 50 MB L2
 # bucket by bin + rank within the bin; hist: histogram + compact + sort; split: its compaction over many programs;
 # bits: the previous bit-search selection; old: int64 keys + torch.topk), " name=value" options setting
 # ATB_CUDA_INDEXER_<NAME> (ch, hb, r, sel_warps), and score-kernel tiles " [indexer=BN,WARPS,STAGES,CTAS_PER_SM,PRE]"
-INDEXER_VARIANTS = ("", " [indexer=rank ch=4096]", " [indexer=rank hb=11]", " [indexer=hist]", " [indexer=bits]",
-                    " [indexer=old]")
+# (P, Q, FIT, SPLITS: the fused path's bucket / sort programs per token, score programs rounded down / given).
+# Session 4: the fused path (one launch) against the other paths and the score kernel fitted to one wave.
+# Session 4 measured the first rows (to N=65536 fused p=2); the rest are the next run's questions (fused's rank-slice
+# sort programs, the other paths on the one-wave score grid).
+INDEXER_VARIANTS = ("", " [indexer=fused]", " [indexer=fused q=4]", " [indexer=fused p=2]",
+                    " [indexer=fused,128,4,1,4,1]", " [indexer=rank]", " [indexer=rank,128,4,1,2,1 fit=1]",
+                    " [indexer=split]", " [indexer=bits]", " [indexer=fused frank=1]", " [indexer=rank fit=1]",
+                    " [indexer=split fit=1]")
 
 
 class Rotating:
@@ -382,7 +391,7 @@ def main() -> None:
             else:
                 os.environ.pop(var, None)
         im = re.search(r"\[indexer=([\w,]+)((?: \w+=\d+)*)\]", case_name)
-        for opt in ("CH", "HB", "R", "SEL_WARPS"):
+        for opt in ("CH", "HB", "R", "SEL_WARPS", "P", "Q", "FIT", "SPLITS", "CAP", "FRANK"):
             os.environ.pop(f"ATB_CUDA_INDEXER_{opt}", None)
         if im:
             os.environ["ATB_CUDA_INDEXER"] = im.group(1)

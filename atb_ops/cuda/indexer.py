@@ -22,12 +22,14 @@ places each by its rank inside its bin (no sort); ``hist`` compacts and sorts th
 bin holds too many keys (thousands of exact ties).
 
 ATB_CUDA_INDEXER = "PATH[,BN,WARPS,STAGES,CTAS_PER_SM[,PRE]]" or just the tiles: PATH ``auto`` (default: bits,
-split or rank by the candidate count N, see ``_AUTO_BITS_MAX``), ``rank``, ``hist``, ``split``, ``bits`` (the
+split or fused by the candidate count N, see ``_AUTO_BITS_MAX``), ``fused`` (``indexer_fused``: score, bucket and
+sort programs in one launch), ``rank``, ``hist``, ``split``, ``bits`` (the
 previous selection: ``_select_kernel``, one program per token finding the k-th largest key by a 32-step MSB-first
 bit search of counts; rows over 16384 keys through torch.topk) or ``old`` (the first path: int64 keys +
 torch.topk); the tiles override the score kernel's (PRE=1: the register prefetch loop instead of Triton's
 pipeliner). ATB_CUDA_INDEXER_HB: histogram bits (12); ATB_CUDA_INDEXER_CAP="CAP1,CAP2": the sort sizes;
-ATB_CUDA_INDEXER_SEL_WARPS: the selection kernel's warps; ATB_CUDA_INDEXER_CH: keys per compaction chunk.
+ATB_CUDA_INDEXER_SEL_WARPS: the selection kernel's warps; ATB_CUDA_INDEXER_CH: keys per compaction chunk;
+ATB_CUDA_INDEXER_FIT / _SPLITS: the score kernel's grid (``_score_cfg``).
 """
 
 from __future__ import annotations
@@ -103,7 +105,16 @@ def _score_keys_kernel(q_ptr, w_ptr, k_ptr, cand_ptr, key_ptr, hist_ptr, HS, N, 
     runs in float32 when F32 (either operand float32, or mixed 16-bit dtypes), else in k_cache's 16-bit dtype.
     HB > 0: also counts the finite keys per bin of their top HB bits into hist[t, :2^HB] (row stride HS)."""
     t = tl.program_id(0).to(tl.int64)
-    blk0 = tl.program_id(1) * BPP
+    score_program(t, tl.program_id(1) * BPP, q_ptr, w_ptr, k_ptr, cand_ptr, key_ptr, hist_ptr + t * HS, N, Hi, Di,
+                  stride_k, BPP, BH, BD, BN, PREC, STAGES, F32, PRE, HB)
+
+
+@triton.jit
+def score_program(t, blk0, q_ptr, w_ptr, k_ptr, cand_ptr, key_ptr, hist_row, N, Hi, Di, stride_k, BPP,
+                  BH: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr,
+                  F32: tl.constexpr, PRE: tl.constexpr, HB: tl.constexpr):
+    """One score program: token t (int64), the BPP blocks of BN candidates from block blk0 (also used by
+    ``indexer_fused``)."""
     h = tl.arange(0, BH)
     d = tl.arange(0, BD)
     hm = h < Hi
@@ -130,7 +141,7 @@ def _score_keys_kernel(q_ptr, w_ptr, k_ptr, cand_ptr, key_ptr, hist_ptr, HS, N, 
                              mask=(rows_n >= 0)[:, None] & dm[None, :], other=0.0)
             n_nn = n_n + BN
             rows_nn = tl.load(cand_ptr + t * N + n_nn, mask=n_nn < n_end, other=-1)
-            _score_block(q, w, keys_c.to(op_ty), rows_c, n_c, key_ptr + t * N, N, PREC, hist_ptr + t * HS, HB)
+            _score_block(q, w, keys_c.to(op_ty), rows_c, n_c, key_ptr + t * N, N, PREC, hist_row, HB)
             keys_c, rows_c, n_c = keys_n, rows_n, n_n
             rows_n, n_n = rows_nn, n_nn
     else:
@@ -139,7 +150,7 @@ def _score_keys_kernel(q_ptr, w_ptr, k_ptr, cand_ptr, key_ptr, hist_ptr, HS, N, 
             rows = tl.load(cand_ptr + t * N + n, mask=n < N, other=-1)
             keys = tl.load(k_ptr + rows.to(tl.int64)[:, None] * stride_k + d[None, :],
                            mask=(rows >= 0)[:, None] & dm[None, :], other=0.0).to(op_ty)
-            _score_block(q, w, keys, rows, n, key_ptr + t * N, N, PREC, hist_ptr + t * HS, HB)
+            _score_block(q, w, keys, rows, n, key_ptr + t * N, N, PREC, hist_row, HB)
 
 
 @triton.jit
@@ -160,12 +171,13 @@ def _score_block(q, w, keys, rows, n, key_row, N, PREC: tl.constexpr, hist_row, 
 
 
 # ----------------------------------------------------------------------------------------------------- wrapper
-PATHS = ("auto", "rank", "hist", "split", "bits", "old")
+PATHS = ("auto", "fused", "rank", "hist", "split", "bits", "old")
 DEFAULT_PATH = "auto"
-# auto: the fastest path per candidate count N in one H100 run at T = 32 (scripts/bench_results/
-# indexer_select_h100.txt, graph replays): N <= 8192 bits (N = 2048: 20.7 us vs rank 24.1; N = 8192: 55.9 vs
-# 57.6, hist 55.6), N <= 16384 split (82.2 us vs hist 87.2, rank 88.5, bits 101.6), longer rows rank (N = 65536:
-# 310 us vs hist 328, old 405, bits 463). The interpreter switches at small N so that CPU tests cover every path.
+# auto: the fastest path per candidate count N in H100 runs at T = 32 (graph replays): N <= 8192 bits (N = 2048:
+# 20.7 us vs rank 24.1; N = 8192: 55.9 vs 57.6, hist 55.6; scripts/bench_results/indexer_select_h100.txt),
+# N <= 16384 split (82.3 us vs fused 105.5, rank 86.6), longer rows fused (N = 65536: 271.8 us vs rank 310.1;
+# scripts/bench_results/indexer_h100_session4.txt). The interpreter switches at small N so that CPU tests cover
+# every path.
 _AUTO_BITS_MAX, _AUTO_SPLIT_MAX = (64, 128) if INTERPRET else (8192, 16384)
 
 
@@ -178,13 +190,22 @@ def _mode(n):
         if path not in PATHS:
             raise ValueError(f"ATB_CUDA_INDEXER path {path!r} not in {PATHS}")
     if path == "auto":
-        path = "bits" if n <= _AUTO_BITS_MAX else "split" if n <= _AUTO_SPLIT_MAX else "rank"
+        path = "bits" if n <= _AUTO_BITS_MAX else "split" if n <= _AUTO_SPLIT_MAX else "fused"
     return path, ([int(v) for v in parts] or None)
 
 
-def _score_cfg(device, n, t_count, tiles=None):
-    """(BN, warps, stages, blocks per program, programs per token, register prefetch) of the score kernel."""
-    bn, warps, stages, per_sm, pre = 128, 4, 1, 4, 1  # best of the H100 sweep (scripts/bench_indexer.py)
+def _score_cfg(device, n, t_count, tiles=None, wave=False):
+    """(BN, warps, stages, blocks per program, programs per token, register prefetch) of the score kernel.
+
+    Programs per token: wave (the fused path): CTAS_PER_SM (2) * SMs / T rounded down, one resident wave -- the
+    default tiles take 255 registers x 128 threads (triton 3.6, sm_90), so 2 programs fit on an SM, and the
+    previous rule's extra programs run as a short last wave (H100, T=32: score kernel alone 210 vs 266 us at
+    N=65536, 57 vs 61 us at N=16384); else the previous rule, 4 * SMs / T rounded up (the other paths: their ops
+    were not timed with the wave grid at every N yet). ATB_CUDA_INDEXER_FIT=0/1 forces either rule,
+    ATB_CUDA_INDEXER_SPLITS the count itself."""
+    fit = os.environ.get("ATB_CUDA_INDEXER_FIT")
+    wave = wave if fit not in ("0", "1") else fit == "1"
+    bn, warps, stages, per_sm, pre = 128, 4, 1, 2 if wave else 4, 1  # best of the H100 sweeps
     if tiles:
         bn, warps, stages, per_sm = tiles[:4]
         pre = tiles[4] if len(tiles) > 4 else 0
@@ -192,18 +213,22 @@ def _score_cfg(device, n, t_count, tiles=None):
         bn, stages = 16, 1
     bn = min(bn, pow2(n, 16))
     nblk = triton.cdiv(n, bn)
-    splits = min(nblk, max(1, triton.cdiv(per_sm * sm_count(device), t_count)))
+    slots = per_sm * sm_count(device)
+    splits = int(os.environ.get("ATB_CUDA_INDEXER_SPLITS", 0)) or (slots // t_count if wave else
+                                                                  triton.cdiv(slots, t_count))
+    splits = min(nblk, max(1, splits))
     bpp = triton.cdiv(nblk, splits)
     return bn, warps, stages, bpp, triton.cdiv(nblk, bpp), bool(pre)
 
 
-def score_keys(q, weights, kc, cand, hist=None, hb=0, tiles=None):
+def score_keys(q, weights, kc, cand, hist=None, hb=0, tiles=None, wave=False):
     """[T, N] int32 order keys of the scores (see the module docstring); kc [P, Di] rows, unit stride. hist
-    [T, >= 2^hb] int32 zeros (hb > 0): receives the per-token count of finite keys per top-hb-bit bin."""
+    [T, >= 2^hb] int32 zeros (hb > 0): receives the per-token count of finite keys per top-hb-bit bin. wave: the
+    one-resident-wave grid (``_score_cfg``)."""
     t_count, n = cand.shape
     hi, di = q.shape[1], q.shape[2]
     keys = torch.empty(t_count, n, dtype=torch.int32, device=q.device)
-    bn, warps, stages, bpp, splits, pre = _score_cfg(q.device, n, t_count, tiles)
+    bn, warps, stages, bpp, splits, pre = _score_cfg(q.device, n, t_count, tiles, wave)
     f32 = torch.float32 in (q.dtype, kc.dtype) or q.dtype != kc.dtype
     hist_arg, hs = (keys, 0) if hist is None or hb == 0 else (hist, hist.stride(0))
     _score_keys_kernel[(t_count, splits)](q, weights, kc, cand, keys, hist_arg, hs, n, hi, di, kc.stride(0), bpp,
@@ -305,6 +330,10 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, 
             return select_topk(keys, cand, k)
         return _select_torch(keys, cand, k)
     hb = hist_bits()
+    if path == "fused":
+        from .indexer_fused import topk_fused
+
+        return topk_fused(q, weights, kc, cand, k, hb, tiles)
     if path == "rank":  # histogram, per-bin slot counters, |S|
         buf = torch.zeros(t_count, (2 << hb) + 32, dtype=torch.int32, device=q.device)
         keys = score_keys(q, weights, kc, cand, buf, hb, tiles)

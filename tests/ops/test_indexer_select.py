@@ -1,6 +1,6 @@
 """indexer_topk's histogram selection (atb_ops/cuda/indexer_select.py) against a stable descending sort.
 
-Every selection path (ATB_CUDA_INDEXER = rank / hist / split / bits) on random and adversarial key distributions: all keys
+Every selection path (ATB_CUDA_INDEXER = fused / rank / hist / split / bits) on random and adversarial key distributions: all keys
 equal (one bin, the exact fallback), few distinct values, coarse bins (ATB_CUDA_INDEXER_HB small) and small sort
 sizes (ATB_CUDA_INDEXER_CAP) that push |S| into each sort tier and past it, N < k, all -1, T = 0 / 1, ragged -1
 tails. Without a GPU the kernels run through TRITON_INTERPRET=1 at small shapes (tests/conftest.py).
@@ -18,7 +18,7 @@ from atb_ops.cuda import indexer as ix  # noqa: E402
 from atb_ops.cuda.indexer_select import ORD_NEG_INF_INT  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-PATHS = ("rank", "hist", "split", "bits")
+PATHS = ("fused", "rank", "hist", "split", "bits")
 NAN_KEY, INF_KEY = 0x7FC00000, 0x7F800000  # order keys of NaN and +inf (keys lie in [ORD_NEG_INF, NAN_KEY])
 
 
@@ -145,7 +145,7 @@ def test_indexer_topk_paths_edge_cases(monkeypatch, path, hb):
     _check(q, -w.abs(), kc, cand, 25)
 
 
-@pytest.mark.parametrize("path", ["rank", "hist", "split"])
+@pytest.mark.parametrize("path", ["fused", "rank", "hist", "split"])
 def test_indexer_topk_small_caps_fallback(monkeypatch, path):
     # sort sizes at their minimum: most rows take the exact fallback, the others the small tier
     monkeypatch.setenv("ATB_CUDA_INDEXER", path)
@@ -157,8 +157,29 @@ def test_indexer_topk_small_caps_fallback(monkeypatch, path):
         _check(q, w, kc, cand, 12)
 
 
+@pytest.mark.parametrize("p,q,hb,cap", [(1, 1, "12", None), (3, 3, "12", None), (2, 1, "6", "16,32"), (5, 4, "3", None)])
+@pytest.mark.parametrize("frank", ["0", "1"])
+def test_indexer_topk_fused_program_counts(monkeypatch, p, q, hb, cap, frank):
+    # the fused launch with 1..5 bucket programs and 1..4 sort programs per token (rank slices q, q + Q, ... or
+    # bins q, q + Q, ...), coarse bins (one bin over SEG keys -> the exact fallback) and a small |S| cap
+    monkeypatch.setenv("ATB_CUDA_INDEXER", "fused")
+    monkeypatch.setenv("ATB_CUDA_INDEXER_FRANK", frank)
+    monkeypatch.setenv("ATB_CUDA_INDEXER_P", str(p))
+    monkeypatch.setenv("ATB_CUDA_INDEXER_Q", str(q))
+    monkeypatch.setenv("ATB_CUDA_INDEXER_HB", hb)
+    if cap:
+        monkeypatch.setenv("ATB_CUDA_INDEXER_CAP", cap)
+    g = gen(13)
+    for integer in (False, True):
+        q_, w, kc, cand = _inputs(g, 3, 160, 200, integer=integer)
+        cand[2, 50:] = -1
+        _check(q_, w, kc, cand, 24)
+        _check(q_, w, kc, cand[:, :10], 24)  # N < k
+        _check(q_[:1], w[:1], kc, cand[:1], 1)  # k = 1
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("path", ["rank", "hist", "split"])
+@pytest.mark.parametrize("path", ["fused", "rank", "hist", "split"])
 @pytest.mark.parametrize("t,n", [(1, 2048), (32, 2048), (32, 16384), (4, 65536), (32, 65536), (5, 300), (64, 8192)])
 def test_indexer_topk_paths_real_shapes(monkeypatch, path, t, n):
     # 64 heads x 128 dims bf16; integer inputs: exact scores with many ties, so the selection must equal the
@@ -187,7 +208,7 @@ def test_indexer_topk_paths_real_shapes(monkeypatch, path, t, n):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("path", ["rank", "hist", "split"])
+@pytest.mark.parametrize("path", ["fused", "rank", "hist", "split"])
 def test_indexer_topk_cuda_graph_replay(monkeypatch, path):
     # decode runs under CUDA graphs: capture once, replay on new inputs copied into the static buffers (the zeroed
     # histogram and the slot counter must be rebuilt on every replay), compare each replay with the reference
@@ -219,3 +240,44 @@ def test_indexer_topk_cuda_graph_replay(monkeypatch, path):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out.cpu(), ref(*new, 512))
+
+
+@pytest.mark.cuda
+def test_bench_graph_timing_sees_complete_inputs(monkeypatch):
+    # guard of scripts/bench_indexer.py's g_ms: triton's do_bench_cudagraph first calls fn on a new side stream
+    # that does not wait for the default stream, so without g_ms's sync the op could read inputs still being
+    # written (suspected, not shown, for the last session's illegal memory access at T=32 N=65536). Here cand is
+    # rewritten on the default stream behind a device sleep; the first timed call must already see the new ids.
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
+    import bench_indexer as bi
+
+    monkeypatch.setenv("ATB_CUDA_INDEXER", "rank")
+    monkeypatch.setattr(bi, "NO_SYNC", False)
+    cu = atb_ops.implementations("indexer_topk")["cuda"]
+    g = torch.Generator(device="cuda").manual_seed(3)
+    t, n = 4, 4096
+    q = torch.randn(t, 64, 128, device="cuda", generator=g).bfloat16()
+    w = torch.randn(t, 64, device="cuda", generator=g)
+    kc = torch.randn(t * n, 128, device="cuda", generator=g).bfloat16()
+    real = torch.arange(t * n, device="cuda").view(t, n)
+    want = cu(q, w, kc, real, 512)
+    # the side stream that do_bench_cudagraph takes next from torch's pool of 32 gets cached blocks first, so no
+    # cudaMalloc (which synchronises the device) hides the race (scripts/repro_indexer_graph_race.py)
+    s_prev, s0 = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(s0):
+        cu(q, w, kc, real, 512)
+    torch.cuda.synchronize()
+    for _ in range(64):
+        if torch.cuda.Stream().cuda_stream == s_prev.cuda_stream:
+            break
+    cand = torch.full_like(real, -1)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)
+    cand.copy_(real)
+    first = []
+    bi.g_ms(lambda: first.append(cu(q, w, kc, cand, 512)) if not first else cu(q, w, kc, cand, 512))
+    torch.cuda.synchronize()
+    assert torch.equal(first[0], want)

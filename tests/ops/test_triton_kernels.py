@@ -248,8 +248,10 @@ def test_indexer_topk_negative_weights_and_minus_zero():
 
 
 
-def test_indexer_topk_long_rows_through_torch_topk():
-    # rows longer than the one-program selection (256 under the interpreter, 16384 on a GPU): torch.topk path
+def test_indexer_topk_long_rows_through_torch_topk(monkeypatch):
+    # rows longer than the one-program selection (256 under the interpreter, 16384 on a GPU): the bits path's
+    # torch.topk route (auto picks another path at this N)
+    monkeypatch.setenv("ATB_CUDA_INDEXER", "bits")
     cu, ref = impls("indexer_topk")
     g = gen(38)
     for integer in (True, False):
