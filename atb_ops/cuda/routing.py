@@ -10,11 +10,16 @@ tens of microseconds per call, several times per layer. :func:`stable_order` com
     order[start[ids[i]] + rank[i]] = i
 
 Larger M falls back to the stable argsort. ``ids`` must lie in [0, n) (global expert ids of the routing).
+
+``moe_unpermute`` sums each token's rows back in one program per (token, column block), in ascending row order:
+deterministic, and the CPU reference's float32 sum order.
 """
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 from .._registry import register
 from ._util import INTERPRET
@@ -46,3 +51,40 @@ def moe_permute(x: torch.Tensor, ids: torch.Tensor, num_experts: int):
     flat = ids.reshape(-1).long()
     order = stable_order(flat, num_experts)
     return x[order // k], flat[order], order
+
+
+@triton.jit
+def _unpermute_kernel(y_ptr, inv_ptr, out_ptr, k, d, BK: tl.constexpr, BD: tl.constexpr):
+    """out[t, cols] = ((0 + y[p_0]) + y[p_1]) + ... over token t's rows p_0 < p_1 < ... (ascending, as the
+    reference's index_add_ visits them on the CPU)."""
+    t = tl.program_id(0).to(tl.int64)
+    dd = tl.program_id(1) * BD + tl.arange(0, BD)
+    dm = dd < d
+    j = tl.arange(0, BK)
+    big = 9223372036854775807
+    p = tl.load(inv_ptr + t * k + j, mask=j < k, other=big)
+    acc = tl.zeros([BD], dtype=tl.float32)
+    for _ in range(k):
+        pm = tl.min(p, 0)
+        acc += tl.load(y_ptr + pm * d + dd, mask=dm, other=0.0).to(tl.float32)
+        p = tl.where(p == pm, big, p)
+    tl.store(out_ptr + t * d + dd, acc, mask=dm)
+
+
+@register("moe_unpermute", "cuda")
+def moe_unpermute(y: torch.Tensor, order: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """Each token's k expert rows summed back, float32 [T, d]: the reference op's values, deterministic (each token's
+    rows added in ascending row order in one program, where index_add_ on the GPU adds with float atomics in any
+    order). Three launches: the inverse permutation (arange, scatter) and the sum."""
+    d = y.shape[-1]
+    out = torch.empty(num_tokens, d, dtype=torch.float32, device=y.device)
+    if num_tokens == 0 or y.shape[0] == 0:
+        return out.zero_()
+    k = y.shape[0] // num_tokens
+    order = order.reshape(-1).long()
+    inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    bd = min(1024, triton.next_power_of_2(d))
+    _unpermute_kernel[(num_tokens, triton.cdiv(d, bd))](y.contiguous(), inv, out, k, d,
+                                                       BK=max(2, triton.next_power_of_2(k)), BD=bd)
+    return out
+

@@ -91,3 +91,24 @@ def test_tile_table_equals_its_formula(monkeypatch, m, e, bm):
             mp.setattr(gemm, "INTERPRET", False)
             order, *rest = gemm.expert_tiles(ids, e, bm)
             assert torch.equal(torch.stack(rest), want)
+
+
+@pytest.mark.parametrize("t,k,d,dtype", [(1, 6, 16, torch.float32), (32, 6, 4096, torch.float32),
+                                         (5, 2, 33, torch.bfloat16), (7, 1, 8, torch.float32), (0, 6, 8, torch.float32)])
+def test_moe_unpermute_equals_reference_bitwise(t, k, d, dtype):
+    """The cuda moe_unpermute (Triton's interpreter off the GPU) sums each token's rows in the reference's order:
+    bitwise its CPU result, through a real permute (ties in expert ids, tokens routed to the same experts)."""
+    from atb_ops.cuda.routing import moe_unpermute
+    from atb_ops.reference.routing import moe_unpermute as ref_unpermute
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(t * 7 + k + d)
+    e = 4
+    ids = torch.randint(0, e, (t, k), generator=g)
+    x = torch.randn(t, d, generator=g)
+    _, _, order = ref_permute(x, ids, e)
+    y = (torch.randn(t * k, d, generator=g) * torch.logspace(-4, 4, d)).to(dtype)
+    got = moe_unpermute(y.to(dev), order.to(dev), t)
+    want = ref_unpermute(y, order, t)
+    assert got.dtype == torch.float32 and got.shape == (t, d)
+    assert torch.equal(got.cpu(), want)
