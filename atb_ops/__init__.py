@@ -59,8 +59,22 @@ OPS = (
     "add_rms_norm", "kv_quant", "mla_decode_split", "moe_permute", "moe_unpermute",
 )
 
+
+
+def decode_context_kernel():
+    """The CUDA backend's one-launch derivation of a captured decode step's context
+    (:func:`atb_ops.cuda.decode_context.decode_context`: KV index bookkeeping, not an op of the model, so not in
+    :data:`OPS`), or None where Triton is not installed. The KV layer asks here instead of importing the backend."""
+    try:
+        from .cuda.decode_context import decode_context
+    except ImportError:
+        return None
+    return decode_context
+
+
 __all__ = list(OPS) + [
-    "BACKENDS", "BackendError", "KVLayout", "batch_invariant", "device_available", "enable_batch_invariant_torch",
+    "BACKENDS", "BackendError", "KVLayout", "batch_invariant", "decode_context_kernel", "device_available",
+    "enable_batch_invariant_torch",
     "implementations", "is_batch_invariant", "kv_layout", "register", "register_kv_layout", "rope_inv_freq",
     "selected_backend", "set_batch_invariant", "use_backend",
 ]

@@ -207,17 +207,9 @@ def decode_context_path(device: torch.device) -> str:
 
 
 def _has_triton() -> bool:
-    global _TRITON
-    if _TRITON is None:
-        try:
-            import triton  # noqa: F401
-            _TRITON = True
-        except ImportError:
-            _TRITON = False
-    return _TRITON
+    import atb_ops
 
-
-_TRITON: bool | None = None
+    return atb_ops.decode_context_kernel() is not None
 
 
 def derive_decode_context(inputs: DecodeInputs, pools, trash_token: int,
@@ -239,8 +231,11 @@ def derive_decode_context(inputs: DecodeInputs, pools, trash_token: int,
 
 def derive_decode_tensors_triton(inputs: DecodeInputs, trash_token: int, trash_entry: dict[int, int]):
     """:func:`derive_decode_tensors_torch`'s tensors from ONE kernel launch (atb_ops/cuda/decode_context.py)."""
-    from atb_ops.cuda.decode_context import decode_context  # lazy: CPU users never import triton
+    import atb_ops
 
+    decode_context = atb_ops.decode_context_kernel()
+    if decode_context is None:
+        raise RuntimeError("ASCEND_DSV4_DECODE_CTX=triton, but Triton is not installed: unset it or set it to torch")
     L = inputs.layout
     ratios = [(r, width, page) for (r, width), (_, page) in zip(L.widths, L.entry_pages)]
     t, rows, swa_slot, window, per = decode_context(
