@@ -131,16 +131,7 @@ def _unit(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, ctr_ptr, ids_ptr, act_ptr, M, 
         o_off = rows64[None, :] * N + n[:, None]
         om = nm[:, None] & rm[None, :]
         if n_split > 1:
-            tl.store(part_base + o_off, acc, mask=om)
-            tl.debug_barrier()
-            ctr = ctr_base + r0 // BT
-            old = tl.atomic_add(ctr, 1, sem="acq_rel")
-            if old == n_split - 1:
-                tot = tl.zeros((BW, BT), tl.float32)
-                for sp in range(0, n_split):
-                    tot += tl.load(part_ptr + sp * M * N + o_off, mask=om, other=0.0, cache_modifier=".cg")
-                tl.store(out_ptr + o_off, tot.to(out_ptr.dtype.element_ty), mask=om)
-                tl.atomic_xchg(ctr, 0)
+            tc.split_k_fixup(acc, part_base, part_ptr, out_ptr, ctr_base + r0 // BT, o_off, om, n_split, M, N, BW, BT)
         else:
             tl.store(out_ptr + o_off, acc.to(out_ptr.dtype.element_ty), mask=om)
 

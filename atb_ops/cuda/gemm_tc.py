@@ -148,6 +148,24 @@ def _fp4x4_decode(b, s, ASM: tl.constexpr, MUL1: tl.constexpr):
 
 
 @triton.jit
+def split_k_fixup(acc, part_at, part_ptr, out_ptr, ctr, o_off, om, n_split, M, N, BW: tl.constexpr,
+                  BT: tl.constexpr):
+    """Split-K epilogue of the tensor-core GEMMs (this module, gemm_tc_large, gemm_fp4_moe): store this program's
+    float32 partial tile at ``part_at + o_off``; the program that arrives last at the tile (atomic counter ``ctr``)
+    adds the ``n_split`` partials ``part_ptr[sp, M, N]`` in split order (deterministic), writes the output tile and
+    resets the counter for the next launch."""
+    tl.store(part_at + o_off, acc, mask=om)
+    tl.debug_barrier()
+    old = tl.atomic_add(ctr, 1, sem="acq_rel")
+    if old == n_split - 1:
+        tot = tl.zeros((BW, BT), tl.float32)
+        for sp in range(0, n_split):
+            tot += tl.load(part_ptr + sp * M * N + o_off, mask=om, other=0.0, cache_modifier=".cg")
+        tl.store(out_ptr + o_off, tot.to(out_ptr.dtype.element_ty), mask=om)
+        tl.atomic_xchg(ctr, 0)
+
+
+@triton.jit
 def _tc_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, ctr_ptr, ids_ptr, act_ptr,
                M, N, K, E, stride_we, stride_se, stride_sn, k_split, n_slots, n_split, max_pass,
                FMT: tl.constexpr, SCALE_E8M0: tl.constexpr, GROUPED: tl.constexpr, ASM: tl.constexpr,
@@ -252,20 +270,8 @@ def _tc_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, ctr_ptr, ids_ptr, act_ptr
                 acc += d * sv
         o_off = rows64[None, :] * N + n[:, None]
         om = nm[:, None] & rm[None, :]
-        if FIXUP:
-            # split-K: partial sums to part[split]; the program that arrives last at this tile and pass adds them in
-            # split order (deterministic) and writes out; its counter is reset for the next launch
-            tl.store(part_base + o_off, acc, mask=om)
-            tl.debug_barrier()
-            ctr = ctr_base + r0 // BT
-            old = tl.atomic_add(ctr, 1, sem="acq_rel")
-            if old == n_split - 1:
-                tot = tl.zeros((BW, BT), tl.float32)
-                for sp in range(0, n_split):
-                    tot += tl.load(part_ptr + sp * M * N + o_off, mask=om, other=0.0,
-                                   cache_modifier=".cg")
-                tl.store(out_ptr + o_off, tot.to(out_ptr.dtype.element_ty), mask=om)
-                tl.atomic_xchg(ctr, 0)
+        if FIXUP:  # split-K: the last program at this tile and pass sums the partials (split_k_fixup)
+            split_k_fixup(acc, part_base, part_ptr, out_ptr, ctr_base + r0 // BT, o_off, om, n_split, M, N, BW, BT)
         else:
             tl.store(part_base + o_off, acc.to(part_ptr.dtype.element_ty), mask=om)
 

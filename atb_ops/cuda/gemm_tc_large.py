@@ -312,19 +312,9 @@ def _tcl_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, ctr_ptr, order_ptr, tile
                     acc += d * sv
     o_off = rows64[None, :] * N + n[:, None]
     om = nm[:, None] & rm[None, :]
-    if FIXUP:
-        # split-K: partial sums to part[split]; the last program to arrive at this tile adds them in split order
-        # and writes out, then resets the tile's counter for the next launch
-        tl.store(part_ptr + split.to(tl.int64) * M * N + o_off, acc, mask=om)
-        tl.debug_barrier()
-        ctr = ctr_ptr + pid_n * tl.num_programs(0) + pid_t
-        old = tl.atomic_add(ctr, 1, sem="acq_rel")
-        if old == n_split - 1:
-            tot = tl.zeros((BW, BT), tl.float32)
-            for sp in range(0, n_split):
-                tot += tl.load(part_ptr + sp * M * N + o_off, mask=om, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptr + o_off, tot.to(out_ptr.dtype.element_ty), mask=om)
-            tl.atomic_xchg(ctr, 0)
+    if FIXUP:  # split-K: the last program at this tile sums the partials in split order (tc.split_k_fixup)
+        tc.split_k_fixup(acc, part_ptr + split.to(tl.int64) * M * N, part_ptr, out_ptr,
+                         ctr_ptr + pid_n * tl.num_programs(0) + pid_t, o_off, om, n_split, M, N, BW, BT)
     else:
         tl.store(part_ptr + split.to(tl.int64) * M * N + o_off, acc.to(part_ptr.dtype.element_ty), mask=om)
 
