@@ -121,11 +121,12 @@ class PendingStep(NamedTuple):
 def compact_fp32_weights_for(model: torch.nn.Module, device: torch.device, backend: str | None) -> None:
     """BF16 storage for the float32-compute linears whose values are BF16 (:func:`parallel.linear.
     compact_fp32_weights_`) where the op backend reads them so (CUDA): the same results, half their bytes."""
-    if device.type == "cuda" and backend in (None, "cuda"):
+    if device.type == "cuda" and backend in (None, "cuda") and not getattr(model, "_fp32_weights_compacted", False):
         from parallel.linear import compact_fp32_weights_
 
         if compact_fp32_weights_(model):
             torch.cuda.empty_cache()  # the float32 copies go back to the device (memory sizing reads its free bytes)
+        model._fp32_weights_compacted = True  # create() and __init__ both ask: scan the weights once
 
 
 class ModelRunner:
