@@ -129,28 +129,19 @@ def main():
             continue
         sk, hist = res.pop("_keys")
         hb = ix.hist_bits()
-        for sw in a.sel_warps.split(";"):
-            os.environ["ATB_CUDA_INDEXER_SEL_WARPS"] = sw
-            try:
-                line = f"   select warps {sw}:"
-                for split in (False, True):
-                    v = g_ms(lambda: ix.select_hist(sk, hist.clone(), cand, k, hb, split=split))
-                    line += f" {'split' if split else 'hist'} (+copy) {v * 1e3:.1f}us"
-                print(line, flush=True)
-            except Exception as e:  # noqa: BLE001
-                print(f"   select warps {sw}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
-            os.environ.pop("ATB_CUDA_INDEXER_SEL_WARPS")
-        for ch in a.chs.split(";"):
-            os.environ["ATB_CUDA_INDEXER_CH"] = ch
-            try:
-                line = f"   compaction chunk {ch}:"
-                for split in (False, True):
-                    v = g_ms(lambda: ix.select_hist(sk, hist.clone(), cand, k, hb, split=split))
-                    line += f" {'split' if split else 'hist'} (+copy) {v * 1e3:.1f}us"
-                print(line, flush=True)
-            except Exception as e:  # noqa: BLE001
-                print(f"   compaction chunk {ch}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
-            os.environ.pop("ATB_CUDA_INDEXER_CH")
+        for var, values, label in (("ATB_CUDA_INDEXER_SEL_WARPS", a.sel_warps, "select warps"),
+                                   ("ATB_CUDA_INDEXER_CH", a.chs, "compaction chunk")):
+            for val in values.split(";"):
+                os.environ[var] = val
+                try:
+                    line = f"   {label} {val}:"
+                    for split in (False, True):
+                        v = g_ms(lambda: ix.select_hist(sk, hist.clone(), cand, k, hb, split=split))
+                        line += f" {'split' if split else 'hist'} (+copy) {v * 1e3:.1f}us"
+                    print(line, flush=True)
+                except Exception as e:  # noqa: BLE001
+                    print(f"   {label} {val}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
+                os.environ.pop(var)
         for hbs in a.hbs.split(";"):
             os.environ["ATB_CUDA_INDEXER_HB"] = hbs
             try:
