@@ -136,9 +136,12 @@ def decode_context(positions: torch.Tensor, token_table: torch.Tensor, tables: S
     if len(ratios) > 2 or len(tables) != len(ratios) or len(trash_entry) != len(ratios):
         raise ValueError(f"decode_context: {len(ratios)} ratios / {len(tables)} tables (at most two ratios)")
     b = positions.shape[0]
-    for x in (positions, token_table, *tables):
+    named = [("positions", positions), ("token_table", token_table)]
+    named += [(f"tables[{k}] (ratio {r})", x) for k, ((r, _, _), x) in enumerate(zip(ratios, tables))]
+    for name, x in named:
         if x.dtype != torch.long or x.stride(-1) != 1:
-            raise ValueError("decode_context: inputs must be int64 with contiguous rows")
+            raise ValueError(f"decode_context: {name} must be int64 with contiguous rows, got {x.dtype} with "
+                             f"strides {tuple(x.stride())}")
     kappas = [2 if r == 4 else 1 for r, _, _ in ratios]
     sizes = [b, b, b, b * window]
     for (r, n, _), kappa in zip(ratios, kappas):

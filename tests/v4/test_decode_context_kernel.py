@@ -180,3 +180,14 @@ def test_captured_kernel_follows_the_buffer_cuda(monkeypatch):
         graph.replay()
         assert_equal_tensors((d.positions, d.seq_index, d.swa_slot, d.window, d.compress),
                              derive_decode_tensors_torch(inp, TRASH_TOKEN, TRASH_ENTRY))
+
+
+def test_bad_input_names_the_tensor():
+    from atb_ops.cuda.decode_context import decode_context
+
+    pos = torch.zeros(2, dtype=torch.long)
+    kw = dict(block_size=16, window=4, token_span=7, ratios=[(4, 8, 4)], trash_token=0, trash_entry=[0])
+    with pytest.raises(ValueError, match="token_table must be int64"):
+        decode_context(pos, torch.zeros(2, 3, dtype=torch.int32), [torch.zeros(2, 2, dtype=torch.long)], **kw)
+    with pytest.raises(ValueError, match=r"tables\[0\] \(ratio 4\)"):
+        decode_context(pos, torch.zeros(2, 3, dtype=torch.long), [torch.zeros(3, 2, dtype=torch.long).t()], **kw)
