@@ -43,6 +43,9 @@ class ColumnParallelLinear(Linear):
         self.gather_output = gather_output
         self.bias = nn.Parameter(torch.zeros(local, dtype=self.weight.dtype), requires_grad=False) if bias else None
 
+    def plain_output(self) -> bool:
+        return self.bias is None and not self.gather_output
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = super().forward(x)
         if self.bias is not None:
@@ -65,6 +68,9 @@ class RowParallelLinear(Linear):
         if bias and not reduce:
             raise ParallelError("RowParallelLinear: a bias needs reduce=True (it is added once, after the reduction)")
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=self.weight.dtype), requires_grad=False) if bias else None
+
+    def plain_output(self) -> bool:
+        return False  # an input slice, a reduction, a bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel and self.tp.size > 1:

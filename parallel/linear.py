@@ -12,6 +12,9 @@ are this.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -38,11 +41,19 @@ class Linear(nn.Module):
         self.scale = None if scale is None else nn.Parameter(scale, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return atb_ops.linear(self.prepare_input(x), self.weight, self.scale, self.fmt)
+
+    def prepare_input(self, x: torch.Tensor) -> torch.Tensor:
+        """The input as this layer's GEMM takes it (float32 for ``compute_fp32``, FP8-rounded for ``fp8_input``)."""
         if self.compute_fp32:
-            x = x.float()
-        elif self.fp8_input:
-            x = atb_ops.fp8_act_round(x, 128)
-        return atb_ops.linear(x, self.weight, self.scale, self.fmt)
+            return x.float()
+        if self.fp8_input:
+            return atb_ops.fp8_act_round(x, 128)
+        return x
+
+    def plain_output(self) -> bool:
+        """Whether forward is x @ W^T and nothing else (no bias, gather or reduction): what stacking needs."""
+        return True
 
     def extra_repr(self) -> str:
         return (f"{self.in_features} -> {self.out_features}, fmt={self.fmt}, fp8_input={self.fp8_input}, "
@@ -73,3 +84,84 @@ def compact_fp32_weights_(model: nn.Module) -> int:
             freed += w.numel() * 2
     return freed
 
+
+
+@dataclass
+class _Stack:
+    """One weight (and scale) buffer of linears that read the same input; each linear holds a row slice of it."""
+    mods: tuple
+    weight: torch.Tensor
+    scale: torch.Tensor | None
+    sizes: tuple[int, ...]
+
+    def valid(self) -> bool:
+        # a later set_weight or a device move gives a linear its own storage again: the stack no longer applies
+        off, soff = 0, 0
+        for m, n in zip(self.mods, self.sizes):
+            if m.weight.data_ptr() != self.weight[off:].data_ptr():
+                return False
+            if self.scale is not None:
+                if m.scale is None or m.scale.data_ptr() != self.scale[soff:].data_ptr():
+                    return False
+                soff += m.scale.shape[0]
+            off += n
+        return True
+
+
+def _stackable(mods: Sequence[nn.Module]) -> bool:
+    a = mods[0]
+    if len(mods) < 2 or not all(isinstance(m, Linear) and m.plain_output() for m in mods):
+        return False
+    same = all(m.fmt == a.fmt and m.weight.dtype == a.weight.dtype and m.weight.shape[1:] == a.weight.shape[1:]
+               and m.weight.device == a.weight.device and m.compute_fp32 == a.compute_fp32
+               and m.fp8_input == a.fp8_input and (m.scale is None) == (a.scale is None) for m in mods)
+    if not same or a.fmt not in ("dense", "fp8_block", "fp4"):
+        return False
+    if a.scale is not None and not all(m.scale.dtype == a.scale.dtype and m.scale.shape[1:] == a.scale.shape[1:]
+                                       for m in mods):
+        return False
+    # fp8_block scales cover 128-row blocks: a slice must start on a block edge
+    return a.fmt != "fp8_block" or all(m.weight.shape[0] % 128 == 0 for m in mods[:-1])
+
+
+@torch.no_grad()
+def stack_linears_(mods: Sequence[nn.Module]) -> bool:
+    """Give linears that read the same input (compressor ``wkv`` / ``wgate``, shared-expert ``w1`` / ``w3``) one
+    weight buffer [sum N_i, K] (and one scale buffer), each keeping its row slice as its weight, so that
+    :func:`stacked_linear` runs them as one GEMM: one launch and one weight stream instead of two, the same
+    products and sums per output (a GEMM's output column does not depend on the other columns). Same format,
+    dtypes, input size and input handling required; returns whether it stacked."""
+    if not _stackable(mods):
+        return False
+    weight = torch.cat([m.weight for m in mods])
+    scale = None if mods[0].scale is None else torch.cat([m.scale for m in mods])
+    sizes = tuple(m.weight.shape[0] for m in mods)
+    off, soff = 0, 0
+    for m, n in zip(mods, sizes):
+        sn = 0 if scale is None else m.scale.shape[0]
+        m.set_weight(weight[off:off + n], None if scale is None else scale[soff:soff + sn], m.fmt)
+        off, soff = off + n, soff + sn
+    mods[0]._stack = _Stack(tuple(mods), weight, scale, sizes)
+    return True
+
+
+def stacked_linear(mods: Sequence[nn.Module], x: torch.Tensor) -> list[torch.Tensor]:
+    """[mod(x) for mod in mods], as one GEMM over their stacked weight where :func:`stack_linears_` stacked them
+    (the outputs are then column slices of one [.., sum N_i] tensor)."""
+    st = getattr(mods[0], "_stack", None)
+    if st is None or st.mods != tuple(mods) or not st.valid():
+        return [m(x) for m in mods]
+    a = mods[0]
+    y = atb_ops.linear(a.prepare_input(x), st.weight, st.scale, a.fmt)
+    return list(y.split(st.sizes, dim=-1))
+
+
+@torch.no_grad()
+def stack_model_linears_(model: nn.Module) -> int:
+    """Stack the linear groups every submodule names in ``stacked_linears()``; returns how many groups stacked."""
+    n = 0
+    for mod in model.modules():
+        groups = getattr(mod, "stacked_linears", None)
+        for group in (groups() if callable(groups) else ()):
+            n += stack_linears_(group)
+    return n

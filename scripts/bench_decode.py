@@ -41,7 +41,7 @@ sys.path.insert(0, ROOT)
 import atb_ops  # noqa: E402
 from ascend_dsv4.models import preset  # noqa: E402
 from ascend_dsv4.kv.blocks import PoolSizes  # noqa: E402
-from ascend_dsv4.engine.model_runner import ModelRunner, compact_fp32_weights_for  # noqa: E402
+from ascend_dsv4.engine.model_runner import ModelRunner, prepare_weights_for  # noqa: E402
 from ascend_dsv4.models import build_model  # noqa: E402
 from parallel.linear import Linear  # noqa: E402
 from quant.fp4 import quant_fp4  # noqa: E402
@@ -322,7 +322,7 @@ def bench_ours(fmt: str, batches, ctxs, steps, warmup, dev, bw, rows, backend, t
     init_on_device_(model)
     if fmt == "fp8":
         to_official_formats_(model)
-    compact_fp32_weights_for(model, dev, backend)  # as the runner does: weights are counted as stored
+    prepare_weights_for(model, dev, backend)  # as the runner does: weights are counted as stored
     other, per_expert = weight_bytes(model)
     picked: dict[int, set] = {}
 

@@ -70,7 +70,7 @@ def rank_main(rank: int, world: int, ep: bool, args, port: int, out_path: str) -
     from bench_decode import (copy_bandwidth, embed_bytes, flash3, init_on_device_, kv_bytes_per_seq, make_runner,
                               time_decode, to_official_formats_, weight_bytes)
 
-    from ascend_dsv4.engine.model_runner import compact_fp32_weights_for
+    from ascend_dsv4.engine.model_runner import prepare_weights_for
     from ascend_dsv4.models import build_model, preset
     from parallel.groups import destroy_parallel, init_parallel, set_rank_device
 
@@ -90,7 +90,7 @@ def rank_main(rank: int, world: int, ep: bool, args, port: int, out_path: str) -
         init_on_device_(model, seed=0)  # same draws on every rank: the replicated router agrees
         if args.format == "fp8":
             to_official_formats_(model)
-        compact_fp32_weights_for(model, dev, None)  # as the runner does: weights are counted as stored
+        prepare_weights_for(model, dev, None)  # as the runner does: weights are counted as stored
         other, per_expert = weight_bytes(model)  # this rank's slices; per local expert
         n_local = cfg.n_routed_experts // (world if ep else 1)
         first = rank * n_local if ep else 0

@@ -118,15 +118,19 @@ class PendingStep(NamedTuple):
     done: object  # torch.cuda.Event recorded after the copies (None off CUDA: the copies were synchronous)
 
 
-def compact_fp32_weights_for(model: torch.nn.Module, device: torch.device, backend: str | None) -> None:
-    """BF16 storage for the float32-compute linears whose values are BF16 (:func:`parallel.linear.
-    compact_fp32_weights_`) where the op backend reads them so (CUDA): the same results, half their bytes."""
-    if device.type == "cuda" and backend in (None, "cuda") and not getattr(model, "_fp32_weights_compacted", False):
-        from parallel.linear import compact_fp32_weights_
+def prepare_weights_for(model: torch.nn.Module, device: torch.device, backend: str | None) -> None:
+    """Weight storage for the op backend, once per model (create() and __init__ both ask). On CUDA: BF16 storage
+    of the float32-compute linears whose values are BF16 (:func:`parallel.linear.compact_fp32_weights_`: the same
+    results, half their bytes), then one buffer per group of linears that read the same input
+    (:func:`parallel.linear.stack_model_linears_`: one GEMM for the compressor's wkv / wgate and the shared
+    expert's w1 / w3)."""
+    if device.type == "cuda" and backend in (None, "cuda") and not getattr(model, "_weights_prepared", False):
+        from parallel.linear import compact_fp32_weights_, stack_model_linears_
 
-        if compact_fp32_weights_(model):
-            torch.cuda.empty_cache()  # the float32 copies go back to the device (memory sizing reads its free bytes)
-        model._fp32_weights_compacted = True  # create() and __init__ both ask: scan the weights once
+        compact_fp32_weights_(model)
+        stack_model_linears_(model)
+        torch.cuda.empty_cache()  # the replaced copies go back to the device (memory sizing reads its free bytes)
+        model._weights_prepared = True
 
 
 class ModelRunner:
@@ -141,7 +145,7 @@ class ModelRunner:
         self.quant_summary = quant_summary
         # the KV layout the op backend's attention ops need (atb_ops.KVLayout; reference layout by default)
         self.kv_layout = atb_ops.kv_layout(backend, self.device)
-        compact_fp32_weights_for(model, self.device, backend)
+        prepare_weights_for(model, self.device, backend)
         mult = self.kv_layout.block_size_multiple
         if sizes.block_size % mult:
             raise ConfigError(f"block_size {sizes.block_size} is not a multiple of {mult}, which the "
@@ -176,7 +180,7 @@ class ModelRunner:
         npu = backend == "npu" or (backend is None and torch.device(device).type == "npu")
         with runner_ops:
             net, summary = build_model(model, cfg, dtype, device, numerics, npu=npu, **load)
-        compact_fp32_weights_for(net, torch.device(device), backend)  # before the pools are sized
+        prepare_weights_for(net, torch.device(device), backend)  # before the pools are sized
         sizes = plan_pool_sizes(cfg, block_size, max_num_seqs, max_model_len, max_num_batched_tokens)
         if gpu_memory_utilization is not None:
             from .memory_sizing import sized_for_memory

@@ -9,6 +9,8 @@ partial sums of x^2) are reduced in a fixed order afterwards (deterministic). Pr
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -43,6 +45,19 @@ def _skinny_kernel(x_ptr, w_ptr, part_ptr, ss_ptr, T, K, O, k_per_split,
         tl.store(ss_ptr + base, ss, mask=tm)
 
 
+def _split_policy() -> tuple[int, int]:
+    """(fewest K steps per program, programs per SM aimed at): ATB_CUDA_SKINNY="iters=4,per_sm=2" (the defaults;
+    a benchmark knob: fewer K steps per program shorten the dependent-load chain, more splits lengthen the
+    consumer's sum)."""
+    cfg = {"iters": 4, "per_sm": 2}
+    for item in filter(None, os.environ.get("ATB_CUDA_SKINNY", "").split(",")):
+        key, _, val = item.partition("=")
+        if key not in cfg or not val.isdigit() or int(val) < 1:
+            raise ValueError(f"ATB_CUDA_SKINNY: bad item {item!r}; expected iters=N,per_sm=N (N >= 1)")
+        cfg[key] = int(val)
+    return cfg["iters"], cfg["per_sm"]
+
+
 def skinny_matmul(x: torch.Tensor, w: torch.Tensor, want_ss: bool = False, partials: bool = False):
     """x [T, K], w [O, K] -> (float32 [T, BO] with BO = pow2(O) >= 16 (columns >= O are 0), sum(x^2) [T] or None).
     ``partials``: the per-split sums unreduced, float32 [S, T, BO] and [S, T] (a consumer kernel adds them up in
@@ -55,8 +70,9 @@ def skinny_matmul(x: torch.Tensor, w: torch.Tensor, want_ss: bool = False, parti
     bt = 16
     bk = 64 if bo <= 64 else 32
     t_tiles = triton.cdiv(t_count, bt)
-    max_split = triton.cdiv(k, 4 * bk)
-    n_split = max(1, min(max_split, triton.cdiv(2 * sm_count(x.device), t_tiles)))
+    iters, per_sm = _split_policy()
+    max_split = triton.cdiv(k, iters * bk)
+    n_split = max(1, min(max_split, triton.cdiv(per_sm * sm_count(x.device), t_tiles)))
     kps = triton.cdiv(triton.cdiv(k, n_split), bk) * bk
     n_split = triton.cdiv(k, kps)
     part = torch.empty(n_split, t_count, bo, dtype=torch.float32, device=x.device)

@@ -232,9 +232,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None = None
     m, k = x.shape
     if fmt == "dense":
         if (x.dtype == torch.float32 and w.dtype == torch.bfloat16 and m > 0 and not INTERPRET
-                and (m > 256 or w.shape[0] >= BF16X3_MIN_N) and _mm_f32()):
-            # a float32-compute layer stored in BF16 (parallel.linear.compact_fp32_weights_): wide (the head) or
-            # prefill-sized; narrow decode-sized ones (compressor projections) take _fp32_gemv below, one launch
+                and _f32_path(m) == "bf16x3" and _mm_f32()):
+            # a float32-compute layer stored in BF16 (parallel.linear.compact_fp32_weights_): the head and the
+            # compressor projections, at every batch size
             return _bf16x3(x, w)
         if x.dtype == torch.float32 and w.dtype in (torch.float32, torch.bfloat16) and 0 < m <= 256 and not INTERPRET:
             return _fp32_gemv(x, w)
@@ -264,7 +264,18 @@ def linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None = None
 
 
 _MM_F32: list = []  # [bool] once probed
-BF16X3_MIN_N = 8192  # output width from which a decode-sized float32 linear over a BF16 weight takes _bf16x3
+
+
+def _f32_path(m: int) -> str:
+    """How a float32 x times a BF16 weight runs: "bf16x3" (:func:`_bf16x3`, three launches around cuBLAS) or
+    "gemv" (:func:`_fp32_gemv`, one launch, M <= 256 only). ATB_CUDA_F32_LINEAR=bf16x3 / gemv / auto (default:
+    bf16x3). The one-launch kernel loops over all of K in one program per 32 output columns: at the compressor
+    projections' shapes (N = 256-1024, K = 4096) it took 99 us a call at every batch size on an H100 (6 calls
+    a Flash decode step: 0.6 ms of 3.3; scripts/bench_results/decode_h100_session5.txt)."""
+    p = os.environ.get("ATB_CUDA_F32_LINEAR", "auto")
+    if p not in ("auto", "bf16x3", "gemv"):
+        raise ValueError(f"ATB_CUDA_F32_LINEAR={p!r}: expected auto, bf16x3 or gemv")
+    return "gemv" if p == "gemv" and m <= 256 else "bf16x3"
 
 
 def _mm_f32() -> bool:

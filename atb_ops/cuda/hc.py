@@ -2,8 +2,8 @@
 (ascend_dsv4/models/deepseek_v4/README.md §2.2, §2.5).
 
 Per collapse: the split-K skinny matmul (:mod:`._skinny`) gives the per-split partial sums of flat(x) @ fn^T and
-sum(flat(x)^2) (float32 products, as the reference's float32 matmul); ``_split_kernel`` adds the splits up in
-order, scales them by rsqrt(mean + eps), turns one
+sum(flat(x)^2) (float32 products, as the reference's float32 matmul); ``_split_kernel`` adds the splits up
+(one load of all of a token's splits, a fixed reduction tree), scales them by rsqrt(mean + eps), turns one
 token's mixes into pre / post / the Sinkhorn-normalised comb and writes u = sum_j pre_j x_j.
 """
 
@@ -27,29 +27,39 @@ def _mixes(x: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 
 
 @triton.jit
-def _split_sum(ptr, t, T, S, row, cols):
-    """sum over the S splits of ptr[s, t, row + cols] (float32 partials laid out [S, T, row])."""
-    v = tl.load(ptr + t * row + cols)
-    for s in range(1, S):
-        v += tl.load(ptr + (s * T + t) * row + cols)
-    return v
+def _pick(v, idx, BO: tl.constexpr):
+    """v[idx] for a register vector v [BO] and an index vector idx: a masked sum, no memory round trip."""
+    o = tl.arange(0, BO)
+    return tl.sum(tl.where(o[None, :] == idx[:, None], v[None, :], 0.0), 1)
+
+
+@triton.jit
+def _pick2(v, idx, BO: tl.constexpr):
+    """v[idx] for an index matrix idx."""
+    o = tl.arange(0, BO)
+    return tl.sum(tl.where(o[None, None, :] == idx[:, :, None], v[None, None, :], 0.0), 2)
 
 
 @triton.jit
 def _split_kernel(m_ptr, ss_ptr, x_ptr, scale_ptr, base_ptr, u_ptr, post_ptr, comb_ptr, d, iters, hc_eps, norm_eps,
-                  T, S, N: tl.constexpr, BO: tl.constexpr, FULL: tl.constexpr, BD: tl.constexpr):
+                  T, S, N: tl.constexpr, BO: tl.constexpr, SP: tl.constexpr, FULL: tl.constexpr, BD: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, N)
-    r = tl.rsqrt(_split_sum(ss_ptr, t, T, S, 1, 0) / (N * d) + norm_eps)
+    # the S split-K partials of this token in one load each, summed by a fixed tree (was a loop of S dependent
+    # loads per mix: latency-bound at S = 64)
+    s = tl.arange(0, SP)
+    sm = s < S
+    mix = tl.sum(tl.load(m_ptr + (s[:, None] * T + t) * BO + tl.arange(0, BO)[None, :], mask=sm[:, None], other=0.0), 0)
+    r = tl.rsqrt(tl.sum(tl.load(ss_ptr + s * T + t, mask=sm, other=0.0), 0) / (N * d) + norm_eps)
     s0 = tl.load(scale_ptr)
-    pre = tl.sigmoid(_split_sum(m_ptr, t, T, S, BO, j) * r * s0 + tl.load(base_ptr + j)) + hc_eps
+    pre = tl.sigmoid(_pick(mix, j, BO) * r * s0 + tl.load(base_ptr + j)) + hc_eps
     if FULL:
         s1 = tl.load(scale_ptr + 1)
         s2 = tl.load(scale_ptr + 2)
-        post = 2.0 * tl.sigmoid(_split_sum(m_ptr, t, T, S, BO, N + j) * r * s1 + tl.load(base_ptr + N + j))
+        post = 2.0 * tl.sigmoid(_pick(mix, N + j, BO) * r * s1 + tl.load(base_ptr + N + j))
         tl.store(post_ptr + t * N + j, post)
         cidx = 2 * N + j[:, None] * N + j[None, :]  # comb[a, b] = mixes[2N + a N + b]
-        c = _split_sum(m_ptr, t, T, S, BO, cidx) * r * s2 + tl.load(base_ptr + cidx)
+        c = _pick2(mix, cidx, BO) * r * s2 + tl.load(base_ptr + cidx)
         c = tl.exp(c - tl.max(c, 1)[:, None])
         c = c / tl.sum(c, 1)[:, None] + hc_eps
         c = c / (tl.sum(c, 0)[None, :] + hc_eps)
@@ -85,7 +95,7 @@ def hc_pre(x, fn, base, scale, sinkhorn_iters: int, hc_eps: float, norm_eps: flo
     mixes, ss, bo, splits = _mixes(xc, fn)
     _split_kernel[(t_count,)](mixes, ss, xc, scale.float().contiguous(), base.float().contiguous(), u, post, comb, d,
                               int(sinkhorn_iters), float(hc_eps), float(norm_eps), t_count, splits, N=n, BO=bo,
-                              FULL=True, BD=min(pow2(d), 1024))
+                              SP=pow2(splits), FULL=True, BD=min(pow2(d), 1024))
     return u, post, comb
 
 
@@ -100,7 +110,7 @@ def hc_head(x, fn, base, scale, hc_eps: float, norm_eps: float):
         return u
     mixes, ss, bo, splits = _mixes(xc, fn)
     _split_kernel[(t_count,)](mixes, ss, xc, scale.float().contiguous(), base.float().contiguous(), u, u, u, d, 0,
-                              float(hc_eps), float(norm_eps), t_count, splits, N=n, BO=bo, FULL=False,
+                              float(hc_eps), float(norm_eps), t_count, splits, N=n, BO=bo, SP=pow2(splits), FULL=False,
                               BD=min(pow2(d), 1024))
     return u
 

@@ -89,24 +89,36 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
 
 
 @triton.jit
-def _swiglu_kernel(g_ptr, u_ptr, y_ptr, n, limit, CLAMP: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = offs < n
-    g = tl.load(g_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + offs, mask=m, other=0.0).to(tl.float32)
+def _swiglu_kernel(g_ptr, u_ptr, y_ptr, c, sg, su, limit, CLAMP: tl.constexpr, BLOCK: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < c
+    g = tl.load(g_ptr + r * sg + offs, mask=m, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + r * su + offs, mask=m, other=0.0).to(tl.float32)
     if CLAMP:
         u = tl.minimum(tl.maximum(u, -limit), limit)
         g = tl.minimum(g, limit)
-    tl.store(y_ptr + offs, g / (1.0 + tl.exp(-g)) * u, mask=m)
+    tl.store(y_ptr + r * c + offs, g / (1.0 + tl.exp(-g)) * u, mask=m)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t as [rows, last dim] with unit column stride; a view where the layout allows (the column halves of a
+    stacked GEMM's output are), a copy otherwise."""
+    t2 = t.reshape(-1, t.shape[-1]) if t.dim() else t.reshape(1, 1)
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
 @register("swiglu", "cuda")
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """Elementwise silu(min(g, limit)) * clamp(u, -limit, limit) in float32 (no clamp when limit <= 0)."""
-    g, u = gate.contiguous(), up.contiguous()
-    y = torch.empty(g.shape, dtype=torch.float32, device=g.device)
-    n = g.numel()
-    if n:
-        block = 1024
-        _swiglu_kernel[(triton.cdiv(n, block),)](g, u, y, n, float(limit), CLAMP=limit > 0, BLOCK=block)
+    """Elementwise silu(min(g, limit)) * clamp(u, -limit, limit) in float32 (no clamp when limit <= 0); gate and up
+    may be row-strided views (the two halves of one [T, 2I] GEMM output)."""
+    if gate.shape != up.shape:
+        raise ValueError(f"swiglu: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ in shape")
+    y = torch.empty(gate.shape, dtype=torch.float32, device=gate.device)
+    if y.numel():
+        g, u = _rows(gate), _rows(up)
+        c = g.shape[1]
+        block = min(1024, pow2(c))
+        _swiglu_kernel[(g.shape[0], triton.cdiv(c, block))](g, u, y, c, g.stride(0), u.stride(0), float(limit),
+                                                              CLAMP=limit > 0, BLOCK=block)
     return y

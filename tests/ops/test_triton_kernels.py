@@ -86,6 +86,15 @@ def test_swiglu(limit):
     a, b = cu(gt, up, limit), ref(gt, up, limit)
     assert a.dtype == torch.float32
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # the two column halves of one stacked GEMM output (row-strided views), a 3-d input and a transposed one
+    h = rnd(5, 2 * 1100, g=g, scale=8.0, dtype=torch.bfloat16)
+    torch.testing.assert_close(cu(h[:, :1100], h[:, 1100:], limit), ref(h[:, :1100], h[:, 1100:], limit),
+                               rtol=1e-5, atol=1e-5)
+    x3 = rnd(2, 3, 40, g=g, scale=8.0)
+    torch.testing.assert_close(cu(x3, x3.flip(0), limit), ref(x3, x3.flip(0), limit), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cu(gt.t(), up.t(), limit), ref(gt.t(), up.t(), limit), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="swiglu"):
+        cu(gt, up[:, :10], limit)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -121,17 +130,18 @@ def _hc_inputs(g, t, n=4, d=64, dtype=torch.float32):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("t", [0, 1, 19])
-def test_hc_pre_post_head(dtype, t):
+@pytest.mark.parametrize("t, d", [(0, 64), (1, 64), (19, 64), (1, 640), (19, 640)])
+def test_hc_pre_post_head(dtype, t, d):
+    # d = 640: K = 4 x 640 split over 10 (t = 1) or 8 (t = 19) programs, the split sums in one masked load
     g = gen(5)
-    x, fn, base, scale = _hc_inputs(g, t, dtype=dtype)
+    x, fn, base, scale = _hc_inputs(g, t, d=d, dtype=dtype)
     cu, ref = impls("hc_pre")
     (u1, p1, c1), (u2, p2, c2) = cu(x, fn, base, scale, 20, 1e-6, 1e-6), ref(x, fn, base, scale, 20, 1e-6, 1e-6)
     assert u1.shape == u2.shape and u1.dtype == u2.dtype and c1.shape == c2.shape
     if t:
         assert rel(u1, u2) < tol(dtype) and rel(p1, p2) < 1e-5 and rel(c1, c2) < 1e-5
     cu, ref = impls("hc_post")
-    y = rnd(t, 64, g=g, dtype=dtype)
+    y = rnd(t, d, g=g, dtype=dtype)
     a, b = cu(y, x, p2, c2), ref(y, x, p2, c2)
     assert a.shape == b.shape and a.dtype == b.dtype
     if t:

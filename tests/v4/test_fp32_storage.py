@@ -71,6 +71,19 @@ def test_cpu_runner_leaves_the_weights_as_they_are():
     assert all(m.weight.dtype == torch.float32 for m in _fp32_linears(model).values())
 
 
+def test_f32_linear_path_setting(monkeypatch):
+    """ATB_CUDA_F32_LINEAR picks the float32-x / BF16-weight path; gemv only up to 256 rows; a bad value is refused
+    naming the variable."""
+    from atb_ops.cuda.gemm import _f32_path
+
+    for value, m, want in (("auto", 1, "bf16x3"), ("gemv", 32, "gemv"), ("gemv", 257, "bf16x3"), ("bf16x3", 1, "bf16x3")):
+        monkeypatch.setenv("ATB_CUDA_F32_LINEAR", value)
+        assert _f32_path(m) == want, (value, m)
+    monkeypatch.setenv("ATB_CUDA_F32_LINEAR", "fast")
+    with pytest.raises(ValueError, match="ATB_CUDA_F32_LINEAR"):
+        _f32_path(1)
+
+
 @pytest.mark.cuda
 def test_cuda_runner_compacts_and_logits_stay(monkeypatch):
     """The CUDA op over a BF16 weight (three BF16 parts of the float32 input, one cuBLAS GEMM with float32 output)
@@ -82,13 +95,16 @@ def test_cuda_runner_compacts_and_logits_stay(monkeypatch):
 
     g = torch.Generator(device="cuda").manual_seed(0)
     w = torch.randn(1000, 512, device="cuda", generator=g).bfloat16()
-    for m in (1, 7, 64, 256, 300, 2048):
-        x = torch.randn(m, 512, device="cuda", generator=g) * torch.logspace(-3, 3, 512, device="cuda")
-        y = linear(x, w)
-        assert y.dtype == torch.float32 and y.shape == (m, 1000)
-        ref = x.double() @ w.double().t()
-        err = ((y.double() - ref).norm() / ref.norm()).item()
-        assert err < 1e-6, (m, err)
+    for path in ("auto", "gemv", "bf16x3"):  # auto is bf16x3; gemv covers M <= 256, bf16x3 beyond
+        monkeypatch.setenv("ATB_CUDA_F32_LINEAR", path)
+        for m in (1, 7, 64, 256, 300, 2048):
+            x = torch.randn(m, 512, device="cuda", generator=g) * torch.logspace(-3, 3, 512, device="cuda")
+            y = linear(x, w)
+            assert y.dtype == torch.float32 and y.shape == (m, 1000)
+            ref = x.double() @ w.double().t()
+            err = ((y.double() - ref).norm() / ref.norm()).item()
+            assert err < 1e-6, (path, m, err)
+    monkeypatch.delenv("ATB_CUDA_F32_LINEAR")
     model = _model(bf16_values=True, device="cuda")
     compacted = _logits(model, "cuda", backend="cuda")
     assert all(m.weight.dtype == torch.bfloat16 for m in _fp32_linears(model).values())

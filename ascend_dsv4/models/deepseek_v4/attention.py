@@ -12,7 +12,7 @@ from torch import nn
 import atb_ops
 from parallel.groups import Group
 from parallel.layers import ColumnParallelLinear, RowParallelLinear
-from parallel.linear import Linear
+from parallel.linear import Linear, stacked_linear
 
 from ...kv.context import StepContext
 from ...layers.norm import RMSNorm, fp32_param
@@ -48,12 +48,16 @@ class Compressor(nn.Module):
         self.norm = RMSNorm(head_dim, cfg.norm_eps)
         self.dtype = dtype
 
+    def stacked_linears(self):
+        """wkv and wgate read the same input: one GEMM once stacked (parallel.linear.stack_model_linears_)."""
+        return ((self.wkv, self.wgate),)
+
     def forward(self, x: torch.Tensor, ctx: StepContext, layer_id: int, inv_freq: torch.Tensor) -> None:
         """Write this step's state rows, pool the entries completed in this step, store them."""
         which = "index" if self.rotate else "main"
         kv_rows, score_rows = ctx.pools.state_layer(layer_id, which)
-        a = self.wkv(x)
-        z = self.wgate(x) + self.ape[ctx.positions % self.ratio]
+        a, z = stacked_linear((self.wkv, self.wgate), x)
+        z = z + self.ape[ctx.positions % self.ratio]
         kv_rows.index_copy_(0, ctx.swa_slot, a)
         score_rows.index_copy_(0, ctx.swa_slot, z)
         cc = ctx.compress[self.ratio]

@@ -12,6 +12,7 @@ from torch import nn
 import atb_ops
 from parallel.groups import Group
 from parallel.layers import ColumnParallelLinear, RowParallelLinear
+from parallel.linear import stacked_linear
 
 from ...layers.experts import reduce_moe, routed_experts
 from ...layers.norm import fp32_param
@@ -51,8 +52,13 @@ class SharedExpert(nn.Module):
         self.w3 = ColumnParallelLinear(d, I, dtype, tp, fp8_input=reference)
         self.w2 = RowParallelLinear(I, d, dtype, tp, fp8_input=reference, reduce=False)
 
+    def stacked_linears(self):
+        """w1 and w3 read the same input: one GEMM once stacked (parallel.linear.stack_model_linears_)."""
+        return ((self.w1, self.w3),)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(atb_ops.swiglu(self.w1(x), self.w3(x), self.limit).to(x.dtype))
+        h1, h3 = stacked_linear((self.w1, self.w3), x)
+        return self.w2(atb_ops.swiglu(h1, h3, self.limit).to(x.dtype))
 
 
 class MoE(nn.Module):

@@ -1,0 +1,120 @@
+"""Stacked linears (parallel.linear.stack_linears_ / stacked_linear): linears that read the same input (the
+compressor's wkv / wgate, the shared expert's w1 / w3) share one weight buffer and run as one GEMM on CUDA; each
+keeps its row slice as its weight, so loading, state dicts and the unstacked path see the same parameters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ascend_dsv4.engine.model_runner import ModelRunner
+from ascend_dsv4.models.deepseek_v4.model import DeepseekV4Model
+from ascend_dsv4.weights.random_init import init_random_
+from parallel.layers import ColumnParallelLinear, RowParallelLinear
+from parallel.linear import Linear, stack_linears_, stack_model_linears_, stacked_linear
+from quant.fp4 import quant_fp4
+from quant.fp8_block import quant_fp8_block
+from v4_helpers import SMALL_POOLS, rel_err, toy_cfg
+
+
+def _pair(fmt: str, n=(256, 384), k=256, cls=Linear, seed=0, **kw):
+    g = torch.Generator().manual_seed(seed)
+    mods = []
+    for ni in n:
+        m = cls(k, ni, torch.bfloat16, **kw)
+        w = torch.randn(ni, k, generator=g) * 0.05
+        if fmt == "fp8_block":
+            m.set_weight(*quant_fp8_block(w), "fp8_block")
+        elif fmt == "fp4":
+            m.set_weight(*quant_fp4(w), "fp4")
+        else:
+            m.set_weight(w.to(torch.bfloat16))
+        mods.append(m)
+    return mods
+
+
+@pytest.mark.parametrize("fmt", ["dense", "fp8_block", "fp4"])
+def test_stacked_equals_separate(fmt):
+    mods = _pair(fmt)
+    x = torch.randn(7, 256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    want = [m(x) for m in mods]
+    assert stack_linears_(mods)
+    assert mods[0].weight.data_ptr() == mods[0]._stack.weight.data_ptr()
+    assert mods[1].weight.shape[0] == 384 and mods[1].weight.data_ptr() != mods[0].weight.data_ptr()
+    got = stacked_linear(mods, x)
+    assert [g.shape for g in got] == [w.shape for w in want]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)  # the same per-column products and sums
+    for m, w in zip(mods, want):  # each linear alone still computes from its slice
+        torch.testing.assert_close(m(x), w, rtol=0, atol=0)
+
+
+def test_what_is_not_stacked():
+    assert not stack_linears_(_pair("fp8_block", n=(200, 256)))  # a scale block would straddle the two
+    assert stack_linears_(_pair("fp8_block", n=(256, 200)))  # the last may end mid-block
+    a, b = _pair("dense")[0], _pair("fp4")[1]
+    assert not stack_linears_([a, b])  # formats differ
+    assert not stack_linears_(_pair("dense", cls=RowParallelLinear))  # reduces its output
+    assert not stack_linears_(_pair("dense", cls=ColumnParallelLinear, gather_output=True))
+    assert stack_linears_(_pair("dense", cls=ColumnParallelLinear))
+    assert not stack_linears_(_pair("dense")[:1])
+
+
+def test_a_later_weight_unstacks():
+    mods = _pair("dense")
+    stack_linears_(mods)
+    x = torch.randn(3, 256).to(torch.bfloat16)
+    mods[1].set_weight(torch.zeros(384, 256, dtype=torch.bfloat16))  # a reload: its own storage again
+    a, b = stacked_linear(mods, x)
+    assert torch.equal(b, torch.zeros(3, 384, dtype=torch.bfloat16))
+    torch.testing.assert_close(a, mods[0](x), rtol=0, atol=0)
+
+
+def _model(device="cpu"):
+    return init_random_(DeepseekV4Model(toy_cfg(index_topk=128), torch.float32, "exact"), 0).eval().to(device)
+
+
+def _logits(model, device="cpu", backend=None):
+    runner = ModelRunner(model, SMALL_POOLS, device, backend=backend)
+    g = torch.Generator().manual_seed(0)
+    seqs = [runner.new_sequence() for _ in range(2)]
+    prompts = [torch.randint(0, model.cfg.vocab_size, (n,), generator=g).tolist() for n in (37, 9)]
+    out = [runner.step([s], [p]) for s, p in zip(seqs, prompts)]  # prefill
+    out.append(runner.step(seqs, [[5], [11]]))  # one decode step of both
+    return torch.cat([o.reshape(-1, o.shape[-1]) for o in out]).cpu()
+
+
+def test_model_logits_and_state_dict_unchanged():
+    model = _model()
+    want = _logits(model)
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    n_comp = sum(type(m).__name__ == "Compressor" for m in model.modules())
+    n_shared = sum(type(m).__name__ == "SharedExpert" for m in model.modules())
+    assert n_comp and n_shared
+    assert stack_model_linears_(model) == n_comp + n_shared
+    assert sorted(model.state_dict()) == sorted(sd)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in sd.items())
+    assert rel_err(_logits(model), want) < 1e-6
+    fresh = _model()
+    fresh.load_state_dict(model.state_dict())  # a stacked model's state dict loads into an unstacked one
+    assert rel_err(_logits(fresh), want) < 1e-6
+
+
+def test_cpu_runner_does_not_stack():
+    model = _model()
+    ModelRunner(model, SMALL_POOLS, "cpu")
+    assert not any(hasattr(m, "_stack") for m in model.modules())
+
+
+@pytest.mark.cuda
+def test_cuda_runner_stacks_and_logits_stay(monkeypatch):
+    """A CUDA runner stacks (one GEMM per group) and the logits stay those of the unstacked model (1e-5)."""
+    import parallel.linear
+
+    model = _model("cuda")
+    stacked = _logits(model, "cuda", backend="cuda")
+    assert sum(hasattr(m, "_stack") for m in model.modules()) > 0
+    monkeypatch.setattr(parallel.linear, "stack_model_linears_", lambda model: 0)
+    kept = _model("cuda")
+    assert rel_err(_logits(kept, "cuda", backend="cuda"), stacked) < 1e-5
+    assert not any(hasattr(m, "_stack") for m in kept.modules())
