@@ -14,12 +14,19 @@ from .._registry import register
 from ._util import pow2
 
 
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t as [rows, last dim] with unit column stride; a view where the layout allows (the column halves of a
+    stacked GEMM's output are), a copy otherwise."""
+    t2 = t.reshape(-1, t.shape[-1]) if t.dim() else t.reshape(1, 1)
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, n, eps, HAS_W: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, n, sx, eps, HAS_W: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     m = offs < n
-    x = tl.load(x_ptr + row * n + offs, mask=m, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row * sx + offs, mask=m, other=0.0).to(tl.float32)
     y = x * tl.rsqrt(tl.sum(x * x, 0) / n + eps)
     if HAS_W:
         y = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32) * y
@@ -28,15 +35,16 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, n, eps, HAS_W: tl.constexpr, BLOCK: tl
 
 @register("rms_norm", "cuda")
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """One program per row of the last dim n: y = w * x * rsqrt(mean(x^2) + eps) in float32."""
+    """One program per row of the last dim n: y = w * x * rsqrt(mean(x^2) + eps) in float32; x may be a
+    row-strided view (a column slice of a stacked GEMM's output), y is contiguous."""
     n = x.shape[-1]
-    xc = x.contiguous()
-    y = torch.empty_like(xc)
-    rows = xc.numel() // max(n, 1)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rows = y.numel() // max(n, 1)
     if rows == 0 or n == 0:
         return y
-    w = weight.contiguous() if weight is not None else xc
-    _rms_norm_kernel[(rows,)](xc, w, y, n, float(eps), HAS_W=weight is not None, BLOCK=pow2(n),
+    xr = _rows(x)
+    w = weight.contiguous() if weight is not None else xr
+    _rms_norm_kernel[(rows,)](xr, w, y, n, xr.stride(0), float(eps), HAS_W=weight is not None, BLOCK=pow2(n),
                               num_warps=4 if n <= 4096 else 8)
     return y
 
@@ -99,13 +107,6 @@ def _swiglu_kernel(g_ptr, u_ptr, y_ptr, c, sg, su, limit, CLAMP: tl.constexpr, B
         u = tl.minimum(tl.maximum(u, -limit), limit)
         g = tl.minimum(g, limit)
     tl.store(y_ptr + r * c + offs, g / (1.0 + tl.exp(-g)) * u, mask=m)
-
-
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """t as [rows, last dim] with unit column stride; a view where the layout allows (the column halves of a
-    stacked GEMM's output are), a copy otherwise."""
-    t2 = t.reshape(-1, t.shape[-1]) if t.dim() else t.reshape(1, 1)
-    return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
 @register("swiglu", "cuda")

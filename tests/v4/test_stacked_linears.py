@@ -1,5 +1,5 @@
 """Stacked linears (parallel.linear.stack_linears_ / stacked_linear): linears that read the same input (the
-compressor's wkv / wgate, the shared expert's w1 / w3) share one weight buffer and run as one GEMM on CUDA; each
+compressor's wkv / wgate, the shared expert's w1 / w3, attention's wq_a / wkv) share one weight buffer and run as one GEMM on CUDA; each
 keeps its row slice as its weight, so loading, state dicts and the unstacked path see the same parameters."""
 
 from __future__ import annotations
@@ -88,10 +88,9 @@ def test_model_logits_and_state_dict_unchanged():
     model = _model()
     want = _logits(model)
     sd = {k: v.clone() for k, v in model.state_dict().items()}
-    n_comp = sum(type(m).__name__ == "Compressor" for m in model.modules())
-    n_shared = sum(type(m).__name__ == "SharedExpert" for m in model.modules())
-    assert n_comp and n_shared
-    assert stack_model_linears_(model) == n_comp + n_shared
+    n = {k: sum(type(m).__name__ == k for m in model.modules()) for k in ("Compressor", "SharedExpert", "Attention")}
+    assert all(n.values())
+    assert stack_model_linears_(model) == sum(n.values())
     assert sorted(model.state_dict()) == sorted(sd)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in sd.items())
     assert rel_err(_logits(model), want) < 1e-6
@@ -118,3 +117,28 @@ def test_cuda_runner_stacks_and_logits_stay(monkeypatch):
     kept = _model("cuda")
     assert rel_err(_logits(kept, "cuda", backend="cuda"), stacked) < 1e-5
     assert not any(hasattr(m, "_stack") for m in kept.modules())
+
+
+@pytest.mark.parametrize("q_lora", [True, False])
+def test_v3_model_logits_unchanged(q_lora):
+    """DeepSeek-V3: MLA's q_a_proj / kv_a_proj_with_mqa (when q is compressed) and the MLPs' gate / up."""
+    from ascend_dsv4.kv import PoolSizes
+    from ascend_dsv4.models import preset
+    from ascend_dsv4.models.deepseek_v3.model import DeepseekV3Model
+
+    cfg = preset("toy-v3") if q_lora else preset("toy-v3").replace(q_lora_rank=0)
+    model = init_random_(DeepseekV3Model(cfg, torch.float32), 3).eval()
+    pools = PoolSizes(block_size=16, num_blocks=64)
+
+    def logits():
+        runner = ModelRunner(model, pools)
+        seq = runner.new_sequence()
+        ids = torch.randint(0, cfg.vocab_size, (21,), generator=torch.Generator().manual_seed(1)).tolist()
+        return torch.cat([runner.step([seq], [ids[:20]], logits="all"), runner.step([seq], [ids[20:]], logits="all")])
+
+    want = logits()
+    n_mlp = sum(type(m).__name__ == "MLP" for m in model.modules())
+    n_mla = sum(type(m).__name__ == "MLA" for m in model.modules())  # the MTP layers' too
+    assert n_mlp and n_mla
+    assert stack_model_linears_(model) == n_mlp + (n_mla if q_lora else 0)
+    assert rel_err(logits(), want) < 1e-6

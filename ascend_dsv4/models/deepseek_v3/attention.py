@@ -14,7 +14,7 @@ from torch import nn
 import atb_ops
 from parallel.groups import Group
 from parallel.layers import ColumnParallelLinear, RowParallelLinear
-from parallel.linear import Linear
+from parallel.linear import Linear, stacked_linear
 
 from ...kv.latent_pool import MLAStepContext
 from ...layers.norm import RMSNorm
@@ -48,13 +48,20 @@ class MLA(nn.Module):
                                                                cfg.original_seq_len if cfg.rope_factor > 1 else 0,
                                                                cfg.beta_fast, cfg.beta_slow), persistent=False)
 
+    def stacked_linears(self):
+        """q_a_proj and kv_a_proj_with_mqa read the same input: one GEMM once stacked (parallel.linear)."""
+        return ((self.q_a_proj, self.kv_a_proj_with_mqa),) if hasattr(self, "q_a_proj") else ()
+
     def forward(self, x: torch.Tensor, ctx: MLAStepContext) -> torch.Tensor:
         """x [T, dim] -> [T, dim]; writes this step's latents into ``ctx.pools``."""
         T = x.shape[0]
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if hasattr(self, "q_a_proj") else self.q_proj(x)
+        if hasattr(self, "q_a_proj"):
+            qa, kv = stacked_linear((self.q_a_proj, self.kv_a_proj_with_mqa), x)
+            q = self.q_b_proj(self.q_a_layernorm(qa))
+        else:
+            q, kv = self.q_proj(x), self.kv_a_proj_with_mqa(x)
         q = q.view(T, self.H, self.Dn + self.R)
         q_nope, q_pe = q[..., : self.Dn], atb_ops.apply_rope(q[..., self.Dn:], ctx.positions, self.inv_freq)
-        kv = self.kv_a_proj_with_mqa(x)
         c = self.kv_a_layernorm(kv[:, : self.C])
         k_pe = atb_ops.apply_rope(kv[:, self.C:], ctx.positions, self.inv_freq)
         if self.rope_factor != 1.0:  # YaRN attention factor scales cos/sin of both q and k

@@ -9,6 +9,7 @@ from torch import nn
 import atb_ops
 from parallel.groups import Group
 from parallel.layers import ColumnParallelLinear, RowParallelLinear
+from parallel.linear import stacked_linear
 
 from ...layers.experts import reduce_moe, routed_experts
 from ...layers.norm import fp32_param
@@ -25,8 +26,13 @@ class MLP(nn.Module):
         self.up_proj = ColumnParallelLinear(dim, inter, dtype, tp)
         self.down_proj = RowParallelLinear(inter, dim, dtype, tp, reduce=reduce)
 
+    def stacked_linears(self):
+        """gate_proj and up_proj read the same input: one GEMM once stacked (parallel.linear.stack_model_linears_)."""
+        return ((self.gate_proj, self.up_proj),)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(atb_ops.swiglu(self.gate_proj(x), self.up_proj(x), 0.0).to(x.dtype))
+        g, u = stacked_linear((self.gate_proj, self.up_proj), x)
+        return self.down_proj(atb_ops.swiglu(g, u, 0.0).to(x.dtype))
 
 
 class Gate(nn.Module):

@@ -132,15 +132,20 @@ class Attention(nn.Module):
         self.indexer = Indexer(cfg, dtype, reference) if self.ratio == 4 else None
         self.register_buffer("inv_freq", layer_inv_freq(cfg, self.ratio), persistent=False)
 
+    def stacked_linears(self):
+        """wq_a and wkv read the same input: one GEMM once stacked (parallel.linear.stack_model_linears_)."""
+        return ((self.wq_a, self.wkv),)
+
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         T = x.shape[0]
         pos, inv_freq = ctx.positions, self.inv_freq
-        qr = self.q_norm(self.wq_a(x))
+        qa, kv = stacked_linear((self.wq_a, self.wkv), x)
+        qr = self.q_norm(qa)
         q = self.wq_b(qr).view(T, self.n_heads, self.head_dim)
         q = atb_ops.rms_norm(q, None, self.eps)
         q = atb_ops.apply_rope(q, pos, inv_freq)
 
-        kv = atb_ops.apply_rope(self.kv_norm(self.wkv(x)), pos, inv_freq)
+        kv = atb_ops.apply_rope(self.kv_norm(kv), pos, inv_freq)
         if self.reference:
             kv = _fp8_nope(kv, self.rope_head_dim)
         swa = ctx.pools.swa_layer(self.layer_id)
