@@ -12,6 +12,7 @@ are this.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -157,10 +158,18 @@ def stacked_linear(mods: Sequence[nn.Module], x: torch.Tensor) -> list[torch.Ten
 
 
 @torch.no_grad()
-def stack_model_linears_(model: nn.Module) -> int:
-    """Stack the linear groups every submodule names in ``stacked_linears()``; returns how many groups stacked."""
+def stack_model_linears_(model: nn.Module, which: str | None = None) -> int:
+    """Stack the linear groups every submodule names in ``stacked_linears()``; returns how many groups stacked.
+    ``which`` (default: ``ASCEND_DSV4_STACK_LINEARS``, else "all"): "all", "none", or a comma list of the module
+    classes whose groups to stack (e.g. "Compressor,SharedExpert")."""
+    which = which if which is not None else os.environ.get("ASCEND_DSV4_STACK_LINEARS", "all")
     n = 0
+    if which == "none":
+        return 0
+    classes = None if which == "all" else set(filter(None, which.split(",")))
     for mod in model.modules():
+        if classes is not None and type(mod).__name__ not in classes:
+            continue
         groups = getattr(mod, "stacked_linears", None)
         for group in (groups() if callable(groups) else ()):
             n += stack_linears_(group)

@@ -142,3 +142,15 @@ def test_v3_model_logits_unchanged(q_lora):
     assert n_mlp and n_mla
     assert stack_model_linears_(model) == n_mlp + (n_mla if q_lora else 0)
     assert rel_err(logits(), want) < 1e-6
+
+
+def test_which_groups(monkeypatch):
+    model = _model()
+    assert stack_model_linears_(model, "none") == 0
+    n_shared = sum(type(m).__name__ == "SharedExpert" for m in model.modules())
+    assert stack_model_linears_(model, "SharedExpert") == n_shared
+    comps = [m for m in model.modules() if type(m).__name__ == "Compressor"]
+    shared = [m for m in model.modules() if type(m).__name__ == "SharedExpert"]
+    assert all(hasattr(m.w1, "_stack") for m in shared) and not any(hasattr(m.wkv, "_stack") for m in comps)
+    monkeypatch.setenv("ASCEND_DSV4_STACK_LINEARS", "none")
+    assert stack_model_linears_(_model()) == 0
