@@ -308,10 +308,10 @@ def profile_ops(model, cfg, batch: int, ctx: int, dev, backend: str, label: str,
         k = (op, ".".join(p for p in mod.split(".") if not p.isdigit()))
         by_site[k] = [by_site.get(k, [0, 0])[0] + us, by_site.get(k, [0, 0])[1] + cnt]
     print("  by op and module (layers summed):")
-    for (op, mod), (us, cnt) in sorted(by_site.items(), key=lambda kv: -kv[1][0])[:40]:
+    for (op, mod), (us, cnt) in sorted(by_site.items(), key=lambda kv: -kv[1][0]):
         print(f"  {us:9.1f} us {cnt:4d} kernels  {op:22s} {mod}")
-    print("  by kernel:")
-    for us, cnt, key, site in rows[:40]:
+    print("  by kernel (the 40 longest, then every kernel launched outside an atb_ops op: the glue):")
+    for us, cnt, key, site in rows[:40] + [r for r in rows[40:] if r[3].startswith("- in")]:
         print(f"  {us:9.1f} us {cnt:4d}x {key[:40]:40s} {site[:120]}")
 
 
