@@ -13,7 +13,7 @@ from ascend_dsv4.engine.model_runner import ModelRunner
 from ascend_dsv4.models.deepseek_v4.model import DeepseekV4Model
 from ascend_dsv4.weights.random_init import init_random_
 from parallel.linear import Linear, bf16_exact, compact_fp32_weights_
-from v4_helpers import SMALL_POOLS, toy_cfg
+from v4_helpers import SMALL_POOLS, toy_cfg, two_sequence_logits
 
 
 def _fp32_linears(model):
@@ -29,14 +29,7 @@ def _model(bf16_values: bool, device="cpu"):
     return model
 
 
-def _logits(model, device="cpu", backend=None):
-    runner = ModelRunner(model, SMALL_POOLS, device, backend=backend)
-    g = torch.Generator().manual_seed(0)
-    seqs = [runner.new_sequence() for _ in range(2)]
-    prompts = [torch.randint(0, model.cfg.vocab_size, (n,), generator=g).tolist() for n in (37, 9)]
-    out = [runner.step([s], [p]) for s, p in zip(seqs, prompts)]  # prefill
-    out.append(runner.step(seqs, [[5], [11]]))  # one decode step of both
-    return torch.cat([o.reshape(-1, o.shape[-1]) for o in out]).cpu()
+_logits = two_sequence_logits
 
 
 def test_bf16_exact():

@@ -14,7 +14,7 @@ from parallel.layers import ColumnParallelLinear, RowParallelLinear
 from parallel.linear import Linear, stack_linears_, stack_model_linears_, stacked_linear
 from quant.fp4 import quant_fp4
 from quant.fp8_block import quant_fp8_block
-from v4_helpers import SMALL_POOLS, rel_err, toy_cfg
+from v4_helpers import SMALL_POOLS, rel_err, toy_cfg, two_sequence_logits
 
 
 def _pair(fmt: str, n=(256, 384), k=256, cls=Linear, seed=0, **kw):
@@ -74,14 +74,7 @@ def _model(device="cpu"):
     return init_random_(DeepseekV4Model(toy_cfg(index_topk=128), torch.float32, "exact"), 0).eval().to(device)
 
 
-def _logits(model, device="cpu", backend=None):
-    runner = ModelRunner(model, SMALL_POOLS, device, backend=backend)
-    g = torch.Generator().manual_seed(0)
-    seqs = [runner.new_sequence() for _ in range(2)]
-    prompts = [torch.randint(0, model.cfg.vocab_size, (n,), generator=g).tolist() for n in (37, 9)]
-    out = [runner.step([s], [p]) for s, p in zip(seqs, prompts)]  # prefill
-    out.append(runner.step(seqs, [[5], [11]]))  # one decode step of both
-    return torch.cat([o.reshape(-1, o.shape[-1]) for o in out]).cpu()
+_logits = two_sequence_logits
 
 
 def test_model_logits_and_state_dict_unchanged():

@@ -37,5 +37,17 @@ def run_chunks(runner, ids, chunks):
     return torch.cat(rows)
 
 
+def two_sequence_logits(model, device="cpu", backend=None):
+    """Logits of a fresh runner over ``model``: two prompts (37 and 9 tokens) prefilled one by one, then one decode
+    step of both; rows concatenated on the CPU."""
+    runner = ModelRunner(model, SMALL_POOLS, device, backend=backend)
+    g = torch.Generator().manual_seed(0)
+    seqs = [runner.new_sequence() for _ in range(2)]
+    prompts = [torch.randint(0, model.cfg.vocab_size, (n,), generator=g).tolist() for n in (37, 9)]
+    out = [runner.step([s], [p]) for s, p in zip(seqs, prompts)]  # prefill
+    out.append(runner.step(seqs, [[5], [11]]))  # one decode step of both
+    return torch.cat([o.reshape(-1, o.shape[-1]) for o in out]).cpu()
+
+
 def rel_err(a, b):
     return ((a - b).abs().max() / b.abs().max()).item()
