@@ -86,7 +86,6 @@ def compact_fp32_weights_(model: nn.Module) -> int:
     return freed
 
 
-
 @dataclass
 class _Stack:
     """One weight (and scale) buffer of linears that read the same input; each linear holds a row slice of it."""
@@ -127,11 +126,13 @@ def _stackable(mods: Sequence[nn.Module]) -> bool:
 
 @torch.no_grad()
 def stack_linears_(mods: Sequence[nn.Module]) -> bool:
-    """Give linears that read the same input (compressor ``wkv`` / ``wgate``, shared-expert ``w1`` / ``w3``) one
-    weight buffer [sum N_i, K] (and one scale buffer), each keeping its row slice as its weight, so that
+    """Give linears that read the same input (e.g. the compressor's ``wkv`` / ``wgate``, the shared expert's ``w1`` /
+    ``w3``) one weight buffer [sum N_i, K] (and one scale buffer), each keeping its row slice as its weight, so that
     :func:`stacked_linear` runs them as one GEMM: one launch and one weight stream instead of two, the same
     products and sums per output (a GEMM's output column does not depend on the other columns). Same format,
-    dtypes, input size and input handling required; returns whether it stacked."""
+    dtypes, input size and input handling required; returns whether it stacked. Done once the weights are in place
+    on their device (ModelRunner): a later move gives each linear its own storage, and :func:`stacked_linear` then
+    runs them one by one."""
     if not _stackable(mods):
         return False
     weight = torch.cat([m.weight for m in mods])
@@ -167,6 +168,11 @@ def stack_model_linears_(model: nn.Module, which: str | None = None) -> int:
     if which == "none":
         return 0
     classes = None if which == "all" else set(filter(None, which.split(",")))
+    if classes is not None:
+        known = {type(m).__name__ for m in model.modules() if hasattr(m, "stacked_linears")}
+        if classes - known:
+            raise ValueError(f"ASCEND_DSV4_STACK_LINEARS={which!r}: no module class {sorted(classes - known)} in this "
+                             f"model has stacked linears; expected all, none or a comma list of {sorted(known)}")
     for mod in model.modules():
         if classes is not None and type(mod).__name__ not in classes:
             continue

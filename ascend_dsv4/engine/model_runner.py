@@ -122,8 +122,8 @@ def prepare_weights_for(model: torch.nn.Module, device: torch.device, backend: s
     """Weight storage for the op backend, once per model (create() and __init__ both ask). On CUDA: BF16 storage
     of the float32-compute linears whose values are BF16 (:func:`parallel.linear.compact_fp32_weights_`: the same
     results, half their bytes), then one buffer per group of linears that read the same input
-    (:func:`parallel.linear.stack_model_linears_`: one GEMM for the compressor's wkv / wgate and the shared
-    expert's w1 / w3)."""
+    (:func:`parallel.linear.stack_model_linears_`: one GEMM for e.g. the compressor's wkv / wgate, the shared
+    expert's w1 / w3, attention's wq_a / wkv)."""
     if device.type == "cuda" and backend in (None, "cuda") and not getattr(model, "_weights_prepared", False):
         from parallel.linear import compact_fp32_weights_, stack_model_linears_
 

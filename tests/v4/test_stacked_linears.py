@@ -147,3 +147,6 @@ def test_which_groups(monkeypatch):
     assert all(hasattr(m.w1, "_stack") for m in shared) and not any(hasattr(m.wkv, "_stack") for m in comps)
     monkeypatch.setenv("ASCEND_DSV4_STACK_LINEARS", "none")
     assert stack_model_linears_(_model()) == 0
+    monkeypatch.setenv("ASCEND_DSV4_STACK_LINEARS", "SharedExperts")  # a typo is refused, naming the classes
+    with pytest.raises(ValueError, match="ASCEND_DSV4_STACK_LINEARS.*SharedExpert"):
+        stack_model_linears_(_model())
