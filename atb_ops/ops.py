@@ -128,12 +128,22 @@ def moe_gate(x, weight, bias, topk: int, route_scale: float, tid2eid=None, token
                                   topk_groups, normalize)
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """h = silu(min(gate, limit)) * clamp(up, -limit, limit) in float32 (no clamp when limit <= 0).
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, row_scale: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """h = silu(min(gate, limit)) * clamp(up, -limit, limit) in float32 (no clamp when limit <= 0); then, if given,
+    h * row_scale[..., None] (float32: the MoE routing weight of each row) and h rounded to ``out_dtype``.
 
-    gate, up: [..., I] any float dtype. Returns float32 [..., I].
+    gate, up: [..., I] any float dtype; row_scale: [...] float32. Returns [..., I], float32 or ``out_dtype``.
+    A backend whose kernel takes the scale and the output dtype itself (``impl.fuses_row_scale``) gets them (one
+    launch); otherwise the multiply and the rounding follow the kernel as torch ops.
     """
-    return resolve("swiglu", gate)(gate, up, limit)
+    impl = resolve("swiglu", gate)
+    if (row_scale is not None or out_dtype is not None) and getattr(impl, "fuses_row_scale", False):
+        return impl(gate, up, limit, row_scale, out_dtype)
+    h = impl(gate, up, limit)
+    if row_scale is not None:
+        h = h * row_scale.unsqueeze(-1)
+    return h if out_dtype is None else h.to(out_dtype)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None = None, fmt: str = "dense") -> torch.Tensor:

@@ -75,17 +75,17 @@ class Experts(nn.Module):
             setattr(self, n, None if t is None else nn.Parameter(t, requires_grad=False))
 
     def _rows(self, xs: torch.Tensor, e: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Rows xs [n, d] of local experts e [n] (sorted), routing weights w [n] -> float32 [n, d]."""
+        """Rows xs [n, d] of local experts e [n] (sorted), routing weights w [n] -> [n, d] in the GEMM's output dtype
+        (the callers sum them in float32: moe_unpermute upcasts as it adds, saving a cast launch)."""
         if self.reference:
             xs = atb_ops.fp8_act_round(xs, 128)
         f = self.fmt
         g = atb_ops.grouped_matmul(xs, self.w1, e, self.w1_scale, f)
         u = atb_ops.grouped_matmul(xs, self.w3, e, self.w3_scale, f)
-        h = atb_ops.swiglu(g, u, self.limit)
-        h = (h * w.unsqueeze(-1)).to(dtype)  # routing weight before w2
+        h = atb_ops.swiglu(g, u, self.limit, row_scale=w, out_dtype=dtype)  # routing weight before w2
         if self.reference:
             h = atb_ops.fp8_act_round(h, 128)
-        return atb_ops.grouped_matmul(h, self.w2, e, self.w2_scale, f).float()
+        return atb_ops.grouped_matmul(h, self.w2, e, self.w2_scale, f)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, d]; weights, ids [T, k] (global expert ids) -> sum_j weights[t, j] * expert_{ids[t, j]}(x_t),
@@ -107,7 +107,7 @@ class Experts(nn.Module):
             order = torch.argsort(flat_ids, stable=True)  # group rows by expert
         tok = order // k
         y = self._rows(x[tok], flat_ids[order] - self.first_expert, flat_w[order], x.dtype)
-        return torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device).index_add_(0, tok, y)
+        return torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device).index_add_(0, tok, y.float())
 
     def _forward_alltoall(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """EP dispatch / combine: rank r takes the r-th chunk of the (replicated) tokens, sends each of its
@@ -130,7 +130,7 @@ class Experts(nn.Module):
         local = r_e - self.first_expert
         o = torch.argsort(local, stable=True)  # rows from several sources: regroup by expert
         y = torch.empty(r_x.shape[0], d, dtype=torch.float32, device=x.device)
-        y[o] = self._rows(r_x[o], local[o], r_w[o], x.dtype)
+        y[o] = self._rows(r_x[o], local[o], r_w[o], x.dtype).float()
         back = all_to_all(y, rc, sc, g)  # the rows this rank sent, in the order it sent them
         out = torch.zeros(per, d, dtype=torch.float32, device=x.device)
         out.index_add_(0, tok, back)

@@ -97,7 +97,8 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
 
 
 @triton.jit
-def _swiglu_kernel(g_ptr, u_ptr, y_ptr, c, sg, su, limit, CLAMP: tl.constexpr, BLOCK: tl.constexpr):
+def _swiglu_kernel(g_ptr, u_ptr, s_ptr, y_ptr, c, sg, su, limit, CLAMP: tl.constexpr, SCALE: tl.constexpr,
+                   BLOCK: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < c
@@ -106,20 +107,32 @@ def _swiglu_kernel(g_ptr, u_ptr, y_ptr, c, sg, su, limit, CLAMP: tl.constexpr, B
     if CLAMP:
         u = tl.minimum(tl.maximum(u, -limit), limit)
         g = tl.minimum(g, limit)
-    tl.store(y_ptr + r * c + offs, g / (1.0 + tl.exp(-g)) * u, mask=m)
+    h = g / (1.0 + tl.exp(-g)) * u
+    if SCALE:
+        h = h * tl.load(s_ptr + r).to(tl.float32)
+    tl.store(y_ptr + r * c + offs, h.to(y_ptr.dtype.element_ty), mask=m)
 
 
 @register("swiglu", "cuda")
-def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    """Elementwise silu(min(g, limit)) * clamp(u, -limit, limit) in float32 (no clamp when limit <= 0); gate and up
-    may be row-strided views (the two halves of one [T, 2I] GEMM output)."""
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, row_scale: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Elementwise silu(min(g, limit)) * clamp(u, -limit, limit) in float32 (no clamp when limit <= 0), times
+    row_scale[row] if given, stored as out_dtype (float32 by default): one launch (see :func:`atb_ops.swiglu`).
+    gate and up may be row-strided views (the two halves of one [T, 2I] GEMM output)."""
     if gate.shape != up.shape:
         raise ValueError(f"swiglu: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ in shape")
-    y = torch.empty(gate.shape, dtype=torch.float32, device=gate.device)
+    y = torch.empty(gate.shape, dtype=out_dtype or torch.float32, device=gate.device)
     if y.numel():
         g, u = _rows(gate), _rows(up)
         c = g.shape[1]
+        if row_scale is not None and row_scale.numel() != g.shape[0]:
+            raise ValueError(f"swiglu: row_scale has {row_scale.numel()} values for {g.shape[0]} rows")
+        s = row_scale.reshape(-1).contiguous() if row_scale is not None else g
         block = min(1024, pow2(c))
-        _swiglu_kernel[(g.shape[0], triton.cdiv(c, block))](g, u, y, c, g.stride(0), u.stride(0), float(limit),
-                                                              CLAMP=limit > 0, BLOCK=block)
+        _swiglu_kernel[(g.shape[0], triton.cdiv(c, block))](g, u, s, y, c, g.stride(0), u.stride(0), float(limit),
+                                                              CLAMP=limit > 0, SCALE=row_scale is not None,
+                                                              BLOCK=block)
     return y
+
+
+swiglu.fuses_row_scale = True  # atb_ops.swiglu passes row_scale / out_dtype through (one launch)

@@ -103,6 +103,24 @@ def test_swiglu(limit):
         cu(gt, up[:, :10], limit)
 
 
+@pytest.mark.parametrize("out_dtype", [None, torch.bfloat16])
+def test_swiglu_row_scale(out_dtype):
+    """atb_ops.swiglu with the MoE routing weight per row and the output dtype: the CUDA kernel takes both (one
+    launch); the reference path multiplies and rounds after it (bitwise the experts' former torch ops)."""
+    g = gen(3)
+    gt, up = rnd(6, 300, g=g, scale=8.0, dtype=torch.bfloat16), rnd(6, 300, g=g, scale=8.0, dtype=torch.bfloat16)
+    w = rnd(6, g=g).abs()
+    with atb_ops.use_backend("reference"):
+        ref = atb_ops.swiglu(gt, up, 10.0, row_scale=w, out_dtype=out_dtype)
+        assert torch.equal(ref, (atb_ops.swiglu(gt, up, 10.0) * w.unsqueeze(-1)).to(out_dtype or torch.float32))
+    with atb_ops.use_backend("cuda"):
+        got = atb_ops.swiglu(gt, up, 10.0, row_scale=w, out_dtype=out_dtype)
+        assert got.dtype == ref.dtype
+        torch.testing.assert_close(got.float(), ref.float(), rtol=1e-2 if out_dtype else 1e-5, atol=1e-5)
+        with pytest.raises(ValueError, match="row_scale"):
+            atb_ops.swiglu(gt, up, 10.0, row_scale=w[:5])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block", [128, 64])
 def test_fp8_act_round(dtype, block):
