@@ -33,7 +33,6 @@ from typing import Sequence
 import torch
 
 from .executor import ExecutorError, RankSpec, kill_processes, sanitize
-from .executor_mp import _free_port
 
 log = logging.getLogger("ascend_dsv4")
 
@@ -111,9 +110,11 @@ class DPExecutor:
 
         spec = self.spec
         ctx = mp.get_context("spawn")
-        port = _free_port()
-        store = dist.TCPStore("127.0.0.1", port, self.world + 1, True,
+        # port 0: the store binds a free port itself (a port probed free, closed, then bound can be taken between:
+        # seen as EADDRINUSE in the test suite)
+        store = dist.TCPStore("127.0.0.1", 0, self.world + 1, True,
                               timeout=datetime.timedelta(seconds=spec.timeout_s), wait_for_workers=False)
+        port = store.port
         self._store = store
         for r in range(self.world):
             parent, child = ctx.Pipe()

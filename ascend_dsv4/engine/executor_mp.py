@@ -17,7 +17,6 @@ import logging
 import multiprocessing as mp
 import os
 import pickle
-import socket
 import time
 import weakref
 
@@ -27,12 +26,6 @@ from .executor import MIRRORED_METHODS, ExecutorError, RankSpec, kill_processes,
 from .rank_worker import build_rank_runner, rank_device, worker_main
 
 log = logging.getLogger("ascend_dsv4")
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _MirroredModel:
@@ -69,8 +62,9 @@ class MPExecutor:
 
         spec = self.spec
         ctx = mp.get_context("spawn")
-        port = _free_port()
-        store = rendezvous_store("127.0.0.1", port, self.world, 0, spec.timeout_s)
+        # port 0: the store binds a free port itself (a port probed free, closed, then bound can be taken between)
+        store = rendezvous_store("127.0.0.1", 0, self.world, 0, spec.timeout_s)
+        port = store.port
         for r in range(1, self.world):
             parent, child = ctx.Pipe()
             p = ctx.Process(target=worker_main, args=(r, spec, port, child), daemon=True, name=f"ascend-dsv4-rank{r}")
