@@ -60,7 +60,6 @@ OPS = (
 )
 
 
-
 def decode_context_kernel():
     """The CUDA backend's one-launch derivation of a captured decode step's context
     (:func:`atb_ops.cuda.decode_context.decode_context`: KV index bookkeeping, not an op of the model, so not in

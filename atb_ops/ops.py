@@ -137,6 +137,9 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, row_scale: torch.
     A backend whose kernel takes the scale and the output dtype itself (``impl.fuses_row_scale``) gets them (one
     launch); otherwise the multiply and the rounding follow the kernel as torch ops.
     """
+    if row_scale is not None and row_scale.shape != gate.shape[:-1]:
+        raise ValueError(f"swiglu: row_scale {tuple(row_scale.shape)} must have gate's row shape "
+                         f"{tuple(gate.shape[:-1])} (one routing weight per row)")
     impl = resolve("swiglu", gate)
     if (row_scale is not None or out_dtype is not None) and getattr(impl, "fuses_row_scale", False):
         return impl(gate, up, limit, row_scale, out_dtype)

@@ -93,19 +93,15 @@ class _Stack:
     weight: torch.Tensor
     scale: torch.Tensor | None
     sizes: tuple[int, ...]
+    ptrs: tuple  # (weight, scale) data pointers each linear had when stacked
 
     def valid(self) -> bool:
         # a later set_weight or a device move gives a linear its own storage again: the stack no longer applies
-        off, soff = 0, 0
-        for m, n in zip(self.mods, self.sizes):
-            if m.weight.data_ptr() != self.weight[off:].data_ptr():
-                return False
-            if self.scale is not None:
-                if m.scale is None or m.scale.data_ptr() != self.scale[soff:].data_ptr():
-                    return False
-                soff += m.scale.shape[0]
-            off += n
-        return True
+        return all(_ptrs(m) == p for m, p in zip(self.mods, self.ptrs))
+
+
+def _ptrs(m: nn.Module) -> tuple:
+    return m.weight.data_ptr(), None if m.scale is None else m.scale.data_ptr()
 
 
 def _stackable(mods: Sequence[nn.Module]) -> bool:
@@ -143,7 +139,7 @@ def stack_linears_(mods: Sequence[nn.Module]) -> bool:
         sn = 0 if scale is None else m.scale.shape[0]
         m.set_weight(weight[off:off + n], None if scale is None else scale[soff:soff + sn], m.fmt)
         off, soff = off + n, soff + sn
-    mods[0]._stack = _Stack(tuple(mods), weight, scale, sizes)
+    mods[0]._stack = _Stack(tuple(mods), weight, scale, sizes, tuple(_ptrs(m) for m in mods))
     return True
 
 

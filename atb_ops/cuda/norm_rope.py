@@ -117,7 +117,8 @@ def _swiglu_kernel(g_ptr, u_ptr, s_ptr, y_ptr, c, sg, su, limit, CLAMP: tl.const
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, row_scale: torch.Tensor | None = None,
            out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Elementwise silu(min(g, limit)) * clamp(u, -limit, limit) in float32 (no clamp when limit <= 0), times
-    row_scale[row] if given, stored as out_dtype (float32 by default): one launch (see :func:`atb_ops.swiglu`).
+    row_scale[row] if given (its shape checked by :func:`atb_ops.swiglu`), stored as out_dtype (float32 by default):
+    one launch.
     gate and up may be row-strided views (the two halves of one [T, 2I] GEMM output)."""
     if gate.shape != up.shape:
         raise ValueError(f"swiglu: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ in shape")
@@ -125,8 +126,6 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, row_scale: torch.
     if y.numel():
         g, u = _rows(gate), _rows(up)
         c = g.shape[1]
-        if row_scale is not None and row_scale.numel() != g.shape[0]:
-            raise ValueError(f"swiglu: row_scale has {row_scale.numel()} values for {g.shape[0]} rows")
         s = row_scale.reshape(-1).contiguous() if row_scale is not None else g
         block = min(1024, pow2(c))
         _swiglu_kernel[(g.shape[0], triton.cdiv(c, block))](g, u, s, y, c, g.stride(0), u.stride(0), float(limit),

@@ -87,4 +87,3 @@ def moe_unpermute(y: torch.Tensor, order: torch.Tensor, num_tokens: int) -> torc
     _unpermute_kernel[(num_tokens, triton.cdiv(d, bd))](y.contiguous(), inv, out, k, d,
                                                        BK=max(2, triton.next_power_of_2(k)), BD=bd)
     return out
-

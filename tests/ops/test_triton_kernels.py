@@ -113,6 +113,8 @@ def test_swiglu_row_scale(out_dtype):
     with atb_ops.use_backend("reference"):
         ref = atb_ops.swiglu(gt, up, 10.0, row_scale=w, out_dtype=out_dtype)
         assert torch.equal(ref, (atb_ops.swiglu(gt, up, 10.0) * w.unsqueeze(-1)).to(out_dtype or torch.float32))
+        with pytest.raises(ValueError, match="row_scale"):  # the op checks it on every backend
+            atb_ops.swiglu(gt, up, 10.0, row_scale=w[:5])
     with atb_ops.use_backend("cuda"):
         got = atb_ops.swiglu(gt, up, 10.0, row_scale=w, out_dtype=out_dtype)
         assert got.dtype == ref.dtype
