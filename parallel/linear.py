@@ -156,16 +156,18 @@ def stacked_linear(mods: Sequence[nn.Module], x: torch.Tensor) -> list[torch.Ten
 
 @torch.no_grad()
 def stack_model_linears_(model: nn.Module, which: str | None = None) -> int:
-    """Stack the linear groups every submodule names in ``stacked_linears()``; returns how many groups stacked.
+    """Stack the linear groups every submodule names in ``stacked_linears()``, and the weights of submodules that
+    stack their own (``stack_weights_()``: the routed experts' w1 / w3); returns how many groups stacked.
     ``which`` (default: ``ASCEND_DSV4_STACK_LINEARS``, else "all"): "all", "none", or a comma list of the module
-    classes whose groups to stack (e.g. "Compressor,SharedExpert")."""
+    classes whose groups to stack (e.g. "Compressor,SharedExpert,Experts")."""
     which = which if which is not None else os.environ.get("ASCEND_DSV4_STACK_LINEARS", "all")
     n = 0
     if which == "none":
         return 0
     classes = None if which == "all" else set(filter(None, which.split(",")))
     if classes is not None:
-        known = {type(m).__name__ for m in model.modules() if hasattr(m, "stacked_linears")}
+        known = {type(m).__name__ for m in model.modules() if hasattr(m, "stacked_linears")
+                 or hasattr(m, "stack_weights_")}
         if classes - known:
             raise ValueError(f"ASCEND_DSV4_STACK_LINEARS={which!r}: no module class {sorted(classes - known)} in this "
                              f"model has stacked linears; expected all, none or a comma list of {sorted(known)}")
@@ -175,4 +177,7 @@ def stack_model_linears_(model: nn.Module, which: str | None = None) -> int:
         groups = getattr(mod, "stacked_linears", None)
         for group in (groups() if callable(groups) else ()):
             n += stack_linears_(group)
+        own = getattr(mod, "stack_weights_", None)
+        if callable(own):
+            n += own()
     return n

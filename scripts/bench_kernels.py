@@ -292,11 +292,12 @@ def cases(dev, quick: bool):
                Nl * Kl * 2 + 2 * _nb(x), 2 * M * Nl * Kl)
 
     # grouped expert GEMM, routed experts of DeepSeek-V4-Flash: w1 / w3 [E, 2048, 4096] and w2 [E, 4096, 2048],
+    # and w1 / w3 stacked (w13 [E, 4096, 4096]: Experts.stack_weights_, one call for both on CUDA);
     # rows = T * 6 routed; 8 draws of expert ids per case (rotated) so that the experts are not L2-resident
     E, I = 64, 2048
-    for shape in (("w1", I, Dm), ("w2", Dm, I)):
+    for shape in (("w1", I, Dm), ("w2", Dm, I), ("w13", 2 * I, Dm)):
         name, Nw, Kw = shape
-        if quick and name == "w2":
+        if quick and name != "w1":
             continue
         we = torch.randn(E, Nw, Kw, device=dev, generator=g) * 0.02
         we8, se8 = quant_fp8_block(we)

@@ -66,6 +66,7 @@ class Experts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(E, d, I, dtype=dtype), requires_grad=False)
         for n in ("w1_scale", "w2_scale", "w3_scale"):
             self.register_parameter(n, None)
+        self._w13 = None  # (w13, scale13, inter, the pointers w1 / w3 / scales had) once stack_weights_ stacked
 
     def set_weights(self, fmt: str, tensors: dict[str, torch.Tensor]) -> None:
         """Install stacked weights ``w1, w2, w3`` (and ``w1_scale, ...`` for quantised formats)."""
@@ -73,19 +74,58 @@ class Experts(nn.Module):
         for n in ("w1", "w2", "w3", "w1_scale", "w2_scale", "w3_scale"):
             t = tensors.get(n)
             setattr(self, n, None if t is None else nn.Parameter(t, requires_grad=False))
+        self._w13 = None
+
+    def _gate_up_ptrs(self) -> tuple:
+        return tuple(None if t is None else t.data_ptr() for t in (self.w1, self.w3, self.w1_scale, self.w3_scale))
+
+    @torch.no_grad()
+    def stack_weights_(self) -> int:
+        """One buffer for w1 and w3 (and one for their scales), [E, 2 * inter, ...], each keeping its half as a view,
+        so that the gate and up projections run as one grouped GEMM over the same rows (one launch, twice the weight
+        tiles per expert; a GEMM's output column does not depend on the others, so the results are the same).
+        Called once by :func:`parallel.linear.stack_model_linears_` (ModelRunner, CUDA); a later
+        :meth:`set_weights` or device move gives w1 / w3 their own storage and the halves run one by one again.
+        Returns 1 if it stacked."""
+        w1, w3, s1, s3 = self.w1, self.w3, self.w1_scale, self.w3_scale
+        if (w1 is None or w3 is None or w1.shape != w3.shape or w1.dtype != w3.dtype or w1.device != w3.device
+                or (s1 is None) != (s3 is None) or (s1 is not None and (s1.shape != s3.shape or s1.dtype != s3.dtype))
+                or self.fmt not in ("dense", "fp8_block", "fp4") or w1.shape[1] == 0):
+            return 0
+        if self.fmt == "fp8_block" and w1.shape[1] % 128:  # a 128-row scale block would straddle the halves
+            return 0
+        inter = w1.shape[1]
+        w13 = torch.cat([w1, w3], dim=1)
+        s13 = None if s1 is None else torch.cat([s1, s3], dim=1)
+        si = 0 if s1 is None else s1.shape[1]
+        self.w1, self.w3 = (nn.Parameter(w13[:, :inter], requires_grad=False),
+                            nn.Parameter(w13[:, inter:], requires_grad=False))
+        if s13 is not None:
+            self.w1_scale, self.w3_scale = (nn.Parameter(s13[:, :si], requires_grad=False),
+                                            nn.Parameter(s13[:, si:], requires_grad=False))
+        self._w13 = (w13, s13, inter, self._gate_up_ptrs())
+        return 1
+
+    def _gate_up(self, xs: torch.Tensor, e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(xs @ w1[e]^T, xs @ w3[e]^T): one grouped GEMM over the stacked buffer where :meth:`stack_weights_`
+        made one (column views of its output), else two."""
+        st = getattr(self, "_w13", None)
+        if st is not None and st[3] == self._gate_up_ptrs():
+            gu = atb_ops.grouped_matmul(xs, st[0], e, st[1], self.fmt)
+            return gu[:, :st[2]], gu[:, st[2]:]
+        return (atb_ops.grouped_matmul(xs, self.w1, e, self.w1_scale, self.fmt),
+                atb_ops.grouped_matmul(xs, self.w3, e, self.w3_scale, self.fmt))
 
     def _rows(self, xs: torch.Tensor, e: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows xs [n, d] of local experts e [n] (sorted), routing weights w [n] -> [n, d] in the GEMM's output dtype
         (the callers sum them in float32: moe_unpermute upcasts as it adds, saving a cast launch)."""
         if self.reference:
             xs = atb_ops.fp8_act_round(xs, 128)
-        f = self.fmt
-        g = atb_ops.grouped_matmul(xs, self.w1, e, self.w1_scale, f)
-        u = atb_ops.grouped_matmul(xs, self.w3, e, self.w3_scale, f)
+        g, u = self._gate_up(xs, e)
         h = atb_ops.swiglu(g, u, self.limit, row_scale=w, out_dtype=dtype)  # routing weight before w2
         if self.reference:
             h = atb_ops.fp8_act_round(h, 128)
-        return atb_ops.grouped_matmul(h, self.w2, e, self.w2_scale, f)
+        return atb_ops.grouped_matmul(h, self.w2, e, self.w2_scale, self.fmt)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, d]; weights, ids [T, k] (global expert ids) -> sum_j weights[t, j] * expert_{ids[t, j]}(x_t),

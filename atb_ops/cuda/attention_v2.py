@@ -17,7 +17,9 @@ denominator, float32 accumulation, P rounded to the value dtype for P.V). What d
 - split-K (flash-decoding) partials are normalised per split (o_s = acc_s / l_s) and stored in the output
   dtype with float32 (m_s, l_s); the combine re-weights them: o = sum_s 2^(m_s - M) l_s o_s /
   (sum_s 2^(m_s - M) l_s + 2^(sink - M)). For bf16 outputs this rounds o_s once more to bf16 (relative
-  2^-9, the size of the final output rounding) and halves the partial traffic of float32 partials.
+  2^-9, the size of the final output rounding) and halves the partial traffic of float32 partials. The split
+  that finishes last at its (token, head block, column group) merges them (an arrival counter, zero between
+  launches: :func:`_merge_splits`), instead of a second launch (``ATB_CUDA_ATTN_MERGE=launch``).
 
 Shapes: q1 [T, H, D1], q2 [T, H, D2] (V3's rope part, scores only), kv [P, >= D1 + D2] (K = V = row[:D1]),
 idx [T, K1] int (-1 = absent, never read), kv2 [P2, ...] / idx2 [T, K2], sink [H] float32 -> out [T, H, D1].
@@ -31,15 +33,17 @@ import torch
 import triton
 import triton.language as tl
 
+from . import gemm_tc as tc
 from ._util import dot_precision, mma, pow2, sm_count
 
 LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _attn2_kernel(q1_ptr, q2_ptr, kv_ptr, idx_ptr, kv2_ptr, idx2_ptr, sink_ptr, out_ptr, part_ptr, ml_ptr,
+def _attn2_kernel(q1_ptr, q2_ptr, kv_ptr, idx_ptr, kv2_ptr, idx2_ptr, sink_ptr, out_ptr, part_ptr, ml_ptr, ctr_ptr,
                   T, H, D1, D2, K1, K2, stride_kv, stride_kv2, scale2, chunks_per_split, n_split, n_hb,
                   HAS_Q2: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_SINK: tl.constexpr, SPLIT: tl.constexpr,
+                  MERGE: tl.constexpr,
                   BH: tl.constexpr, BN: tl.constexpr, DV: tl.constexpr, ND: tl.constexpr, BD2: tl.constexpr,
                   PREC: tl.constexpr, STAGES: tl.constexpr,
                   TRIM: tl.constexpr, BK1: tl.constexpr, BK2: tl.constexpr):
@@ -141,9 +145,49 @@ def _attn2_kernel(q1_ptr, q2_ptr, kv_ptr, idx_ptr, kv2_ptr, idx2_ptr, sink_ptr, 
         tl.store(ml_ptr + off * 2 + 1, l_i, mask=hm)
         tl.store(part_ptr + off[:, None] * D1 + cv[None, :], o.to(part_ptr.dtype.element_ty),
                  mask=hm[:, None] & cvm[None, :])
+        if MERGE:  # the split that arrives last at (token, head block, column group) merges them all
+            tl.debug_barrier()
+            cp = ctr_ptr + (t * n_hb + hb) * ND + dh
+            if tl.atomic_add(cp, 1, sem="acq_rel") == n_split - 1:
+                _merge_splits(part_ptr, ml_ptr, sink_ptr, out_ptr, t, h, hm, cv, cvm, T, H, D1, n_split, HAS_SINK,
+                              BH, DV)
+                tl.atomic_xchg(cp, 0)  # zero again for the next launch
     else:
         tl.store(out_ptr + (t * H + h[:, None]) * D1 + cv[None, :], o.to(out_ptr.dtype.element_ty),
                  mask=hm[:, None] & cvm[None, :])
+
+
+@triton.jit
+def _merge_splits(part_ptr, ml_ptr, sink_ptr, out_ptr, t, h, hm, cv, cvm, T, H, D1, n_split, HAS_SINK: tl.constexpr,
+                  BH: tl.constexpr, DV: tl.constexpr):
+    """In-kernel form of :func:`combine_splits_kernel` (NORMALISED) for heads h [BH] and output columns cv [DV]:
+    out = sum_s w_s l_s o_s / (sum_s w_s l_s + 2^(sink - M)), w_s = 2^(m_s - M), M = max(m_s, sink), the splits
+    read from memory in split order (the result does not depend on which split arrived last). The partials of
+    the other programs are read past L1 (.cg): they were written by other SMs."""
+    if HAS_SINK:
+        sink2 = tl.load(sink_ptr + h, mask=hm, other=0.0).to(tl.float32) * 1.4426950408889634
+        mx = sink2
+    else:
+        mx = tl.full((BH,), -1.0e30, tl.float32)
+    for s in range(0, n_split):
+        off = (s * T + t) * H + h
+        mx = tl.maximum(mx, tl.load(ml_ptr + off * 2, mask=hm, other=-1.0e30, cache_modifier=".cg"))
+    den = tl.zeros((BH,), tl.float32)
+    if HAS_SINK:
+        den = tl.exp2(sink2 - mx)
+    acc = tl.zeros((BH, DV), tl.float32)
+    for s in range(0, n_split):
+        off = (s * T + t) * H + h
+        m_s = tl.load(ml_ptr + off * 2, mask=hm, other=-1.0e30, cache_modifier=".cg")
+        l_s = tl.load(ml_ptr + off * 2 + 1, mask=hm, other=0.0, cache_modifier=".cg")
+        w = tl.exp2(m_s - mx) * l_s
+        den += w
+        o_s = tl.load(part_ptr + off[:, None] * D1 + cv[None, :], mask=hm[:, None] & cvm[None, :], other=0.0,
+                      cache_modifier=".cg")
+        acc += o_s.to(tl.float32) * w[:, None]
+    o = acc / tl.where(den > 0, den, 1.0)[:, None]
+    tl.store(out_ptr + (t * H + h[:, None]) * D1 + cv[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=hm[:, None] & cvm[None, :])
 
 
 @triton.jit
@@ -202,6 +246,17 @@ def tile(h_count: int, d1: int, d2: int, elem: int, t_count: int, n_keys: int, n
 _STAGES: dict = {}  # launch configuration -> the pipeline depth that fit
 
 
+def merge_in_kernel() -> bool:
+    """Whether key-list splits are merged by the split that finishes last (an arrival counter per token, head
+    block and column group; ``ATB_CUDA_ATTN_MERGE=kernel``) or by the separate :func:`combine_splits_kernel`
+    launch (``=launch``). Default ``kernel``: the Flash decode step at batch 32 spent 11-12 us a layer in that
+    launch (scripts/bench_results/decode_h100_session5.txt)."""
+    v = os.environ.get("ATB_CUDA_ATTN_MERGE", "kernel")
+    if v not in ("kernel", "launch"):
+        raise ValueError(f"ATB_CUDA_ATTN_MERGE={v!r}: expected kernel or launch")
+    return v == "kernel"
+
+
 def run(q1, q2, kv, idx, kv2, idx2, sink, scale, out_dtype):
     """The op on the v2 kernel (arguments as attention.py's ``_run``)."""
     t_count, h_count, d1 = q1.shape
@@ -237,14 +292,19 @@ def run(q1, q2, kv, idx, kv2, idx2, sink, scale, out_dtype):
     idxc = idx.contiguous()
     idx2c = idx2.contiguous() if has_extra else idxc
     sinkc = sink.float().contiguous() if sink is not None else q1c
+    ctr = None
     if split:
         part = torch.empty(n_split, t_count, h_count, d1, dtype=out_dtype, device=q1.device)
         ml = torch.empty(n_split, t_count, h_count, 2, dtype=torch.float32, device=q1.device)
+        if merge_in_kernel() and programs <= tc.CTR_SIZE:
+            ctr = tc._counters(q1.device)  # None while capturing before they exist (then: the combine launch)
     else:
         part = ml = out
-    args = (q1c, q2c, kvc, idxc, kv2c, idx2c, sinkc, out, part, ml, t_count, h_count, d1, d2, k1, k2,
-            kvc.stride(0), kv2c.stride(0), float(scale) * LOG2E, cps, n_split, n_hb)
-    meta = dict(HAS_Q2=q2 is not None, HAS_EXTRA=has_extra, HAS_SINK=sink is not None, SPLIT=split, BH=bh, BN=bn,
+    merge = ctr is not None
+    args = (q1c, q2c, kvc, idxc, kv2c, idx2c, sinkc, out, part, ml, ctr if merge else ml, t_count, h_count, d1, d2,
+            k1, k2, kvc.stride(0), kv2c.stride(0), float(scale) * LOG2E, cps, n_split, n_hb)
+    meta = dict(HAS_Q2=q2 is not None, HAS_EXTRA=has_extra, HAS_SINK=sink is not None, SPLIT=split, MERGE=merge,
+                BH=bh, BN=bn,
                 DV=dv, ND=nd, BD2=pow2(d2, 16), PREC=dot_precision(kv.dtype, q1.dtype), TRIM=trim,
                 BK1=pow2(k1, 16), BK2=pow2(k2, 16), num_warps=warps)
     key = (str(q1.dtype), str(kv.dtype), stages, tuple(meta.items()))
@@ -256,7 +316,7 @@ def run(q1, q2, kv, idx, kv2, idx2, sink, scale, out_dtype):
         except triton.runtime.errors.OutOfResources:
             if st == 2:
                 raise
-    if split:
+    if split and not merge:
         combine_splits_kernel[(t_count, h_count)](part, ml, sinkc, out, t_count, h_count, d1, d1, n_split,
                                                   HAS_SINK=sink is not None, NORMALISED=True, BS=pow2(n_split, 2),
                                                   BD1=bd1, num_warps=4)

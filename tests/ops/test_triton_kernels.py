@@ -445,6 +445,39 @@ def test_sparse_attention_impls(monkeypatch, impl, cfg, t, h, d, k, k2, with_sin
     assert cu(q[:0], kv, idx[:0], sink_arg, 0.5, extra_kv, None if extra_idx is None else extra_idx[:0]).shape == (0, h, d)
 
 
+@pytest.mark.parametrize("merge", ["kernel", "launch"])
+@pytest.mark.parametrize("t,h,k,k2", [(3, 5, 70, 33), (1, 2, 96, 0), (4, 3, 40, 64)])
+def test_sparse_attention_split_merge(monkeypatch, merge, t, h, k, k2):
+    """Key-list splits (flash-decoding) merged by the split that arrives last or by the combine launch: both match
+    the reference (a sink, -1 holes, two pools), and the arrival counters are zero again after every call."""
+    from atb_ops.cuda import attention_v2, gemm_tc
+    _attn_env(monkeypatch, "new", "16,16,2,4,3,0,4")  # 16-key chunks, up to 4 programs per "SM": several splits
+    monkeypatch.setenv("ATB_CUDA_ATTN_MERGE", merge)
+    cu, ref = impls("sparse_attention")
+    g = gen(87)
+    d, dtype = 64, torch.bfloat16
+    q, kv, idx, sink = _attn_inputs(g, t, h, d, 50, k, dtype)
+    extra_kv = extra_idx = None
+    if k2:
+        extra_kv = rnd(40, d, g=g, dtype=dtype)
+        extra_idx = torch.randint(0, 40, (t, k2), generator=g)
+        extra_idx[:, 1::4] = -1
+        extra_idx = extra_idx.to(DEV)
+    calls = []
+    real = attention_v2.combine_splits_kernel
+    monkeypatch.setattr(attention_v2, "combine_splits_kernel", type("K", (), {
+        "__getitem__": lambda self, grid: (calls.append(grid), real[grid])[1]})())
+    for _ in range(2):  # a second launch reuses the counters the first left behind
+        a = cu(q, kv, idx, sink, d**-0.5, extra_kv, extra_idx)
+        assert rel(a, ref(q, kv, idx, sink, d**-0.5, extra_kv, extra_idx)) < 2e-2
+    assert bool(calls) == (merge == "launch")
+    if merge == "kernel":
+        assert int(gemm_tc._counters(q.device).abs().sum()) == 0
+    monkeypatch.setenv("ATB_CUDA_ATTN_MERGE", "both")
+    with pytest.raises(ValueError, match="ATB_CUDA_ATTN_MERGE"):
+        cu(q, kv, idx, sink, d**-0.5, extra_kv, extra_idx)
+
+
 @pytest.mark.parametrize("impl,cfg", ATTN_IMPLS)
 def test_sparse_attention_prefill_pattern(monkeypatch, impl, cfg):
     """One sequence's prefill: sliding-window lists with -1 before position 0, the causal compressed entries

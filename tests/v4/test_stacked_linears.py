@@ -1,6 +1,7 @@
 """Stacked linears (parallel.linear.stack_linears_ / stacked_linear): linears that read the same input (the
 compressor's wkv / wgate, the shared expert's w1 / w3, attention's wq_a / wkv) share one weight buffer and run as one GEMM on CUDA; each
-keeps its row slice as its weight, so loading, state dicts and the unstacked path see the same parameters."""
+keeps its row slice as its weight, so loading, state dicts and the unstacked path see the same parameters. The routed
+experts stack their own w1 / w3 (Experts.stack_weights_: one grouped GEMM for gate and up)."""
 
 from __future__ import annotations
 
@@ -81,7 +82,8 @@ def test_model_logits_and_state_dict_unchanged():
     model = _model()
     want = _logits(model)
     sd = {k: v.clone() for k, v in model.state_dict().items()}
-    n = {k: sum(type(m).__name__ == k for m in model.modules()) for k in ("Compressor", "SharedExpert", "Attention")}
+    n = {k: sum(type(m).__name__ == k for m in model.modules())
+         for k in ("Compressor", "SharedExpert", "Attention", "Experts")}
     assert all(n.values())
     assert stack_model_linears_(model) == sum(n.values())
     assert sorted(model.state_dict()) == sorted(sd)
@@ -95,7 +97,7 @@ def test_model_logits_and_state_dict_unchanged():
 def test_cpu_runner_does_not_stack():
     model = _model()
     ModelRunner(model, SMALL_POOLS, "cpu")
-    assert not any(hasattr(m, "_stack") for m in model.modules())
+    assert not any(hasattr(m, "_stack") or getattr(m, "_w13", None) is not None for m in model.modules())
 
 
 @pytest.mark.cuda
@@ -106,6 +108,7 @@ def test_cuda_runner_stacks_and_logits_stay(monkeypatch):
     model = _model("cuda")
     stacked = _logits(model, "cuda", backend="cuda")
     assert sum(hasattr(m, "_stack") for m in model.modules()) > 0
+    assert all(m._w13 is not None for m in model.modules() if type(m).__name__ == "Experts")
     monkeypatch.setattr(parallel.linear, "stack_model_linears_", lambda model: 0)
     kept = _model("cuda")
     assert rel_err(_logits(kept, "cuda", backend="cuda"), stacked) < 1e-5
@@ -132,8 +135,9 @@ def test_v3_model_logits_unchanged(q_lora):
     want = logits()
     n_mlp = sum(type(m).__name__ == "MLP" for m in model.modules())
     n_mla = sum(type(m).__name__ == "MLA" for m in model.modules())  # the MTP layers' too
-    assert n_mlp and n_mla
-    assert stack_model_linears_(model) == n_mlp + (n_mla if q_lora else 0)
+    n_exp = sum(type(m).__name__ == "Experts" for m in model.modules())
+    assert n_mlp and n_mla and n_exp
+    assert stack_model_linears_(model) == n_mlp + (n_mla if q_lora else 0) + n_exp
     assert rel_err(logits(), want) < 1e-6
 
 
@@ -150,3 +154,70 @@ def test_which_groups(monkeypatch):
     monkeypatch.setenv("ASCEND_DSV4_STACK_LINEARS", "SharedExperts")  # a typo is refused, naming the classes
     with pytest.raises(ValueError, match="ASCEND_DSV4_STACK_LINEARS.*SharedExpert"):
         stack_model_linears_(_model())
+
+
+def _experts(fmt: str, inter: int = 256, seed: int = 0):
+    from ascend_dsv4.layers.experts import Experts
+
+    g = torch.Generator().manual_seed(seed)
+    E, d = 5, 256
+    ex = Experts(E, inter, d, 7.0, torch.bfloat16, reference=False)
+    t = {}
+    for n, shape in (("w1", (E, inter, d)), ("w3", (E, inter, d)), ("w2", (E, d, inter))):
+        w = torch.randn(*shape, generator=g) * 0.05
+        if fmt == "fp8_block":
+            t[n], t[n + "_scale"] = quant_fp8_block(w)
+        elif fmt == "fp4":
+            t[n], t[n + "_scale"] = quant_fp4(w)
+        else:
+            t[n] = w.to(torch.bfloat16)
+    ex.set_weights(fmt, t)
+    return ex
+
+
+def _route(T=9, k=2, E=5, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, 256, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    return x, torch.rand(T, k, generator=g), ids
+
+
+@pytest.mark.parametrize("fmt", ["dense", "fp8_block", "fp4"])
+def test_experts_gate_up_stacked(fmt, monkeypatch):
+    """w1 / w3 in one buffer: the same outputs bitwise, one grouped GEMM for both, w1 / w3 still their halves."""
+    import atb_ops
+
+    ex = _experts(fmt)
+    x, w, ids = _route()
+    want = ex(x, w, ids)
+    w1, w3 = ex.w1.clone(), ex.w3.clone()
+    assert ex.stack_weights_() == 1
+    assert torch.equal(ex.w1, w1) and torch.equal(ex.w3, w3) and ex.w1.data_ptr() == ex._w13[0].data_ptr()
+    calls = []
+    real = atb_ops.grouped_matmul
+    monkeypatch.setattr(atb_ops, "grouped_matmul", lambda *a, **k: (calls.append(a[1].shape), real(*a, **k))[1])
+    torch.testing.assert_close(ex(x, w, ids), want, rtol=0, atol=0)
+    assert calls == [(5, 512) + tuple(ex.w1.shape[2:]), tuple(ex.w2.shape)]  # gate+up in one call, then w2
+    ex.set_weights(fmt, {n: getattr(ex, n).detach().clone() for n in ("w1", "w2", "w3", "w1_scale", "w2_scale",
+                                                                       "w3_scale") if getattr(ex, n) is not None})
+    calls.clear()
+    torch.testing.assert_close(ex(x, w, ids), want, rtol=0, atol=0)  # reloaded: unstacked, w1 and w3 apart
+    assert len(calls) == 3
+
+
+def test_experts_not_stacked_and_stale_stack():
+    assert _experts("fp8_block", inter=192).stack_weights_() == 0  # a 128-row scale block would straddle
+    ex = _experts("dense")
+    x, w, ids = _route()
+    ex.stack_weights_()
+    ex.w3 = torch.nn.Parameter(torch.zeros_like(ex.w3), requires_grad=False)  # its own storage again
+    ref = _experts("dense")
+    ref.w3 = torch.nn.Parameter(torch.zeros_like(ref.w3), requires_grad=False)
+    torch.testing.assert_close(ex(x, w, ids), ref(x, w, ids), rtol=0, atol=0)
+
+
+def test_which_includes_experts():
+    model = _model()
+    n_exp = sum(type(m).__name__ == "Experts" for m in model.modules())
+    assert n_exp and stack_model_linears_(model, "Experts") == n_exp
+    assert not any(hasattr(m, "_stack") for m in model.modules())
