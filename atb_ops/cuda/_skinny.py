@@ -4,7 +4,11 @@ out[t, o] = sum_k x[t, k] W[o, k] for a small number of outputs O (24 mixes, <= 
 (4 * 4096 streams, 4096 hidden). A tile of BT tokens times all O outputs per program, with K split over
 programs so that a decode step (a few tokens) still fills the GPU; the partial sums (and optionally the
 partial sums of x^2) are reduced in a fixed order afterwards (deterministic). Products are exact float32
-(16-bit operands) or IEEE float32 (float32 operands).
+(16-bit operands); float32 operands go through the tensor cores in three TF32 passes ("tf32x3": a = a_hi + a_lo,
+a_hi b_hi + a_hi b_lo + a_lo b_hi, about float32 accuracy): Triton's IEEE float32 dot runs on the FMA units at
+~2.5 us per 64-wide K step of a 16 x 32 tile on an H100, which made the hyper-connection mix of a decode step
+(16384-long K) take 11 us a call instead of ~4 (scripts/bench_results/decode_h100_session6.txt).
+``ATB_CUDA_SKINNY=f32=ieee`` keeps the FMA path.
 """
 
 from __future__ import annotations
@@ -45,17 +49,19 @@ def _skinny_kernel(x_ptr, w_ptr, part_ptr, ss_ptr, T, K, O, k_per_split,
         tl.store(ss_ptr + base, ss, mask=tm)
 
 
-def _split_policy() -> tuple[int, int]:
-    """(fewest K steps per program, programs per SM aimed at): ATB_CUDA_SKINNY="iters=4,per_sm=2" (the defaults;
-    a benchmark knob: fewer K steps per program shorten the dependent-load chain, more splits lengthen the
-    consumer's sum)."""
-    cfg = {"iters": 4, "per_sm": 2}
+def _split_policy() -> tuple[int, int, str]:
+    """(fewest K steps per program, programs per SM aimed at, float32 dot precision):
+    ATB_CUDA_SKINNY="iters=4,per_sm=2,f32=tf32x3" (the defaults; a benchmark knob: fewer K steps per program shorten
+    the dependent-load chain, more splits lengthen the consumer's sum; f32=ieee: float32 products on the FMA units)."""
+    cfg = {"iters": 4, "per_sm": 2, "f32": "tf32x3"}
     for item in filter(None, os.environ.get("ATB_CUDA_SKINNY", "").split(",")):
         key, _, val = item.partition("=")
-        if key not in cfg or not val.isdigit() or int(val) < 1:
-            raise ValueError(f"ATB_CUDA_SKINNY: bad item {item!r}; expected iters=N,per_sm=N (N >= 1)")
-        cfg[key] = int(val)
-    return cfg["iters"], cfg["per_sm"]
+        ok = (val in ("tf32x3", "ieee")) if key == "f32" else (key in cfg and val.isdigit() and int(val) >= 1)
+        if not ok:
+            raise ValueError(f"ATB_CUDA_SKINNY: bad item {item!r}; expected iters=N,per_sm=N (N >= 1),"
+                             f"f32=tf32x3|ieee")
+        cfg[key] = val if key == "f32" else int(val)
+    return cfg["iters"], cfg["per_sm"], cfg["f32"]
 
 
 def skinny_matmul(x: torch.Tensor, w: torch.Tensor, want_ss: bool = False, partials: bool = False):
@@ -66,11 +72,11 @@ def skinny_matmul(x: torch.Tensor, w: torch.Tensor, want_ss: bool = False, parti
     n_out = w.shape[0]
     bo = pow2(n_out, 16)
     ct = x.dtype if (x.dtype == w.dtype and x.dtype != torch.float32) else torch.float32
-    prec = "ieee" if ct == torch.float32 else "tf32"
+    iters, per_sm, f32 = _split_policy()
+    prec = f32 if ct == torch.float32 else "tf32"  # (the precision is ignored for 16-bit operands)
     bt = 16
     bk = 64 if bo <= 64 else 32
     t_tiles = triton.cdiv(t_count, bt)
-    iters, per_sm = _split_policy()
     max_split = triton.cdiv(k, iters * bk)
     n_split = max(1, min(max_split, triton.cdiv(per_sm * sm_count(x.device), t_tiles)))
     kps = triton.cdiv(triton.cdiv(k, n_split), bk) * bk

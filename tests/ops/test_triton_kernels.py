@@ -445,6 +445,32 @@ def test_sparse_attention_impls(monkeypatch, impl, cfg, t, h, d, k, k2, with_sin
     assert cu(q[:0], kv, idx[:0], sink_arg, 0.5, extra_kv, None if extra_idx is None else extra_idx[:0]).shape == (0, h, d)
 
 
+def test_skinny_policy_knob(monkeypatch):
+    from atb_ops.cuda import _skinny
+
+    assert _skinny._split_policy() == (4, 2, "tf32x3")
+    monkeypatch.setenv("ATB_CUDA_SKINNY", "iters=2,f32=ieee")
+    assert _skinny._split_policy() == (2, 2, "ieee")
+    for bad in ("f32=tf32", "iters=0", "per_sm=x", "stages=3"):
+        monkeypatch.setenv("ATB_CUDA_SKINNY", bad)
+        with pytest.raises(ValueError, match="ATB_CUDA_SKINNY"):
+            _skinny._split_policy()
+
+
+@pytest.mark.parametrize("f32", ["ieee", "tf32x3"])
+def test_skinny_float32_paths(monkeypatch, f32):
+    """Float32 operands: FMA products (ieee) or three TF32 passes (the default): both within 1e-5 of float64."""
+    from atb_ops.cuda import _skinny
+
+    monkeypatch.setenv("ATB_CUDA_SKINNY", f"f32={f32}")
+    g = gen(91)
+    x, w = rnd(5, 3000, g=g), rnd(24, 3000, g=g)
+    out, ss = _skinny.skinny_matmul(x, w, want_ss=True)
+    want = x.double() @ w.double().t()
+    assert rel(out[:, :24], want) < 1e-5 and float(out[:, 24:].abs().max()) == 0.0
+    assert rel(ss, (x.double() ** 2).sum(1)) < 1e-5
+
+
 @pytest.mark.parametrize("merge", ["kernel", "launch"])
 @pytest.mark.parametrize("t,h,k,k2", [(3, 5, 70, 33), (1, 2, 96, 0), (4, 3, 40, 64)])
 def test_sparse_attention_split_merge(monkeypatch, merge, t, h, k, k2):
