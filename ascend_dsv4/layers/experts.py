@@ -205,11 +205,17 @@ def dummy_moe_step(model: nn.Module) -> int:
     return n
 
 
-def reduce_moe(routed: torch.Tensor, shared: torch.Tensor | None, experts: Experts, tp: Group) -> torch.Tensor:
-    """Sum of the routed and shared outputs (float32 [T, d]) with one all-reduce of the partial sums."""
+def reduce_moe(routed: torch.Tensor, shared: torch.Tensor | None, experts: Experts, tp: Group,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Sum of the routed and shared outputs (float32 [T, d]) with one all-reduce of the partial sums, in
+    ``out_dtype`` (default float32): the float32 sum rounded once. Without an all-reduce the sum and the rounding
+    are one launch (``torch.add`` computes in the promoted float32 and writes ``out_dtype``), not three."""
     ep = getattr(experts, "ep", None)  # msModelSlim's QuantExperts replace Experts at world size 1
     complete = ep is not None and ep.size > 1 and getattr(experts, "ep_comm", "") == "alltoall"
     if complete:
-        return routed if shared is None else routed + all_reduce(shared.float(), tp)
-    y = routed if shared is None else routed + shared.float()
-    return all_reduce(y, tp)
+        y = routed if shared is None else routed + all_reduce(shared.float(), tp)
+    elif shared is not None and tp.size == 1 and out_dtype is not None:
+        return torch.add(routed, shared, out=torch.empty(routed.shape, dtype=out_dtype, device=routed.device))
+    else:
+        y = all_reduce(routed if shared is None else routed + shared.float(), tp)
+    return y if out_dtype is None else y.to(out_dtype)

@@ -221,3 +221,20 @@ def test_which_includes_experts():
     n_exp = sum(type(m).__name__ == "Experts" for m in model.modules())
     assert n_exp and stack_model_linears_(model, "Experts") == n_exp
     assert not any(hasattr(m, "_stack") for m in model.modules())
+
+
+def test_reduce_moe_one_launch_is_the_float32_sum_rounded_once():
+    """reduce_moe's one-launch form (no all-reduce): bitwise (routed + float(shared)).to(dtype), the three-launch form
+    it replaces; float32 out and no shared expert as before."""
+    from ascend_dsv4.layers.experts import reduce_moe
+    from parallel.groups import Group
+
+    ex = _experts("dense")
+    g = torch.Generator().manual_seed(5)
+    routed = torch.randn(6, 256, generator=g) * 3
+    shared = (torch.randn(6, 256, generator=g) * 3).to(torch.bfloat16)
+    want = (routed + shared.float()).to(torch.bfloat16)
+    got = reduce_moe(routed, shared, ex, Group(), torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    assert torch.equal(reduce_moe(routed, shared, ex, Group()), routed + shared.float())
+    assert torch.equal(reduce_moe(routed, None, ex, Group(), torch.bfloat16), routed.to(torch.bfloat16))

@@ -65,4 +65,4 @@ class MoE(nn.Module):
         weights, ids = self.gate(x)
         y = self.experts(x, weights, ids)
         shared = self.shared_experts(x) if self.shared_experts is not None else None
-        return reduce_moe(y, shared, self.experts, self.tp).to(x.dtype)
+        return reduce_moe(y, shared, self.experts, self.tp, x.dtype)
