@@ -214,6 +214,7 @@ def test_experts_not_stacked_and_stale_stack():
     ref = _experts("dense")
     ref.w3 = torch.nn.Parameter(torch.zeros_like(ref.w3), requires_grad=False)
     torch.testing.assert_close(ex(x, w, ids), ref(x, w, ids), rtol=0, atol=0)
+    assert ex._w13 is None  # the stale buffer is let go
 
 
 def test_which_includes_experts():
