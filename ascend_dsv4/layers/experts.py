@@ -109,11 +109,12 @@ class Experts(nn.Module):
     def _gate_up(self, xs: torch.Tensor, e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(xs @ w1[e]^T, xs @ w3[e]^T): one grouped GEMM over the stacked buffer where :meth:`stack_weights_`
         made one (column views of its output), else two."""
-        st = getattr(self, "_w13", None)
-        if st is not None and st[3] == self._gate_up_ptrs():
-            gu = atb_ops.grouped_matmul(xs, st[0], e, st[1], self.fmt)
-            return gu[:, :st[2]], gu[:, st[2]:]
-        self._w13 = None  # stale (w1 / w3 moved or replaced): let its buffer go
+        st = self._w13
+        if st is not None:
+            if st[3] == self._gate_up_ptrs():
+                gu = atb_ops.grouped_matmul(xs, st[0], e, st[1], self.fmt)
+                return gu[:, :st[2]], gu[:, st[2]:]
+            self._w13 = None  # stale (w1 / w3 moved or replaced): let its buffer go
         return (atb_ops.grouped_matmul(xs, self.w1, e, self.w1_scale, self.fmt),
                 atb_ops.grouped_matmul(xs, self.w3, e, self.w3_scale, self.fmt))
 

@@ -179,7 +179,7 @@ def _run(q1, q2, kv, idx, kv2, idx2, sink, scale, out_dtype):
         BH=bh, BN=bn, BD1=bd1, BD2=bd2, PREC=prec, num_warps=warps, num_stages=2)
     if split:
         attention_v2.combine_splits_kernel[(t_count, h_count)](
-            part, ml, sinkc, out, t_count, h_count, d1, bd1, n_split, HAS_SINK=sink is not None, NORMALISED=False,
+            part, ml, sinkc, out, t_count, h_count, d1, bd1, n_split, HAS_SINK=sink is not None,
             BS=pow2(n_split, 2), BD1=bd1, num_warps=4)
     return out
 

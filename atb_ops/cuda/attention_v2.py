@@ -160,10 +160,10 @@ def _attn2_kernel(q1_ptr, q2_ptr, kv_ptr, idx_ptr, kv2_ptr, idx2_ptr, sink_ptr, 
 @triton.jit
 def _merge_splits(part_ptr, ml_ptr, sink_ptr, out_ptr, t, h, hm, cv, cvm, T, H, D1, n_split, HAS_SINK: tl.constexpr,
                   BH: tl.constexpr, DV: tl.constexpr):
-    """In-kernel form of :func:`combine_splits_kernel` (NORMALISED) for heads h [BH] and output columns cv [DV]:
-    out = sum_s w_s l_s o_s / (sum_s w_s l_s + 2^(sink - M)), w_s = 2^(m_s - M), M = max(m_s, sink), the splits
-    read from memory in split order (the result does not depend on which split arrived last). The partials of
-    the other programs are read past L1 (.cg): they were written by other SMs."""
+    """Merge the key-list splits of heads h [BH] and output columns cv [DV] of token t, whose partials are
+    normalised (o_s = acc_s / l_s): out = sum_s w_s l_s o_s / (sum_s w_s l_s + 2^(sink - M)), w_s = 2^(m_s - M),
+    M = max(m_s, sink), the splits read from memory in split order (the result does not depend on which split
+    arrived last). The partials of the other programs are read past L1 (.cg): they were written by other SMs."""
     if HAS_SINK:
         sink2 = tl.load(sink_ptr + h, mask=hm, other=0.0).to(tl.float32) * 1.4426950408889634
         mx = sink2
@@ -191,12 +191,27 @@ def _merge_splits(part_ptr, ml_ptr, sink_ptr, out_ptr, t, h, hm, cv, cvm, T, H, 
 
 
 @triton.jit
+def _merge_splits_kernel(part_ptr, ml_ptr, sink_ptr, out_ptr, T, H, D1, n_split, n_hb, HAS_SINK: tl.constexpr,
+                         BH: tl.constexpr, DV: tl.constexpr, ND: tl.constexpr):
+    """:func:`_merge_splits` as a launch of its own (``ATB_CUDA_ATTN_MERGE=launch``), one program per (token, head
+    block, column group) of the attention launch, in the same program-id order."""
+    pid = tl.program_id(0)
+    dh = pid % ND
+    rest = pid // ND
+    hb = rest % n_hb
+    t = (rest // n_hb).to(tl.int64)
+    h = hb * BH + tl.arange(0, BH)
+    cv = dh * DV + tl.arange(0, DV)
+    _merge_splits(part_ptr, ml_ptr, sink_ptr, out_ptr, t, h, h < H, cv, cv < D1, T, H, D1, n_split, HAS_SINK,
+                  BH, DV)
+
+
+@triton.jit
 def combine_splits_kernel(part_ptr, ml_ptr, sink_ptr, out_ptr, T, H, D1, PS, n_split, HAS_SINK: tl.constexpr,
-                          NORMALISED: tl.constexpr, BS: tl.constexpr, BD1: tl.constexpr):
-    """Merge the key-list splits of one (token, head) -- this kernel's and attention.py's:
-    out = sum_s w_s a_s / (sum_s w_s l_s + 2^(sink - M)), w_s = 2^(m_s - M), M = max(m_s, sink), where the split
-    partial a_s [PS columns per row] is its un-normalised float32 accumulator (attention.py) or, NORMALISED, its
-    output o_s = acc_s / l_s (here, bf16), weighted by w_s l_s instead."""
+                          BS: tl.constexpr, BD1: tl.constexpr):
+    """Merge attention.py's key-list splits of one (token, head), whose partials a_s [PS columns per row] are the
+    un-normalised float32 accumulators: out = sum_s w_s a_s / (sum_s w_s l_s + 2^(sink - M)), w_s = 2^(m_s - M),
+    M = max(m_s, sink). (This module's partials are normalised: :func:`_merge_splits`.)"""
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, BS)
@@ -212,8 +227,6 @@ def combine_splits_kernel(part_ptr, ml_ptr, sink_ptr, out_ptr, T, H, D1, PS, n_s
     den = tl.sum(w * l_s, 0)
     if HAS_SINK:
         den += tl.exp2(sink2 - m)
-    if NORMALISED:
-        w = w * l_s
     d = tl.arange(0, BD1)
     a_s = tl.load(part_ptr + off[:, None] * PS + d[None, :], mask=sm[:, None] & (d < D1)[None, :], other=0.0)
     o = tl.sum(a_s.to(tl.float32) * w[:, None], 0) / tl.where(den > 0, den, 1.0)
@@ -248,8 +261,8 @@ _STAGES: dict = {}  # launch configuration -> the pipeline depth that fit
 
 def merge_in_kernel() -> bool:
     """Whether key-list splits are merged by the split that finishes last (an arrival counter per token, head
-    block and column group; ``ATB_CUDA_ATTN_MERGE=kernel``) or by the separate :func:`combine_splits_kernel`
-    launch (``=launch``). Default ``kernel``: the Flash decode step at batch 32 spent 11-12 us a layer in that
+    block and column group; ``ATB_CUDA_ATTN_MERGE=kernel``) or by a separate launch of the same merge
+    (:func:`_merge_splits_kernel`, ``=launch``). Default ``kernel``: the Flash decode step at batch 32 spent 11-12 us a layer in that
     launch (scripts/bench_results/decode_h100_session5.txt)."""
     v = os.environ.get("ATB_CUDA_ATTN_MERGE", "kernel")
     if v not in ("kernel", "launch"):
@@ -297,7 +310,7 @@ def run(q1, q2, kv, idx, kv2, idx2, sink, scale, out_dtype):
         part = torch.empty(n_split, t_count, h_count, d1, dtype=out_dtype, device=q1.device)
         ml = torch.empty(n_split, t_count, h_count, 2, dtype=torch.float32, device=q1.device)
         if merge_in_kernel() and programs <= tc.CTR_SIZE:
-            ctr = tc._counters(q1.device)  # None while capturing before they exist (then: the combine launch)
+            ctr = tc._counters(q1.device)  # None while capturing before they exist (then: the merge launch)
     else:
         part = ml = out
     merge = ctr is not None
@@ -317,7 +330,6 @@ def run(q1, q2, kv, idx, kv2, idx2, sink, scale, out_dtype):
             if st == 2:
                 raise
     if split and not merge:
-        combine_splits_kernel[(t_count, h_count)](part, ml, sinkc, out, t_count, h_count, d1, d1, n_split,
-                                                  HAS_SINK=sink is not None, NORMALISED=True, BS=pow2(n_split, 2),
-                                                  BD1=bd1, num_warps=4)
+        _merge_splits_kernel[(programs,)](part, ml, sinkc, out, t_count, h_count, d1, n_split, n_hb,
+                                          HAS_SINK=sink is not None, BH=bh, DV=dv, ND=nd, num_warps=warps)
     return out

@@ -490,8 +490,8 @@ def test_sparse_attention_split_merge(monkeypatch, merge, t, h, k, k2):
         extra_idx[:, 1::4] = -1
         extra_idx = extra_idx.to(DEV)
     calls = []
-    real = attention_v2.combine_splits_kernel
-    monkeypatch.setattr(attention_v2, "combine_splits_kernel", type("K", (), {
+    real = attention_v2._merge_splits_kernel
+    monkeypatch.setattr(attention_v2, "_merge_splits_kernel", type("K", (), {
         "__getitem__": lambda self, grid: (calls.append(grid), real[grid])[1]})())
     for _ in range(2):  # a second launch reuses the counters the first left behind
         a = cu(q, kv, idx, sink, d**-0.5, extra_kv, extra_idx)
