@@ -290,6 +290,26 @@ def cases(dev, quick: bool):
                        _nb(w4, s4, x) + M * Nl * 2, 2 * M * Nl * Kl)
         yield (f"linear bf16 (cuBLAS) M={M} 4096x4096", "linear", [(x, w) for w in wbs], {},
                Nl * Kl * 2 + 2 * _nb(x), 2 * M * Nl * Kl)
+    del w8s, w4s, wbs
+
+    # the FP8 linears of a Flash decode step at batch 8, at their own shapes (N x K): wq_a + wkv stacked, wq_b,
+    # wo_b, the shared expert's w1 + w3 stacked and w2; cuBLAS BF16 on the same shapes side by side
+    if not quick:
+        for name, (nd, kd) in (("wq_a+wkv", (1536, 4096)), ("wq_b", (32768, 1024)), ("wo_b", (4096, 8192)),
+                               ("shared w13", (4096, 4096)), ("shared w2", (4096, 2048))):
+            rot = max(2, min(16, int(2 * ROTATE_BYTES // (nd * kd))))  # >= 2x the 50 MB L2 in all
+            ws = [torch.randn(nd, kd, device=dev, generator=g) * 0.02 for _ in range(rot)]
+            w8s = [quant_fp8_block(w) for w in ws]
+            wbs = [w.to(bf) for w in ws]
+            del ws
+            x = r(8, kd)
+            w8, s8 = w8s[0]
+            for path in GEMM_PATHS:
+                yield (f"linear fp8_block M=8 {nd}x{kd} ({name}) {path}", "linear",
+                       [(x, w, s, "fp8_block") for w, s in w8s], {}, _nb(w8, s8, x) + 8 * nd * 2, 2 * 8 * nd * kd)
+            yield (f"linear bf16 (cuBLAS) M=8 {nd}x{kd} ({name})", "linear", [(x, w) for w in wbs], {},
+                   nd * kd * 2 + 2 * _nb(x), 2 * 8 * nd * kd)
+            del w8s, wbs
 
     # grouped expert GEMM, routed experts of DeepSeek-V4-Flash: w1 / w3 [E, 2048, 4096] and w2 [E, 4096, 2048],
     # and w1 / w3 stacked (w13 [E, 4096, 4096]: Experts.stack_weights_, one call for both on CUDA);

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from .._registry import register
-from ._util import pow2
+from ._util import pow2, sm_count
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -91,6 +91,10 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
     r = 2 * f.numel()
     bp = pow2(d - r) if d > r else 0
     bg = max(1, min(pow2(g), 4096 // max(bp, r, 1)))
+    # few tokens: smaller row blocks, so that the launch has about two programs per SM (the indexer's query at 8
+    # tokens x 64 heads x 128 ran as 8 programs of 64 rows: 11 us; scripts/bench_results/decode_h100_session7.txt)
+    while bg > 4 and t_count * triton.cdiv(g, bg) < 2 * sm_count(x.device):
+        bg //= 2
     _rope_kernel[(t_count, triton.cdiv(g, bg))](xc, pos, f, y, g, d, r, -1.0 if inverse else 1.0,
                                                  BG=bg, BP=bp, BH=pow2(r // 2), num_warps=4)
     return y

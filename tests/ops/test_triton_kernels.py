@@ -71,12 +71,15 @@ def test_apply_rope(dtype, inverse):
     cu, ref = impls("apply_rope")
     g = gen(1)
     inv = atb_ops.rope_inv_freq(16, 10000.0, 4.0, 64)
-    for shape in [(6, 3, 40), (7, 16), (1, 5, 16)]:
+    # (2, 64, 40): few tokens x many rows, split into row blocks of 8 (2 programs per SM of the interpreter's 8)
+    for shape in [(6, 3, 40), (7, 16), (1, 5, 16), (2, 64, 40)]:
         x = rnd(*shape, g=g, dtype=dtype)
         pos = torch.randint(0, 5000, (shape[0],), generator=g).to(DEV)
         a, b = cu(x, pos, inv, inverse), ref(x, pos, inv, inverse)
         assert a.dtype == b.dtype and a.shape == b.shape
         assert torch.equal(a[..., :-16], x[..., :-16])  # pass-through channels untouched
+        # a token alone (other row blocks: 4 rows vs 8 at 2 tokens x 64) rotates bitwise as in the batch
+        assert torch.equal(cu(x[:1], pos[:1], inv, inverse), a[:1])
         assert rel(a, b) < (1e-5 if dtype == torch.float32 else 1e-2)
     # inverse undoes forward
     x = rnd(4, 2, 32, g=g)
