@@ -23,6 +23,7 @@ from .ops import (
     add_rms_norm,
     apply_rope,
     compressor_pool,
+    compressor_state_write,
     dequantize_weight,
     fp4_act_round,
     fp8_act_round,
@@ -56,7 +57,7 @@ OPS = (
     "rms_norm", "apply_rope", "hc_pre", "hc_post", "hc_head", "compressor_pool", "indexer_topk",
     "sparse_attention", "moe_gate", "swiglu", "linear", "grouped_matmul", "fp8_act_round", "fp4_act_round", "hadamard",
     "mla_decode", "mla_prefill", "dequantize_weight", "quant_linear", "quant_grouped_matmul", "group_linear",
-    "add_rms_norm", "kv_quant", "mla_decode_split", "moe_permute", "moe_unpermute",
+    "add_rms_norm", "kv_quant", "mla_decode_split", "moe_permute", "moe_unpermute", "compressor_state_write",
 )
 
 

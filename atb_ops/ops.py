@@ -87,6 +87,29 @@ def compressor_pool(kv_state: torch.Tensor, score_state: torch.Tensor, cand: tor
     return resolve("compressor_pool", kv_state)(kv_state, score_state, cand, overlap)
 
 
+def compressor_state_write(kv_state: torch.Tensor, score_state: torch.Tensor, a: torch.Tensor, z: torch.Tensor,
+                           ape: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
+    """Write a step's compressor rows into the per-token state pools, in place (ascend_dsv4/models/deepseek_v4/
+    README.md §2.3 "Compressor": a_t = wkv x_t, z_t = wgate x_t + ape[t mod r]).
+
+    kv_state, score_state: [S, W] pools (float32 in the model); a, z: [T, W] float32 (rows may be strided: the two
+    halves of one stacked GEMM's output); ape: [r, W] float32; positions: [T] integer absolute positions (>= 0);
+    slots: [T] int64 pool rows (distinct, as for ``index_copy_``).
+    kv_state[slots[t]] = a[t]; score_state[slots[t]] = z[t] + ape[positions[t] mod r] (float32 add), both cast to
+    the pool's dtype. Returns None. One launch on CUDA where the model wrote it as five (mod, gather, add, two
+    index copies) -- scripts/bench_results/decode_h100_session7.txt.
+    """
+    t = slots.shape[0]
+    if a.shape != z.shape or a.dim() != 2 or a.shape[0] != t or positions.shape != (t,):
+        raise ValueError(f"compressor_state_write: a {tuple(a.shape)} and z {tuple(z.shape)} must be the same [T, W] "
+                         f"with positions {tuple(positions.shape)} and slots {tuple(slots.shape)} of [T]")
+    if ape.dim() != 2 or ape.shape[1] != a.shape[1] or kv_state.shape[1:] != a.shape[1:] or \
+            score_state.shape != kv_state.shape:
+        raise ValueError(f"compressor_state_write: ape {tuple(ape.shape)} must be [r, W] and the pools "
+                         f"{tuple(kv_state.shape)} / {tuple(score_state.shape)} [S, W] for rows of width {a.shape[1]}")
+    return resolve("compressor_state_write", a)(kv_state, score_state, a, z, ape, positions, slots)
+
+
 def indexer_topk(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, cand: torch.Tensor, topk: int) -> torch.Tensor:
     """Lightning-indexer selection (ascend_dsv4/models/deepseek_v4/README.md §2.3 "CSA Indexer").
 

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from .._registry import register
+from ..reference.compressor import compressor_state_write as reference_state_write
 from ._util import pow2
 
 
@@ -52,3 +53,37 @@ def compressor_pool(kv_state: torch.Tensor, score_state: torch.Tensor, cand: tor
                                                 out, k, width, c, k // 2, OVERLAP=bool(overlap), BK=bk, BC=bc,
                                                 num_warps=4)
     return out
+
+
+@triton.jit
+def _state_write_kernel(kv_ptr, sc_ptr, a_ptr, z_ptr, ape_ptr, pos_ptr, slot_ptr, W, R, s_kv, s_sc, s_a, s_z,
+                        BW: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    col = tl.program_id(1) * BW + tl.arange(0, BW)
+    m = col < W
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    phase = (tl.load(pos_ptr + t).to(tl.int64) % R).to(tl.int64)
+    a = tl.load(a_ptr + t * s_a + col, mask=m)
+    z = tl.load(z_ptr + t * s_z + col, mask=m).to(tl.float32) + tl.load(ape_ptr + phase * W + col, mask=m).to(tl.float32)
+    tl.store(kv_ptr + slot * s_kv + col, a.to(kv_ptr.dtype.element_ty), mask=m)
+    tl.store(sc_ptr + slot * s_sc + col, z.to(sc_ptr.dtype.element_ty), mask=m)
+
+
+@register("compressor_state_write", "cuda")
+def compressor_state_write(kv_state, score_state, a, z, ape, positions, slots) -> None:
+    """One launch, one program per (token, block of columns): the row of a copied, z + ape[pos mod r] added in float32,
+    both stored at the token's pool row. a / z may be row-strided (the halves of a stacked GEMM's output); pools whose
+    rows are not contiguous take the reference (index_copy_) path."""
+    t_count, w = a.shape
+    if t_count == 0:
+        return None
+    if kv_state.stride(-1) != 1 or score_state.stride(-1) != 1:
+        return reference_state_write(kv_state, score_state, a, z, ape, positions, slots)
+    ac = a if a.stride(-1) == 1 else a.contiguous()
+    zc = z if z.stride(-1) == 1 else z.contiguous()
+    bw = min(pow2(w), 1024)
+    _state_write_kernel[(t_count, triton.cdiv(w, bw))](kv_state, score_state, ac, zc, ape.float().contiguous(),
+                                                      positions.contiguous(), slots.contiguous(), w, ape.shape[0],
+                                                      kv_state.stride(0), score_state.stride(0), ac.stride(0),
+                                                      zc.stride(0), BW=bw, num_warps=4)
+    return None

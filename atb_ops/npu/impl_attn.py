@@ -144,6 +144,14 @@ def compressor_pool(kv_state, score_state, cand, overlap: bool):
     return (torch.softmax(sc, dim=1) * kv).sum(1)
 
 
+@candidate("compressor_state_write", "composed", "index_copy_ + index_select + add on the device")
+def compressor_state_write(kv_state, score_state, a, z, ape, positions, slots):
+    """Two row scatters (aclnnIndexCopy) and the positional bias gathered by phase: no fused NPU op does this."""
+    phase = torch.remainder(positions, ape.shape[0])
+    kv_state.index_copy_(0, slots, a.to(kv_state.dtype))
+    score_state.index_copy_(0, slots, (z.float() + ape.float().index_select(0, phase)).to(score_state.dtype))
+
+
 #: page sizes tried when reading a key pool in place through a block table (largest first)
 PAGE_SIZES = (128, 64, 32, 16)
 

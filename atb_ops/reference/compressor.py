@@ -27,3 +27,14 @@ def compressor_pool(kv_state: torch.Tensor, score_state: torch.Tensor, cand: tor
     sc = sc.masked_fill(~valid.unsqueeze(-1), float("-inf"))
     w = sc.softmax(dim=1)
     return (w * kv.masked_fill(~valid.unsqueeze(-1), 0.0)).sum(dim=1)
+
+
+def compressor_state_write(kv_state, score_state, a, z, ape, positions, slots) -> None:
+    """kv_state[slots] = a; score_state[slots] = z + ape[positions mod r] (see :func:`atb_ops.compressor_state_write`).
+    Row by row, so also the batch-invariant variant."""
+    kv_state.index_copy_(0, slots, a.to(kv_state.dtype))
+    score_state.index_copy_(0, slots, (z + ape[positions % ape.shape[0]]).to(score_state.dtype))
+
+
+register("compressor_state_write", "reference")(compressor_state_write)
+register("compressor_state_write", "reference", batch_invariant=True)(compressor_state_write)

@@ -97,6 +97,20 @@ def test_compressor_pool(overlap, r):
     close(npu("compressor_pool", kv, sc, cand[:0], overlap), ref("compressor_pool")(kv, sc, cand[:0], overlap))
 
 
+@pytest.mark.parametrize("r", [4, 128])
+def test_compressor_state_write(r):
+    t, w, s = 5, 12, 17
+    az = rnd(t, 2 * w)
+    a, z, ape = az[:, :w], az[:, w:], rnd(r, w)
+    pos = torch.randint(0, 1000, (t,), generator=g)
+    slots = torch.randperm(s, generator=g)[:t]
+    got = [rnd(s, w) for _ in range(2)]
+    want = [p.clone() for p in got]
+    assert npu("compressor_state_write", *got, a, z, ape, pos, slots) is None
+    ref("compressor_state_write")(*want, a, z, ape, pos, slots)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 @pytest.mark.parametrize("t,n,topk", [(0, 6, 4), (1, 5, 8), (4, 9, 4), (3, 12, 12)])
 def test_indexer_topk(t, n, topk):
     hi, di, p = 3, 16, 20

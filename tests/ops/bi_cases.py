@@ -92,6 +92,17 @@ def cases(device: str = "cpu", seed: int = 0, T: int = 37):
     out.append(("compressor_pool_overlap", lambda s: atb_ops.compressor_pool(kv_state, sc_state, _pick(cand8, s), True)))
     cand128 = ri(0, 200, T, 128)
     out.append(("compressor_pool", lambda s: atb_ops.compressor_pool(kv_state, sc_state, _pick(cand128, s), False)))
+    # the state write: each token's rows land at its own slot; the case returns the rows written for the batch
+    a_w, z_w, ape4 = r(T, 256), r(T, 256), r(4, 256)
+    slots_w = torch.randperm(200, generator=g)[:T].to(device)
+
+    def state_write(s):
+        kv_p, sc_p = torch.zeros(200, 256, device=device), torch.zeros(200, 256, device=device)
+        sl = _pick(slots_w, s)
+        atb_ops.compressor_state_write(kv_p, sc_p, _pick(a_w, s), _pick(z_w, s), ape4, _pick(pos, s), sl)
+        return torch.cat([kv_p[sl], sc_p[sl]], dim=1)
+
+    out.append(("compressor_state_write", state_write))
     # indexer / attention: key lists with -1 holes; rows sharing pools
     kc = r(90, 128, dtype=bf)
     cand = ri(-1, 90, T, 40)

@@ -202,6 +202,43 @@ def test_compressor_pool(overlap):
     assert cu(kv, sc, cand[:0], overlap).shape == (0, c)
 
 
+@pytest.mark.parametrize("t, width, ratio", [(0, 40, 4), (1, 40, 4), (19, 96, 4), (5, 1100, 128)])
+def test_compressor_state_write(t, width, ratio):
+    """The CUDA state write equals the reference bitwise: rows copied / ape added at each token's slot (distinct,
+    unordered), a and z the strided halves of one stacked GEMM output, every other pool row untouched; W = 1100
+    spans two column blocks of the kernel, positions run past many multiples of the ratio."""
+    cu, ref = impls("compressor_state_write")
+    g = gen(7)
+    s = 3 * t + 5
+    az = rnd(t, 2 * width, g=g)
+    a, z = az[:, :width], az[:, width:]
+    ape = rnd(ratio, width, g=g)
+    pos = torch.randint(0, 10_000, (t,), generator=g).to(DEV)
+    slots = torch.randperm(s, generator=g)[:t].to(DEV)
+    pools = [rnd(s, width, g=g) for _ in range(2)]
+    got, want = [p.clone() for p in pools], [p.clone() for p in pools]
+    assert cu(*got, a, z, ape, pos, slots) is None
+    ref(*want, a, z, ape, pos, slots)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    others = torch.ones(s, dtype=torch.bool)
+    others[slots.cpu()] = False
+    assert torch.equal(got[0].cpu()[others], pools[0].cpu()[others])
+    if t:
+        phase = (pos % ratio).cpu()
+        assert torch.equal(want[1].cpu()[slots.cpu()], (z + ape[phase.to(DEV)]).cpu())
+        assert torch.equal(want[0].cpu()[slots.cpu()], a.cpu())
+
+
+def test_compressor_state_write_checks_shapes():
+    kv, sc = torch.zeros(8, 16), torch.zeros(8, 16)
+    a = torch.zeros(3, 16)
+    with pytest.raises(ValueError, match="compressor_state_write: a"):
+        atb_ops.compressor_state_write(kv, sc, a, torch.zeros(3, 15), torch.zeros(4, 16), torch.zeros(3).long(),
+                                       torch.arange(3))
+    with pytest.raises(ValueError, match=r"ape \(4, 8\)"):
+        atb_ops.compressor_state_write(kv, sc, a, a, torch.zeros(4, 8), torch.zeros(3).long(), torch.arange(3))
+
+
 def _indexer_inputs(g, t, n, p=50, hi=4, di=32, dtype=torch.float32, integer=False):
     if integer:  # small integers: exact float32 scores with many exact ties
         q = torch.randint(-2, 3, (t, hi, di), generator=g).to(DEV, dtype)

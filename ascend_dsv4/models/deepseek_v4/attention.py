@@ -57,9 +57,7 @@ class Compressor(nn.Module):
         which = "index" if self.rotate else "main"
         kv_rows, score_rows = ctx.pools.state_layer(layer_id, which)
         a, z = stacked_linear((self.wkv, self.wgate), x)
-        z = z + self.ape[ctx.positions % self.ratio]
-        kv_rows.index_copy_(0, ctx.swa_slot, a)
-        score_rows.index_copy_(0, ctx.swa_slot, z)
+        atb_ops.compressor_state_write(kv_rows, score_rows, a, z, self.ape, ctx.positions, ctx.swa_slot)
         cc = ctx.compress[self.ratio]
         if cc.new_slot.numel() == 0:
             return
