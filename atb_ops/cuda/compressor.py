@@ -62,9 +62,10 @@ def _state_write_kernel(kv_ptr, sc_ptr, a_ptr, z_ptr, ape_ptr, pos_ptr, slot_ptr
     col = tl.program_id(1) * BW + tl.arange(0, BW)
     m = col < W
     slot = tl.load(slot_ptr + t).to(tl.int64)
-    phase = (tl.load(pos_ptr + t).to(tl.int64) % R).to(tl.int64)
+    phase = tl.load(pos_ptr + t).to(tl.int64) % R  # positions >= 0 (the op's contract)
     a = tl.load(a_ptr + t * s_a + col, mask=m)
-    z = tl.load(z_ptr + t * s_z + col, mask=m).to(tl.float32) + tl.load(ape_ptr + phase * W + col, mask=m).to(tl.float32)
+    z = tl.load(z_ptr + t * s_z + col, mask=m).to(tl.float32)
+    z += tl.load(ape_ptr + phase * W + col, mask=m).to(tl.float32)
     tl.store(kv_ptr + slot * s_kv + col, a.to(kv_ptr.dtype.element_ty), mask=m)
     tl.store(sc_ptr + slot * s_sc + col, z.to(sc_ptr.dtype.element_ty), mask=m)
 
