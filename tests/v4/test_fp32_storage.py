@@ -21,11 +21,13 @@ def _fp32_linears(model):
 
 
 def _model(bf16_values: bool, device="cpu"):
+    """init_random_ gives these linears BF16 values (what loading the BF16 checkpoint into the float32 parameters
+    gives); bf16_values=False moves them off the BF16 grid (a float32 checkpoint's values)."""
     model = init_random_(DeepseekV4Model(toy_cfg(index_topk=128), torch.float32, "exact"), 0).eval().to(device)
-    if bf16_values:  # what loading the BF16 checkpoint into the float32 parameters gives
+    if not bf16_values:
         with torch.no_grad():
             for m in _fp32_linears(model).values():
-                m.weight.copy_(m.weight.bfloat16().float())
+                m.weight.mul_(1 + 2.0**-12)
     return model
 
 
@@ -38,6 +40,14 @@ def test_bf16_exact():
     w[299, 63] += 2.0**-20 * w[299, 63].abs().clamp(min=1)  # one value off the BF16 grid, in the last chunk
     assert not bf16_exact(w) and not bf16_exact(w, rows=7)
     assert bf16_exact(torch.tensor([float("inf"), -0.0, 1.0]))
+
+
+def test_random_weights_are_bf16_values():
+    """The random model mirrors the checkpoint: its float32-compute linears hold BF16 values (head, compressors)."""
+    model = init_random_(DeepseekV4Model(toy_cfg(index_topk=128), torch.float32, "exact"), 0)
+    lin = _fp32_linears(model)
+    assert "head" in lin and all(m.weight.dtype == torch.float32 and bf16_exact(m.weight) for m in lin.values())
+    assert not bf16_exact(model.layers[0].attn.wq_a.weight)  # the others keep their float32 draws
 
 
 def test_compaction_keeps_every_logit_bitwise():
