@@ -244,6 +244,8 @@ def tile(h_count: int, d1: int, d2: int, elem: int, t_count: int, n_keys: int, n
     env = os.environ.get("ATB_CUDA_ATTN2")
     if env:
         v = [int(x) for x in env.split(",")] + [-1, 1][len(env.split(",")) - 5:]
+        if v[2] not in (1, 2):  # the score reads the own and at most one other column group (_attn2_kernel)
+            raise ValueError(f"ATB_CUDA_ATTN2={env!r}: ND (the third field, output-column groups) must be 1 or 2")
         return max(16, min(v[0], pow2(h_count, 16))), v[1], v[2], v[3], v[4], v[5], v[6]
     bd1, hp = pow2(d1, 16), pow2(h_count, 16)
     if elem > 2:  # float32 operands (tests, exact mode): tiles that fit shared memory at 4 bytes an element

@@ -452,6 +452,18 @@ def _attn_env(monkeypatch, impl, cfg):
         monkeypatch.delenv("ATB_CUDA_ATTN2", raising=False)
 
 
+def test_attention_tile_override_refuses_column_groups_beyond_two(monkeypatch):
+    """The v2 kernel's score covers its own and one other column group: ND = 4 would drop half the dot product
+    (measured on the H100: relative error 0.6, scripts/bench_results/decode_h100_session8.txt) and is refused."""
+    from atb_ops.cuda.attention_v2 import tile
+
+    monkeypatch.setenv("ATB_CUDA_ATTN2", "64,16,4,4,3,-1,2")
+    with pytest.raises(ValueError, match="ATB_CUDA_ATTN2.*ND .* must be 1 or 2"):
+        tile(64, 512, 0, 2, 32, 640, 132)
+    monkeypatch.setenv("ATB_CUDA_ATTN2", "64,16,2,4,3,-1,2")
+    assert tile(64, 512, 0, 2, 32, 640, 132) == (64, 16, 2, 4, 3, -1, 2)
+
+
 @pytest.mark.parametrize("impl,cfg", ATTN_IMPLS)
 @pytest.mark.parametrize("t,h,d,k,k2,with_sink", [(5, 3, 80, 21, 19, True), (2, 17, 48, 40, 0, True),
                                                    (3, 2, 16, 0, 7, False), (6, 5, 64, 33, 40, False),
