@@ -339,8 +339,9 @@ class LLMEngine:
         self.requests.pop(r.request_id, None)
 
     def _output(self, r: Request, delta_ids: list[int], delta_text: str) -> RequestOutput:
-        return RequestOutput(r.request_id, r.prompt, r.prompt_ids, list(r.output_ids), r.text, delta_ids, delta_text,
-                             r.finished, r.finish_reason, list(r.logprobs), r.num_cached_tokens, r.error)
+        return RequestOutput(r.request_id, r.prompt, r.prompt_ids, r.output_ids, len(r.output_ids), r.text, delta_ids,
+                             delta_text, r.finished, r.finish_reason, r.logprobs, len(r.logprobs), r.num_cached_tokens,
+                             r.error)
 
     def run_to_completion(self, on_output=None) -> None:
         while self.has_unfinished():
