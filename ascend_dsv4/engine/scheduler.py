@@ -71,12 +71,14 @@ class Scheduler:
             if budget == 0 or req not in self.running:
                 continue
             n = min(req.num_pending, budget)
-            while not self.pools.can_grow(req.seq, req.seq.num_tokens + n):
+            fits = self.pools.can_grow(req.seq, req.seq.num_tokens + n)  # asked once per state of the pools
+            while not fits:
                 victims = [r for r in self.running if r is not req and r not in [b[0] for b in batch]]
                 if not victims:
                     break
                 self._preempt(max(victims, key=lambda r: r.arrival))
-            if not self.pools.can_grow(req.seq, req.seq.num_tokens + n):
+                fits = self.pools.can_grow(req.seq, req.seq.num_tokens + n)
+            if not fits:
                 if len(self.running) == 1 and not batch:
                     # alone and still too big for the pools: it can never run
                     self.running.remove(req)
