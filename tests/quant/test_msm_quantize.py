@@ -282,8 +282,10 @@ def test_llm_runs_the_quantized_folder(model, llms, tmp_path):
 
     float32 serving dtype so that only quantisation differs. Bounds: the int and float paths of W8A8_DYNAMIC are the
     same math up to float32 rounding, but a 1e-7 difference can flip a per-token activation rounding downstream,
-    so after a whole forward rel-L2 < 3e-2 [measured 7e-4 on toy-v3, 1.5e-2 on toy-v4, whose 7 hyper-connected
-    layers amplify one flipped rounding more]; against the float model rel-L2 < 0.25 and top-1 agreement >=
+    so after a whole forward rel-L2 < 0.15 [measured 7e-4 on toy-v3; on toy-v4, whose 7 hyper-connected layers
+    amplify one flipped rounding more, it depends on the prompt: 0.079 / 0.074 / 0.003 / 0.012 / 0.004 / 0.057 for
+    prompt seeds 5-10, and with session 7's random head 0.015 / 0.014 / 0.084 / 0.000 / 0.003 / 0.000 -- the old bound
+    3e-2 held for seed 5 of that model only]; against the float model rel-L2 < 0.25 and top-1 agreement >=
     0.75 [measured 0.118 / 0.875 on toy-v3] -- this random toy model amplifies weight errors ~8x (1 % Gaussian
     noise on the quantised weights alone moves its logits by 8.5 %), so the bound only catches gross errors
     (a wrong name or layout gives rel ~ 1).
@@ -297,7 +299,7 @@ def test_llm_runs_the_quantized_folder(model, llms, tmp_path):
     y0 = base.logits(ids)
     yf = LLM(model=out, device="cpu", dtype="float32", progress=False, msmodelslim_path="float").logits(ids)
     yi = LLM(model=out, device="cpu", dtype="float32", progress=False, msmodelslim_path="int").logits(ids)
-    assert float((yi - yf).norm() / yf.norm()) < 3e-2
+    assert float((yi - yf).norm() / yf.norm()) < 0.15
     assert float((yf - y0).norm() / y0.norm()) < 0.25
     assert float((yf.argmax(-1) == y0.argmax(-1)).float().mean()) >= 0.75
 
