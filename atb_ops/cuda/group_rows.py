@@ -7,6 +7,8 @@ Flash-shaped decode step spent ~100 us per layer in them, plus one launch gap ea
 
 - :func:`stable_positions` (grid over row blocks): pos[i] = #{j : (ids[j], j) < (ids[i], i)}, the position of row
   i in the stable ascending order; order[pos[i]] = i. Equal to ``torch.argsort(ids, stable=True)``.
+  :func:`permute_rows` computes the same positions and writes all of ``moe_permute``'s results with them (the
+  grouped rows of x, their sorted expert ids, the order): one launch where the indexing took four.
 - :func:`tile_table` (one program): counts[e] = #{i : ids[i] = e}, tiles[e] = ceil(counts[e] / bm), tile_end =
   inclusive prefix sum of tiles, row_start = exclusive prefix sum of counts; tile t belongs to expert
   e(t) = #{e : tile_end[e] <= t} (searchsorted, right) and covers sorted rows [r0, r1) with
@@ -48,6 +50,48 @@ def stable_positions(ids: torch.Tensor) -> torch.Tensor:
     if m:
         _positions_kernel[(triton.cdiv(m, BI),)](ids, order, m, BI=BI, BJ=BJ)
     return order
+
+
+@triton.jit
+def _permute_kernel(ids_ptr, x_ptr, xs_ptr, e_ptr, order_ptr, M, k, d, BI: tl.constexpr, BJ: tl.constexpr,
+                    BD: tl.constexpr):
+    """moe_permute in one launch: rows i of a block get their stable position pos[i] (as _positions_kernel) and
+    write xs[pos, cols] = x[i // k, cols] for their column block (program axis 1); the first column block also
+    writes order[pos] = i and e[pos] = ids[i]."""
+    i = tl.program_id(0) * BI + tl.arange(0, BI)
+    mi = i < M
+    e_i = tl.load(ids_ptr + i, mask=mi, other=0).to(tl.int64)
+    key_i = e_i * M + i
+    pos = tl.zeros([BI], dtype=tl.int64)
+    for j0 in range(0, M, BJ):
+        j = j0 + tl.arange(0, BJ)
+        mj = j < M
+        key_j = tl.load(ids_ptr + j, mask=mj, other=0).to(tl.int64) * M + j
+        pos += tl.sum(((key_j[None, :] < key_i[:, None]) & mj[None, :]).to(tl.int64), 1)
+    if tl.program_id(1) == 0:
+        tl.store(order_ptr + pos, i.to(tl.int64), mask=mi)
+        tl.store(e_ptr + pos, e_i, mask=mi)
+    src = (i // k).to(tl.int64)
+    c = tl.program_id(1) * BD + tl.arange(0, BD)
+    m2 = mi[:, None] & (c < d)[None, :]
+    tl.store(xs_ptr + pos[:, None] * d + c[None, :], tl.load(x_ptr + src[:, None] * d + c[None, :], mask=m2), mask=m2)
+
+
+def permute_rows(x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x[order // k] [M, d], ids.flat[order] int64 [M], order int64 [M]) for x [T, d] and ids [T, k] (M = T k),
+    order = the stable ascending order of ids.flat: ``moe_permute``'s three results in one launch (meant for M up
+    to ``routing.SMALL``; the copies are those of the indexing they replace)."""
+    k = ids.shape[1]
+    flat = ids.reshape(-1).contiguous()
+    m, d = flat.numel(), x.shape[-1]
+    xs = torch.empty(m, d, dtype=x.dtype, device=x.device)
+    e = torch.empty(m, dtype=torch.int64, device=x.device)
+    order = torch.empty(m, dtype=torch.int64, device=x.device)
+    if m:
+        bi, bd = 16, min(512, triton.next_power_of_2(max(d, 1)))
+        grid = (triton.cdiv(m, bi), max(1, triton.cdiv(d, bd)))  # column block 0 also writes order and ids
+        _permute_kernel[grid](flat, x.contiguous(), xs, e, order, m, k, d, BI=bi, BJ=BJ, BD=bd)
+    return xs, e, order
 
 
 @triton.jit

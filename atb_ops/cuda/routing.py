@@ -11,8 +11,9 @@ tens of microseconds per call, several times per layer. :func:`stable_order` com
 
 Larger M falls back to the stable argsort. ``ids`` must lie in [0, n) (global expert ids of the routing).
 
-``moe_unpermute`` sums each token's rows back in one program per (token, column block), in ascending row order:
-deterministic, and the CPU reference's float32 sum order.
+``moe_permute`` up to ``SMALL`` rows is one launch (:func:`.group_rows.permute_rows`: positions, grouped rows, sorted
+ids and order written together). ``moe_unpermute`` sums each token's rows back in one program per (token, column
+block), in ascending row order: deterministic, and the CPU reference's float32 sum order.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import triton.language as tl
 
 from .._registry import register
 from ._util import INTERPRET
-from .group_rows import stable_positions
+from .group_rows import permute_rows, stable_positions
 
 SMALL = 1024  # rows up to which the [M, M] comparison (1 M booleans) is cheaper than a radix sort
 
@@ -48,21 +49,31 @@ def moe_permute(x: torch.Tensor, ids: torch.Tensor, num_experts: int):
     """Rows of ``x`` [T, d] repeated per routed expert and grouped by expert (stable): (x[order // k] [T k, d],
     sorted expert ids [T k], order [T k]); the reference op's result exactly (atb_ops/reference/routing.py)."""
     k = ids.shape[1]
+    if (x.is_cuda or INTERPRET) and 0 < ids.numel() <= SMALL and x.dim() == 2:
+        return permute_rows(x, ids)  # one launch (group_rows.py)
     flat = ids.reshape(-1).long()
     order = stable_order(flat, num_experts)
     return x[order // k], flat[order], order
 
 
 @triton.jit
-def _unpermute_kernel(y_ptr, inv_ptr, out_ptr, k, d, BK: tl.constexpr, BD: tl.constexpr):
+def _unpermute_kernel(y_ptr, inv_ptr, out_ptr, k, d, M, BK: tl.constexpr, BD: tl.constexpr, FIND: tl.constexpr,
+                      BM: tl.constexpr):
     """out[t, cols] = ((0 + y[p_0]) + y[p_1]) + ... over token t's rows p_0 < p_1 < ... (ascending, as the
-    reference's index_add_ visits them on the CPU)."""
+    reference's index_add_ visits them on the CPU). FIND: ``inv_ptr`` is the order itself (M <= BM entries) and
+    token t's positions are found in it (p with order[p] = t k + j), instead of read from its inverse."""
     t = tl.program_id(0).to(tl.int64)
     dd = tl.program_id(1) * BD + tl.arange(0, BD)
     dm = dd < d
     j = tl.arange(0, BK)
     big = 9223372036854775807
-    p = tl.load(inv_ptr + t * k + j, mask=j < k, other=big)
+    if FIND:
+        q = tl.arange(0, BM)
+        o = tl.load(inv_ptr + q, mask=q < M, other=-1)
+        hit = (o[None, :] == t * k + j[:, None]) & (j < k)[:, None]
+        p = tl.where(j < k, tl.sum(tl.where(hit, q[None, :].to(tl.int64), 0), 1), big)
+    else:
+        p = tl.load(inv_ptr + t * k + j, mask=j < k, other=big)
     acc = tl.zeros([BD], dtype=tl.float32)
     for _ in range(k):
         pm = tl.min(p, 0)
@@ -75,15 +86,19 @@ def _unpermute_kernel(y_ptr, inv_ptr, out_ptr, k, d, BK: tl.constexpr, BD: tl.co
 def moe_unpermute(y: torch.Tensor, order: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """Each token's k expert rows summed back, float32 [T, d]: the reference op's values, deterministic (each token's
     rows added in ascending row order in one program, where index_add_ on the GPU adds with float atomics in any
-    order). Three launches: the inverse permutation (arange, scatter) and the sum."""
+    order). One launch up to ``SMALL`` rows (each program finds its token's rows in the order itself), else three:
+    the inverse permutation (arange, scatter) and the sum."""
     d = y.shape[-1]
     out = torch.empty(num_tokens, d, dtype=torch.float32, device=y.device)
     if num_tokens == 0 or y.shape[0] == 0:
         return out.zero_()
     k = y.shape[0] // num_tokens
     order = order.reshape(-1).long()
-    inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    m = order.numel()
+    find = m <= SMALL  # positions found in the order itself: no inverse permutation (two launches fewer)
+    inv = order.contiguous() if find else torch.empty_like(order).scatter_(0, order, torch.arange(m, device=order.device))
     bd = min(1024, triton.next_power_of_2(d))
-    _unpermute_kernel[(num_tokens, triton.cdiv(d, bd))](y.contiguous(), inv, out, k, d,
-                                                       BK=max(2, triton.next_power_of_2(k)), BD=bd)
+    _unpermute_kernel[(num_tokens, triton.cdiv(d, bd))](y.contiguous(), inv, out, k, d, m,
+                                                       BK=max(2, triton.next_power_of_2(k)), BD=bd, FIND=find,
+                                                       BM=max(2, triton.next_power_of_2(m)) if find else 2)
     return out

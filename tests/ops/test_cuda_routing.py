@@ -26,13 +26,21 @@ def test_stable_order_is_the_stable_argsort(device, m, n):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("t,k,e", [(1, 6, 64), (32, 6, 64), (5, 2, 3), (0, 6, 8)])
-def test_moe_permute_equals_reference(device, t, k, e):
+@pytest.mark.parametrize("t,k,e,d", [(1, 6, 64, 16), (32, 6, 64, 16), (5, 2, 3, 16), (0, 6, 8, 16), (3, 1, 4, 1030),
+                                     (170, 6, 8, 24), (171, 6, 8, 24)])
+def test_moe_permute_equals_reference(device, t, k, e, d):
+    """Bitwise the reference: one launch up to SMALL rows (rows over several blocks, hot experts, d over column
+    blocks; 170 x 6 = 1020 rows), the indexing path beyond (171 x 6 > SMALL)."""
     g = torch.Generator().manual_seed(t + k + e)
-    x = torch.randn(t, 16, generator=g).to(device)
-    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]) if t else torch.zeros(0, k).long()
+    x = torch.randn(t, d, generator=g).to(device, torch.bfloat16 if d > 1000 else torch.float32)
+    if t and e < 10:  # few experts: many rows each, ties broken by row order
+        ids = torch.randint(0, e, (t, k), generator=g)
+    else:
+        ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]) if t else torch.zeros(0, k).long()
     ids = ids.to(device)
-    for a, b in zip(moe_permute(x, ids, e), ref_permute(x, ids, e)):
+    got, want = moe_permute(x, ids, e), ref_permute(x, ids, e)
+    assert [a.dtype for a in got] == [b.dtype for b in want]
+    for a, b in zip(got, want):
         assert torch.equal(a.cpu(), b.cpu())
 
 
@@ -94,10 +102,12 @@ def test_tile_table_equals_its_formula(monkeypatch, m, e, bm):
 
 
 @pytest.mark.parametrize("t,k,d,dtype", [(1, 6, 16, torch.float32), (32, 6, 4096, torch.float32),
-                                         (5, 2, 33, torch.bfloat16), (7, 1, 8, torch.float32), (0, 6, 8, torch.float32)])
+                                         (5, 2, 33, torch.bfloat16), (7, 1, 8, torch.float32), (0, 6, 8, torch.float32),
+                                         (170, 6, 8, torch.float32), (171, 6, 8, torch.float32)])
 def test_moe_unpermute_equals_reference_bitwise(t, k, d, dtype):
     """The cuda moe_unpermute (Triton's interpreter off the GPU) sums each token's rows in the reference's order:
-    bitwise its CPU result, through a real permute (ties in expert ids, tokens routed to the same experts)."""
+    bitwise its CPU result, through a real permute (ties in expert ids, tokens routed to the same experts); token
+    rows found in the order itself up to SMALL rows (170 x 6), through the inverse permutation beyond (171 x 6)."""
     from atb_ops.cuda.routing import moe_unpermute
     from atb_ops.reference.routing import moe_unpermute as ref_unpermute
 
