@@ -27,17 +27,23 @@ BJ = 64  # rows compared per step
 
 
 @triton.jit
-def _positions_kernel(ids_ptr, order_ptr, M, BI: tl.constexpr, BJ: tl.constexpr):
-    i = tl.program_id(0) * BI + tl.arange(0, BI)
-    mi = i < M
-    key_i = tl.load(ids_ptr + i, mask=mi, other=0).to(tl.int64) * M + i
+def _stable_pos(ids_ptr, i, e_i, M, BI: tl.constexpr, BJ: tl.constexpr):
+    """pos[i] = #{j : (ids[j], j) < (ids[i], i)} for the rows i [BI] (ids e_i): their stable ascending positions."""
+    key_i = e_i * M + i
     pos = tl.zeros([BI], dtype=tl.int64)
     for j0 in range(0, M, BJ):
         j = j0 + tl.arange(0, BJ)
         mj = j < M
         key_j = tl.load(ids_ptr + j, mask=mj, other=0).to(tl.int64) * M + j
-        less = (key_j[None, :] < key_i[:, None]) & mj[None, :]
-        pos += tl.sum(less.to(tl.int64), 1)
+        pos += tl.sum(((key_j[None, :] < key_i[:, None]) & mj[None, :]).to(tl.int64), 1)
+    return pos
+
+
+@triton.jit
+def _positions_kernel(ids_ptr, order_ptr, M, BI: tl.constexpr, BJ: tl.constexpr):
+    i = tl.program_id(0) * BI + tl.arange(0, BI)
+    mi = i < M
+    pos = _stable_pos(ids_ptr, i, tl.load(ids_ptr + i, mask=mi, other=0).to(tl.int64), M, BI, BJ)
     tl.store(order_ptr + pos, i.to(tl.int64), mask=mi)
 
 
@@ -61,13 +67,7 @@ def _permute_kernel(ids_ptr, x_ptr, xs_ptr, e_ptr, order_ptr, M, k, d, BI: tl.co
     i = tl.program_id(0) * BI + tl.arange(0, BI)
     mi = i < M
     e_i = tl.load(ids_ptr + i, mask=mi, other=0).to(tl.int64)
-    key_i = e_i * M + i
-    pos = tl.zeros([BI], dtype=tl.int64)
-    for j0 in range(0, M, BJ):
-        j = j0 + tl.arange(0, BJ)
-        mj = j < M
-        key_j = tl.load(ids_ptr + j, mask=mj, other=0).to(tl.int64) * M + j
-        pos += tl.sum(((key_j[None, :] < key_i[:, None]) & mj[None, :]).to(tl.int64), 1)
+    pos = _stable_pos(ids_ptr, i, e_i, M, BI, BJ)
     if tl.program_id(1) == 0:
         tl.store(order_ptr + pos, i.to(tl.int64), mask=mi)
         tl.store(e_ptr + pos, e_i, mask=mi)
