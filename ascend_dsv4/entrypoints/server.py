@@ -104,11 +104,15 @@ def run_server(llm, host: str = "127.0.0.1", port: int = 8000, api_key: str | No
                          drain=drain)
         port = sock.getsockname()[1]
         where = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        # listen before saying so: a client that connects as soon as it reads the line below waits in the backlog
+        # until uvicorn accepts, where an unlistened socket refused it (bound at startup, before the model loaded,
+        # so that connections during the load are still refused)
+        cfg = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5)
+        sock.listen(cfg.backlog)
         log.info("serving %s on %s (max_model_len %d, max_queue %d, API key %s)",
                  names if isinstance(names, str) else ", ".join(names), where, llm.max_model_len, max_queue,
                  "required" if api_key else "off")
-        server = DrainingServer(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5), drain,
-                                engine.fail_all, shutdown_timeout)
+        server = DrainingServer(cfg, drain, engine.fail_all, shutdown_timeout)
         server.run(sockets=[sock])
     finally:
         engine.shutdown()

@@ -255,3 +255,59 @@ def test_sigterm_drains():
         if p.poll() is None:
             p.kill()
         p.stderr.close()
+
+
+def test_listening_when_it_says_serving(monkeypatch):
+    """run_server listens before it logs "serving ... on URL": a client that connects the moment it reads the line
+    (before uvicorn has started, held back here) is queued, not refused (CI once saw test_sigterm_drains' first
+    connection refused on a loaded machine); the socket is only bound, not listening, before that line."""
+    import logging
+    import socket
+    import threading
+
+    import ascend_dsv4.entrypoints.server as srv
+    from ascend_dsv4 import LLM
+    from ascend_dsv4.entrypoints.serve_lifecycle import bind_socket
+
+    llm = LLM(model="toy-v4", device="cpu", dtype="float32", progress=False)
+    sock = bind_socket("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    with pytest.raises(ConnectionRefusedError):  # bound only: refused (e.g. while the model loads)
+        socket.create_connection(("127.0.0.1", port), timeout=5).close()
+    said, go, servers = threading.Event(), threading.Event(), []
+
+    class Said(logging.Handler):
+        def emit(self, record):
+            if record.getMessage().startswith("serving "):
+                said.set()
+
+    real_run = srv.DrainingServer.run
+
+    def held_run(self, *a, **k):  # uvicorn starts only once the test has connected
+        servers.append(self)
+        go.wait(30)
+        return real_run(self, *a, **k)
+
+    monkeypatch.setattr(srv.DrainingServer, "run", held_run)
+    handler, logger = Said(), logging.getLogger(srv.log.name)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    try:
+        th = threading.Thread(target=srv.run_server, args=(llm,), kwargs=dict(sock=sock, log_level="warning"),
+                              daemon=True)
+        th.start()
+        assert said.wait(60)
+        c = socket.create_connection(("127.0.0.1", port), timeout=5)  # queued in the backlog: no error
+        go.set()
+        c.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        c.settimeout(30)
+        assert c.recv(64).startswith(b"HTTP/1.1 200")
+        c.close()
+    finally:
+        go.set()
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        for s in servers:
+            s.should_exit = True
+        th.join(30)
