@@ -101,14 +101,14 @@ class RequestOutput:
     ``token_ids`` / ``logprobs`` are snapshots taken on first access: an output holds the request's own
     append-only lists and how many items it had (``out_ids`` / ``n_ids``, ``out_logprobs`` / ``n_logprobs``), so
     that an engine step does not copy every request's whole output (at batch 64 with 6,000-token outputs the copies
-    and their frees cost the engine ~1.4 ms of host time a step; most outputs, the unfinished ones of
-    ``LLM.generate``, are never read)."""
+    and their frees cost the engine ~1.5 ms of host time a step: scripts/bench_results/engine_host_cpu_session8.txt;
+    most outputs, the unfinished ones of ``LLM.generate``, are never read)."""
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     out_ids: list[int] = field(repr=False)
-    n_ids: int = field(repr=False)  # items of out_ids this output covers (-1: all)
+    n_ids: int = field(repr=False)  # items of out_ids this output covers
     text: str
     delta_token_ids: list[int]
     delta_text: str
@@ -131,7 +131,7 @@ class RequestOutput:
     def _snapshot(self, key: str, src: list, n: int) -> list:
         got = self.__dict__.get(key)
         if got is None:  # the first n items (the request only appends: they are the ones of this step)
-            got = self.__dict__[key] = src[:n] if n >= 0 else list(src)
+            got = self.__dict__[key] = src[:n]
         return got
 
     @property
