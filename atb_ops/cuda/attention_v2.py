@@ -43,7 +43,7 @@ LOG2E = 1.4426950408889634
 def _attn2_kernel(q1_ptr, q2_ptr, kv_ptr, idx_ptr, kv2_ptr, idx2_ptr, sink_ptr, out_ptr, part_ptr, ml_ptr, ctr_ptr,
                   T, H, D1, D2, K1, K2, stride_kv, stride_kv2, scale2, chunks_per_split, n_split, n_hb,
                   HAS_Q2: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_SINK: tl.constexpr, SPLIT: tl.constexpr,
-                  MERGE: tl.constexpr,
+                  MERGE: tl.constexpr, SP: tl.constexpr,
                   BH: tl.constexpr, BN: tl.constexpr, DV: tl.constexpr, ND: tl.constexpr, BD2: tl.constexpr,
                   PREC: tl.constexpr, STAGES: tl.constexpr,
                   TRIM: tl.constexpr, BK1: tl.constexpr, BK2: tl.constexpr):
@@ -150,7 +150,7 @@ def _attn2_kernel(q1_ptr, q2_ptr, kv_ptr, idx_ptr, kv2_ptr, idx2_ptr, sink_ptr, 
             cp = ctr_ptr + (t * n_hb + hb) * ND + dh
             if tl.atomic_add(cp, 1, sem="acq_rel") == n_split - 1:
                 _merge_splits(part_ptr, ml_ptr, sink_ptr, out_ptr, t, h, hm, cv, cvm, T, H, D1, n_split, HAS_SINK,
-                              BH, DV)
+                              BH, DV, SP)
                 tl.atomic_xchg(cp, 0)  # zero again for the next launch
     else:
         tl.store(out_ptr + (t * H + h[:, None]) * D1 + cv[None, :], o.to(out_ptr.dtype.element_ty),
@@ -159,32 +159,35 @@ def _attn2_kernel(q1_ptr, q2_ptr, kv_ptr, idx_ptr, kv2_ptr, idx2_ptr, sink_ptr, 
 
 @triton.jit
 def _merge_splits(part_ptr, ml_ptr, sink_ptr, out_ptr, t, h, hm, cv, cvm, T, H, D1, n_split, HAS_SINK: tl.constexpr,
-                  BH: tl.constexpr, DV: tl.constexpr):
+                  BH: tl.constexpr, DV: tl.constexpr, SP: tl.constexpr):
     """Merge the key-list splits of heads h [BH] and output columns cv [DV] of token t, whose partials are
     normalised (o_s = acc_s / l_s): out = sum_s w_s l_s o_s / (sum_s w_s l_s + 2^(sink - M)), w_s = 2^(m_s - M),
-    M = max(m_s, sink), the splits read from memory in split order (the result does not depend on which split
-    arrived last). The partials of the other programs are read past L1 (.cg): they were written by other SMs."""
+    M = max(m_s, sink); the partials are added in split order (the result does not depend on which split arrived
+    last). Every split's (m_s, l_s) comes in one load of [SP >= n_split, BH] (was a loop of n_split dependent
+    round trips before the partials' loop). The partials stay a loop, one [BH, DV] tile live at a time: this code
+    is inlined into the attention kernel, whose register allocation it must not raise (unrolled over the splits it
+    spilled: 18 -> 48 us a layer at batch 8, scripts/bench_results/decode_h100_session9.txt). The partials of the
+    other programs are read past L1 (.cg): they were written by other SMs."""
+    sp = tl.arange(0, SP)
+    off = (sp[:, None] * T + t) * H + h[None, :]  # [SP, BH]
+    msk = (sp < n_split)[:, None] & hm[None, :]
+    m_s = tl.load(ml_ptr + off * 2, mask=msk, other=-1.0e30, cache_modifier=".cg")
+    l_s = tl.load(ml_ptr + off * 2 + 1, mask=msk, other=0.0, cache_modifier=".cg")
+    mx = tl.max(m_s, 0)
     if HAS_SINK:
         sink2 = tl.load(sink_ptr + h, mask=hm, other=0.0).to(tl.float32) * 1.4426950408889634
-        mx = sink2
-    else:
-        mx = tl.full((BH,), -1.0e30, tl.float32)
-    for s in range(0, n_split):
-        off = (s * T + t) * H + h
-        mx = tl.maximum(mx, tl.load(ml_ptr + off * 2, mask=hm, other=-1.0e30, cache_modifier=".cg"))
-    den = tl.zeros((BH,), tl.float32)
+        mx = tl.maximum(mx, sink2)
+    w = tl.exp2(m_s - mx[None, :]) * l_s  # [SP, BH]; 0 for the absent splits
+    den = tl.sum(w, 0)
     if HAS_SINK:
-        den = tl.exp2(sink2 - mx)
+        den += tl.exp2(sink2 - mx)
     acc = tl.zeros((BH, DV), tl.float32)
     for s in range(0, n_split):
-        off = (s * T + t) * H + h
-        m_s = tl.load(ml_ptr + off * 2, mask=hm, other=-1.0e30, cache_modifier=".cg")
-        l_s = tl.load(ml_ptr + off * 2 + 1, mask=hm, other=0.0, cache_modifier=".cg")
-        w = tl.exp2(m_s - mx) * l_s
-        den += w
-        o_s = tl.load(part_ptr + off[:, None] * D1 + cv[None, :], mask=hm[:, None] & cvm[None, :], other=0.0,
+        w_j = tl.sum(tl.where(sp[:, None] == s, w, 0.0), 0)  # row s of w, from registers
+        row = (s * T + t) * H + h
+        o_s = tl.load(part_ptr + row[:, None] * D1 + cv[None, :], mask=hm[:, None] & cvm[None, :], other=0.0,
                       cache_modifier=".cg")
-        acc += o_s.to(tl.float32) * w[:, None]
+        acc += o_s.to(tl.float32) * w_j[:, None]
     o = acc / tl.where(den > 0, den, 1.0)[:, None]
     tl.store(out_ptr + (t * H + h[:, None]) * D1 + cv[None, :], o.to(out_ptr.dtype.element_ty),
              mask=hm[:, None] & cvm[None, :])
@@ -192,7 +195,7 @@ def _merge_splits(part_ptr, ml_ptr, sink_ptr, out_ptr, t, h, hm, cv, cvm, T, H, 
 
 @triton.jit
 def _merge_splits_kernel(part_ptr, ml_ptr, sink_ptr, out_ptr, T, H, D1, n_split, n_hb, HAS_SINK: tl.constexpr,
-                         BH: tl.constexpr, DV: tl.constexpr, ND: tl.constexpr):
+                         BH: tl.constexpr, DV: tl.constexpr, ND: tl.constexpr, SP: tl.constexpr):
     """:func:`_merge_splits` as a launch of its own (``ATB_CUDA_ATTN_MERGE=launch``), one program per (token, head
     block, column group) of the attention launch, in the same program-id order."""
     pid = tl.program_id(0)
@@ -203,7 +206,7 @@ def _merge_splits_kernel(part_ptr, ml_ptr, sink_ptr, out_ptr, T, H, D1, n_split,
     h = hb * BH + tl.arange(0, BH)
     cv = dh * DV + tl.arange(0, DV)
     _merge_splits(part_ptr, ml_ptr, sink_ptr, out_ptr, t, h, h < H, cv, cv < D1, T, H, D1, n_split, HAS_SINK,
-                  BH, DV)
+                  BH, DV, SP)
 
 
 @triton.jit
@@ -319,7 +322,7 @@ def run(q1, q2, kv, idx, kv2, idx2, sink, scale, out_dtype):
     args = (q1c, q2c, kvc, idxc, kv2c, idx2c, sinkc, out, part, ml, ctr if merge else ml, t_count, h_count, d1, d2,
             k1, k2, kvc.stride(0), kv2c.stride(0), float(scale) * LOG2E, cps, n_split, n_hb)
     meta = dict(HAS_Q2=q2 is not None, HAS_EXTRA=has_extra, HAS_SINK=sink is not None, SPLIT=split, MERGE=merge,
-                BH=bh, BN=bn,
+                SP=pow2(n_split), BH=bh, BN=bn,
                 DV=dv, ND=nd, BD2=pow2(d2, 16), PREC=dot_precision(kv.dtype, q1.dtype), TRIM=trim,
                 BK1=pow2(k1, 16), BK2=pow2(k2, 16), num_warps=warps)
     key = (str(q1.dtype), str(kv.dtype), stages, tuple(meta.items()))
@@ -333,5 +336,6 @@ def run(q1, q2, kv, idx, kv2, idx2, sink, scale, out_dtype):
                 raise
     if split and not merge:
         _merge_splits_kernel[(programs,)](part, ml, sinkc, out, t_count, h_count, d1, n_split, n_hb,
-                                          HAS_SINK=sink is not None, BH=bh, DV=dv, ND=nd, num_warps=warps)
+                                          HAS_SINK=sink is not None, BH=bh, DV=dv, ND=nd, SP=pow2(n_split),
+                                          num_warps=warps)
     return out
