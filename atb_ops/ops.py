@@ -348,10 +348,15 @@ def moe_permute(x: torch.Tensor, ids: torch.Tensor,
     return resolve("moe_permute", x)(x, ids, num_experts)
 
 
-def moe_unpermute(y: torch.Tensor, order: torch.Tensor, num_tokens: int) -> torch.Tensor:
+def moe_unpermute(y: torch.Tensor, order: torch.Tensor, num_tokens: int, skip: torch.Tensor | None = None,
+                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Sum the expert rows back per token: ``out[order[i] // k] += y[i]`` with ``k = len(order) / num_tokens``
-    (the inverse of :func:`moe_permute`'s grouping; routing weights are applied by the caller).
+    (the inverse of :func:`moe_permute`'s grouping; routing weights are applied by the caller), then
+    ``out += skip`` (float32, after the rows: the official MoE's ``routed + shared`` order) and one rounding to
+    ``out_dtype``. ``skip`` is the shared expert's output, as ``npu_moe_finalize_routing``'s ``skip1``: the MoE's
+    sum and its rounding in this op instead of two more kernels.
 
-    y: [T * k, d] float; order: int64 [T * k] from :func:`moe_permute`. Returns float32 [num_tokens, d].
+    y: [T * k, d] float; order: int64 [T * k] from :func:`moe_permute`; skip: [num_tokens, d] float or None.
+    Returns [num_tokens, d] in ``out_dtype`` (default float32).
     """
-    return resolve("moe_unpermute", y)(y, order, num_tokens)
+    return resolve("moe_unpermute", y)(y, order, num_tokens, skip, out_dtype)

@@ -129,16 +129,28 @@ class Experts(nn.Module):
             h = atb_ops.fp8_act_round(h, 128)
         return atb_ops.grouped_matmul(h, self.w2, e, self.w2_scale, self.fmt)
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    @property
+    def sums_here(self) -> bool:
+        """Whether forward sums each token's rows itself (all experts on this rank: ``moe_unpermute``), so that it
+        can add ``skip`` to the sum and round it (:func:`moe_output`)."""
+        return self.ep.size == 1
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, skip: torch.Tensor | None = None,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x [T, d]; weights, ids [T, k] (global expert ids) -> sum_j weights[t, j] * expert_{ids[t, j]}(x_t),
-        float32 [T, d] (partial over ``tp`` / over ``ep`` with 'allreduce'; see the class docstring)."""
+        float32 [T, d] (partial over ``tp`` / over ``ep`` with 'allreduce'; see the class docstring). Where
+        :attr:`sums_here`: ``+ skip`` [T, d] (added after the rows) in ``out_dtype``, inside ``moe_unpermute``."""
+        if skip is not None or out_dtype is not None:
+            if not self.sums_here:
+                raise ValueError("Experts.forward: skip / out_dtype need the rows summed here (expert parallel "
+                                 "size 1); add the shared output after the reduction (moe_output does)")
         if self.ep.size > 1 and self.ep_comm == "alltoall":
             return self._forward_alltoall(x, weights, ids)
         T, k = ids.shape
         if self.ep.size == 1:  # all experts here: permute / unpermute as ops (npu_moe_init_routing_v2 / finalize)
             xs, e, order = atb_ops.moe_permute(x, ids, self.w1.shape[0])
             y = self._rows(xs, e, weights.reshape(-1)[order], x.dtype)
-            return atb_ops.moe_unpermute(y, order, T)
+            return atb_ops.moe_unpermute(y, order, T, skip, out_dtype)
         flat_ids = ids.reshape(-1)
         flat_w = weights.reshape(-1)
         if self.ep.size > 1:  # only the pairs routed to this rank's experts
@@ -205,6 +217,22 @@ def dummy_moe_step(model: nn.Module) -> int:
                                                                                       device=dev))
                 n += 1
     return n
+
+
+def moe_output(experts: nn.Module, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+               shared: torch.Tensor | None, tp: Group, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The MoE's output: ``experts(x, weights, ids)`` + the shared expert's ``shared`` (float [T, d] or None),
+    reduced over ``tp`` where partial, in ``out_dtype`` (default float32): the float32 sum rounded once. Where the
+    experts sum their rows here (:attr:`Experts.sums_here`) ``shared`` joins that sum as ``moe_unpermute``'s
+    ``skip`` (as ``npu_moe_finalize_routing``'s ``skip1`` in the DeepSeek-V4 NPU recipe) and, without an all-reduce,
+    is rounded there: the sum, the add and the rounding in one kernel (the add was a launch of its own). Else
+    :func:`reduce_moe`."""
+    if shared is not None and getattr(experts, "sums_here", False):
+        if tp.size == 1:
+            return experts(x, weights, ids, skip=shared, out_dtype=out_dtype)
+        y = all_reduce(experts(x, weights, ids, skip=shared), tp)
+        return y if out_dtype is None else y.to(out_dtype)
+    return reduce_moe(experts(x, weights, ids), shared, experts, tp, out_dtype)
 
 
 def reduce_moe(routed: torch.Tensor, shared: torch.Tensor | None, experts: Experts, tp: Group,

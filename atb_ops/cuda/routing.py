@@ -57,10 +57,10 @@ def moe_permute(x: torch.Tensor, ids: torch.Tensor, num_experts: int):
 
 
 @triton.jit
-def _unpermute_kernel(y_ptr, inv_ptr, out_ptr, k, d, M, BK: tl.constexpr, BD: tl.constexpr, FIND: tl.constexpr,
-                      BM: tl.constexpr):
+def _unpermute_kernel(y_ptr, inv_ptr, skip_ptr, out_ptr, k, d, M, BK: tl.constexpr, BD: tl.constexpr,
+                      FIND: tl.constexpr, BM: tl.constexpr, SKIP: tl.constexpr):
     """out[t, cols] = ((0 + y[p_0]) + y[p_1]) + ... over token t's rows p_0 < p_1 < ... (ascending, as the
-    reference's index_add_ visits them on the CPU). FIND: ``inv_ptr`` is the order itself (M <= BM entries) and
+    reference's index_add_ visits them on the CPU), + skip[t, cols] (SKIP), rounded once to out's dtype. FIND: ``inv_ptr`` is the order itself (M <= BM entries) and
     token t's positions are found in it (p with order[p] = t k + j), instead of read from its inverse."""
     t = tl.program_id(0).to(tl.int64)
     dd = tl.program_id(1) * BD + tl.arange(0, BD)
@@ -79,26 +79,32 @@ def _unpermute_kernel(y_ptr, inv_ptr, out_ptr, k, d, M, BK: tl.constexpr, BD: tl
         pm = tl.min(p, 0)
         acc += tl.load(y_ptr + pm * d + dd, mask=dm, other=0.0).to(tl.float32)
         p = tl.where(p == pm, big, p)
-    tl.store(out_ptr + t * d + dd, acc, mask=dm)
+    if SKIP:
+        acc += tl.load(skip_ptr + t * d + dd, mask=dm, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * d + dd, acc.to(out_ptr.dtype.element_ty), mask=dm)
 
 
 @register("moe_unpermute", "cuda")
-def moe_unpermute(y: torch.Tensor, order: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """Each token's k expert rows summed back, float32 [T, d]: the reference op's values, deterministic (each token's
-    rows added in ascending row order in one program, where index_add_ on the GPU adds with float atomics in any
-    order). One launch up to ``SMALL`` rows (each program finds its token's rows in the order itself), else three:
-    the inverse permutation (arange, scatter) and the sum."""
+def moe_unpermute(y: torch.Tensor, order: torch.Tensor, num_tokens: int, skip: torch.Tensor | None = None,
+                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Each token's k expert rows summed back (+ skip), [T, d] in out_dtype (float32 by default): the reference op's
+    values, deterministic (each token's rows added in ascending row order in one program, where index_add_ on the
+    GPU adds with float atomics in any order; skip after them, one rounding). One launch up to ``SMALL`` rows (each
+    program finds its token's rows in the order itself), else three: the inverse permutation (arange, scatter)
+    and the sum."""
     d = y.shape[-1]
-    out = torch.empty(num_tokens, d, dtype=torch.float32, device=y.device)
+    out = torch.empty(num_tokens, d, dtype=out_dtype or torch.float32, device=y.device)
     if num_tokens == 0 or y.shape[0] == 0:
-        return out.zero_()
+        return out.zero_() if skip is None else out.copy_(skip.float())
     k = y.shape[0] // num_tokens
     order = order.reshape(-1).long()
     m = order.numel()
     find = m <= SMALL  # positions found in the order itself: no inverse permutation (two launches fewer)
     inv = order.contiguous() if find else torch.empty_like(order).scatter_(0, order, torch.arange(m, device=order.device))
     bd = min(1024, triton.next_power_of_2(d))
-    _unpermute_kernel[(num_tokens, triton.cdiv(d, bd))](y.contiguous(), inv, out, k, d, m,
+    skc = skip.contiguous() if skip is not None else out
+    _unpermute_kernel[(num_tokens, triton.cdiv(d, bd))](y.contiguous(), inv, skc, out, k, d, m,
                                                        BK=max(2, triton.next_power_of_2(k)), BD=bd, FIND=find,
-                                                       BM=max(2, triton.next_power_of_2(m)) if find else 2)
+                                                       BM=max(2, triton.next_power_of_2(m)) if find else 2,
+                                                       SKIP=skip is not None)
     return out

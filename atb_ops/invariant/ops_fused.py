@@ -12,7 +12,7 @@ import torch
 
 from .._registry import register
 from ..reference.kv_quant import kv_quant as _kv_quant_ref
-from ..reference.routing import moe_permute as _moe_permute_ref
+from ..reference.routing import finish_unpermute, moe_permute as _moe_permute_ref
 from .ops import mla_decode, rms_norm, seq_sum
 
 register("kv_quant", "reference", batch_invariant=True)(_kv_quant_ref)
@@ -31,12 +31,12 @@ def mla_decode_split(q_nope_absorbed, q_pe, c_kv, k_pe, idx, scale):
 
 
 @register("moe_unpermute", "reference", batch_invariant=True)
-def moe_unpermute(y, order, num_tokens):
+def moe_unpermute(y, order, num_tokens, skip=None, out_dtype=None):
     n = order.numel()
     if num_tokens == 0 or n == 0:
-        return y.new_zeros(num_tokens, y.shape[-1], dtype=torch.float32)
+        return finish_unpermute(y.new_zeros(num_tokens, y.shape[-1], dtype=torch.float32), skip, out_dtype)
     k = n // num_tokens
     inv = torch.empty_like(order)
     inv[order] = torch.arange(n, device=order.device)
     per_token = y.float()[inv].view(num_tokens, k, y.shape[-1])  # row t * k + j = token t, slot j
-    return seq_sum(per_token, 1)
+    return finish_unpermute(seq_sum(per_token, 1), skip, out_dtype)

@@ -16,9 +16,16 @@ def moe_permute(x: torch.Tensor, ids: torch.Tensor, num_experts: int) -> tuple[t
 
 
 @register("moe_unpermute", "reference")
-def moe_unpermute(y: torch.Tensor, order: torch.Tensor, num_tokens: int) -> torch.Tensor:
+def moe_unpermute(y: torch.Tensor, order: torch.Tensor, num_tokens: int, skip: torch.Tensor | None = None,
+                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
     out = torch.zeros(num_tokens, y.shape[-1], dtype=torch.float32, device=y.device)
-    if num_tokens == 0 or y.shape[0] == 0:
-        return out
-    k = y.shape[0] // num_tokens
-    return out.index_add_(0, order // k, y.float())
+    if num_tokens and y.shape[0]:
+        out.index_add_(0, order // (y.shape[0] // num_tokens), y.float())
+    return finish_unpermute(out, skip, out_dtype)
+
+
+def finish_unpermute(out: torch.Tensor, skip: torch.Tensor | None, out_dtype: torch.dtype | None) -> torch.Tensor:
+    """``moe_unpermute``'s tail: + skip (float32, after the rows), one rounding to ``out_dtype``."""
+    if skip is not None:
+        out = out + skip.float()
+    return out if out_dtype is None else out.to(out_dtype)

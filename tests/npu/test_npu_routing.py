@@ -88,5 +88,10 @@ def test_moe_permute_unpermute_on_npu(emu, checker, t, k, e):
     want = _registry["reference"]["moe_unpermute"](y, worder, t)
     assert out.shape == want.shape == (t, 12) and out.dtype == torch.float32
     assert torch.allclose(out, want, atol=1e-5)
+    skip = torch.randn(t, 12, generator=g).bfloat16()  # the shared expert's output as finalize_routing's skip1
+    with atb_ops.use_backend("npu"):
+        out = atb_ops.moe_unpermute(y, order, t, skip, torch.bfloat16)
+    want = _registry["reference"]["moe_unpermute"](y, worder, t, skip, torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and torch.allclose(out.float(), want.float(), atol=1e-2, rtol=1e-2)
     if t:
         assert checker.ops["npu_moe_init_routing_v2"].checked and checker.ops["npu_moe_finalize_routing"].checked

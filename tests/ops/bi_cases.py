@@ -136,8 +136,15 @@ def cases(device: str = "cpu", seed: int = 0, T: int = 37):
         xs, _ids, order = atb_ops.moe_permute(_pick(x256, s), _pick(rids, s), 8)
         return atb_ops.moe_unpermute(xs.float() * 1.5, order, len(s))
 
+    skip = r(T, 256, dtype=bf)
+
+    def unpermute_skip(s):  # + the shared expert's output, rounded once
+        xs, _ids, order = atb_ops.moe_permute(_pick(x256, s), _pick(rids, s), 8)
+        return atb_ops.moe_unpermute(xs.float() * 1.5, order, len(s), _pick(skip, s), bf)
+
     out.append(("moe_permute_roundtrip", permute_roundtrip))
     out.append(("moe_unpermute", permute_roundtrip))
+    out.append(("moe_unpermute skip", unpermute_skip))
     return out, T
 
 

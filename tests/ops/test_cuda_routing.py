@@ -122,3 +122,11 @@ def test_moe_unpermute_equals_reference_bitwise(t, k, d, dtype):
     want = ref_unpermute(y, order, t)
     assert got.dtype == torch.float32 and got.shape == (t, d)
     assert torch.equal(got.cpu(), want)
+    skip = (torch.randn(t, d, generator=g) * 100).to(torch.bfloat16)  # the shared expert's output: + after the rows
+    want = ref_unpermute(y, order, t, skip)
+    assert torch.equal(moe_unpermute(y.to(dev), order.to(dev), t, skip.to(dev)).cpu(), want)
+    got = moe_unpermute(y.to(dev), order.to(dev), t, skip.to(dev), torch.bfloat16).cpu()
+    if dev == "cuda":  # rounded to nearest even, as torch's .to(bfloat16)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, ref_unpermute(y, order, t, skip, torch.bfloat16))
+    else:  # Triton's interpreter rounds float32 -> bfloat16 toward zero (checked: -122.26 -> -122, torch: -122.5)
+        assert torch.equal(got, (want.view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16))

@@ -267,3 +267,20 @@ def test_moe_permute_groups_rows_and_unpermute_sums_them():
     assert torch.equal(xs, x[order // k])
     assert torch.allclose(atb_ops.moe_unpermute(xs, order, t), x * k)  # every token's k copies summed back
     assert atb_ops.moe_unpermute(xs[:0], order[:0], 0).shape == (0, 4)
+
+
+def test_moe_unpermute_adds_skip_after_the_rows_and_rounds_once():
+    """skip (the shared expert's output) joins the float32 sum after the rows, then one rounding to out_dtype:
+    bitwise (sum + float(skip)).to(dtype), the two-kernel form it replaces; a token routed nowhere still gets skip."""
+    g = torch.Generator().manual_seed(6)
+    t, k, e = 5, 2, 4
+    x = torch.randn(t, 8, generator=g)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    _, _, order = atb_ops.moe_permute(x, ids, e)
+    y = torch.randn(t * k, 8, generator=g) * 3
+    skip = (torch.randn(t, 8, generator=g) * 3).to(torch.bfloat16)
+    plain = atb_ops.moe_unpermute(y, order, t)
+    got = atb_ops.moe_unpermute(y, order, t, skip, torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, (plain + skip.float()).to(torch.bfloat16))
+    assert torch.equal(atb_ops.moe_unpermute(y, order, t, skip), plain + skip.float())
+    assert torch.equal(atb_ops.moe_unpermute(y[:0], order[:0], t, skip, torch.bfloat16), skip)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import atb_ops
 from ascend_dsv4.engine.model_runner import ModelRunner
 from ascend_dsv4.models.deepseek_v4.model import DeepseekV4Model
 from ascend_dsv4.weights.random_init import init_random_
@@ -239,3 +240,30 @@ def test_reduce_moe_one_launch_is_the_float32_sum_rounded_once():
     assert got.dtype == torch.bfloat16 and torch.equal(got, want)
     assert torch.equal(reduce_moe(routed, shared, ex, Group()), routed + shared.float())
     assert torch.equal(reduce_moe(routed, None, ex, Group(), torch.bfloat16), routed.to(torch.bfloat16))
+
+
+def test_moe_output_adds_the_shared_expert_inside_the_unpermute():
+    """moe_output on one rank passes the shared output to moe_unpermute (skip, out_dtype): bitwise the routed sum
+    + float(shared) rounded once, as reduce_moe computes it from the separate routed output; Experts refuses skip
+    where it does not sum the rows itself (expert parallel)."""
+    from ascend_dsv4.layers.experts import moe_output, reduce_moe
+    from parallel.groups import Group
+
+    ex = _experts("dense")
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(6, 256, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(5, generator=g)[:2] for _ in range(6)])
+    w = torch.rand(6, 2, generator=g)
+    shared = (torch.randn(6, 256, generator=g)).to(torch.bfloat16)
+    calls = []
+    real = atb_ops.moe_unpermute
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(atb_ops, "moe_unpermute", lambda *a: (calls.append(a[3:]), real(*a))[1])
+        got = moe_output(ex, x, w, ids, shared, Group(), torch.bfloat16)
+    assert len(calls) == 1 and calls[0][0] is shared and calls[0][1] == torch.bfloat16
+    want = reduce_moe(ex(x, w, ids), shared, ex, Group(), torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    assert torch.equal(moe_output(ex, x, w, ids, None, Group(), torch.bfloat16), ex(x, w, ids).to(torch.bfloat16))
+    ex.ep = Group(rank=0, size=2)
+    with pytest.raises(ValueError, match="skip / out_dtype"):
+        ex(x, w, ids, skip=shared)

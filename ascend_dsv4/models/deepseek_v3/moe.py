@@ -11,7 +11,7 @@ from parallel.groups import Group
 from parallel.layers import ColumnParallelLinear, RowParallelLinear
 from parallel.linear import stacked_linear
 
-from ...layers.experts import reduce_moe, routed_experts
+from ...layers.experts import moe_output, routed_experts
 from ...layers.norm import fp32_param
 
 
@@ -63,6 +63,5 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        y = self.experts(x, weights, ids)
         shared = self.shared_experts(x) if self.shared_experts is not None else None
-        return reduce_moe(y, shared, self.experts, self.tp, x.dtype)
+        return moe_output(self.experts, x, weights, ids, shared, self.tp, x.dtype)
