@@ -16,4 +16,4 @@ except ImportError:  # no triton: the backend registers nothing and every op fal
     triton = None
 
 if triton is not None:
-    from . import attention, compressor, gate, gemm, hc, indexer, norm_rope, quant, routing  # noqa: F401
+    from . import attention, compressor, gate, gemm, group_linear, hc, indexer, norm_rope, quant, routing  # noqa: F401

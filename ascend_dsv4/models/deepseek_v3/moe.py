@@ -32,7 +32,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g, u = stacked_linear((self.gate_proj, self.up_proj), x)
-        return self.down_proj(atb_ops.swiglu(g, u, 0.0).to(x.dtype))
+        return self.down_proj(atb_ops.swiglu(g, u, 0.0, out_dtype=x.dtype))  # rounded in the kernel
 
 
 class Gate(nn.Module):

@@ -58,7 +58,7 @@ class SharedExpert(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h1, h3 = stacked_linear((self.w1, self.w3), x)
-        return self.w2(atb_ops.swiglu(h1, h3, self.limit).to(x.dtype))
+        return self.w2(atb_ops.swiglu(h1, h3, self.limit, out_dtype=x.dtype))  # rounded in the kernel
 
 
 class MoE(nn.Module):
