@@ -17,9 +17,10 @@ denominator, float32 accumulation, P rounded to the value dtype for P.V). What d
 - split-K (flash-decoding) partials are normalised per split (o_s = acc_s / l_s) and stored in the output
   dtype with float32 (m_s, l_s); the combine re-weights them: o = sum_s 2^(m_s - M) l_s o_s /
   (sum_s 2^(m_s - M) l_s + 2^(sink - M)). For bf16 outputs this rounds o_s once more to bf16 (relative
-  2^-9, the size of the final output rounding) and halves the partial traffic of float32 partials. The split
-  that finishes last at its (token, head block, column group) merges them (an arrival counter, zero between
-  launches: :func:`_merge_splits`), instead of a second launch (``ATB_CUDA_ATTN_MERGE=launch``).
+  2^-9, the size of the final output rounding) and halves the partial traffic of float32 partials. A second
+  launch merges them (:func:`_merge_splits_kernel`), or, with ``ATB_CUDA_ATTN_MERGE=kernel``, the split that
+  finishes last at its (token, head block, column group) (an arrival counter, zero between launches); see
+  :func:`merge_in_kernel` for which measured faster when.
 
 Shapes: q1 [T, H, D1], q2 [T, H, D2] (V3's rope part, scores only), kv [P, >= D1 + D2] (K = V = row[:D1]),
 idx [T, K1] int (-1 = absent, never read), kv2 [P2, ...] / idx2 [T, K2], sink [H] float32 -> out [T, H, D1].
@@ -267,9 +268,14 @@ _STAGES: dict = {}  # launch configuration -> the pipeline depth that fit
 def merge_in_kernel() -> bool:
     """Whether key-list splits are merged by the split that finishes last (an arrival counter per token, head
     block and column group; ``ATB_CUDA_ATTN_MERGE=kernel``) or by a separate launch of the same merge
-    (:func:`_merge_splits_kernel`, ``=launch``). Default ``kernel``: the Flash decode step at batch 32 spent 11-12 us a layer in that
-    launch (scripts/bench_results/decode_h100_session5.txt)."""
-    v = os.environ.get("ATB_CUDA_ATTN_MERGE", "kernel")
+    (:func:`_merge_splits_kernel`, ``=launch``). Default ``launch``: session 5 chose ``kernel`` when the merge read
+    each split's (m, l) in a loop of dependent loads (the launch then cost 11-12 us a layer at batch 32,
+    scripts/bench_results/decode_h100_session5.txt); with those in one load (session 9) the launch is the faster:
+    the H100 FP8 step's graph replay at batch 8 / 32, alternated twice in one call, 1.68-1.69 / 2.11 ms against
+    1.70 / 2.13 ms, the op alone at T = 8 / 32 19.3 / 26.7 us against 20.0 / 28.5 us
+    (scripts/bench_results/decode_h100_session9.txt); the in-kernel merge also lengthens the attention kernel's
+    own tail and register allocation."""
+    v = os.environ.get("ATB_CUDA_ATTN_MERGE", "launch")
     if v not in ("kernel", "launch"):
         raise ValueError(f"ATB_CUDA_ATTN_MERGE={v!r}: expected kernel or launch")
     return v == "kernel"
