@@ -56,7 +56,9 @@ def all_to_all(x: torch.Tensor, send_counts: list[int], recv_counts: list[int], 
 
 
 def exchange_counts(send_counts: torch.Tensor, g: Group) -> torch.Tensor:
-    """int64 [size] rows this rank sends to each rank -> int64 [size] rows it receives from each rank."""
+    """int64 [size] rows this rank sends to each rank -> int64 [size] rows it receives from each rank. The counts
+    must live where the backend communicates (the data's device for NCCL / HCCL, which refuse CPU tensors: an
+    expert-parallel all-to-all over NCCL failed on CPU counts, found on 2 H200s in session 9)."""
     if g.size == 1:
         return send_counts
     recv = torch.empty_like(send_counts)

@@ -175,7 +175,7 @@ class Experts(nn.Module):
         dest = flat_ids // E
         order = torch.argsort(flat_ids, stable=True)  # by expert, hence by destination rank
         send_counts = torch.bincount(dest, minlength=g.size)
-        recv_counts = exchange_counts(send_counts.cpu(), g)
+        recv_counts = exchange_counts(send_counts, g)  # on the data's device: NCCL / HCCL take no CPU tensors
         sc, rc = send_counts.tolist(), recv_counts.tolist()
         tok = order // k
         r_x = all_to_all(x[lo:hi][tok], sc, rc, g)
