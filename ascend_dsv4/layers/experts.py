@@ -140,10 +140,9 @@ class Experts(nn.Module):
         """x [T, d]; weights, ids [T, k] (global expert ids) -> sum_j weights[t, j] * expert_{ids[t, j]}(x_t),
         float32 [T, d] (partial over ``tp`` / over ``ep`` with 'allreduce'; see the class docstring). Where
         :attr:`sums_here`: ``+ skip`` [T, d] (added after the rows) in ``out_dtype``, inside ``moe_unpermute``."""
-        if skip is not None or out_dtype is not None:
-            if not self.sums_here:
-                raise ValueError("Experts.forward: skip / out_dtype need the rows summed here (expert parallel "
-                                 "size 1); add the shared output after the reduction (moe_output does)")
+        if (skip is not None or out_dtype is not None) and not self.sums_here:
+            raise ValueError("Experts.forward: skip / out_dtype need the rows summed here (expert parallel "
+                             "size 1); add the shared output after the reduction (moe_output does)")
         if self.ep.size > 1 and self.ep_comm == "alltoall":
             return self._forward_alltoall(x, weights, ids)
         T, k = ids.shape
@@ -230,8 +229,7 @@ def moe_output(experts: nn.Module, x: torch.Tensor, weights: torch.Tensor, ids: 
     if shared is not None and getattr(experts, "sums_here", False):
         if tp.size == 1:
             return experts(x, weights, ids, skip=shared, out_dtype=out_dtype)
-        y = all_reduce(experts(x, weights, ids, skip=shared), tp)
-        return y if out_dtype is None else y.to(out_dtype)
+        return reduce_moe(experts(x, weights, ids, skip=shared), None, experts, tp, out_dtype)  # all-reduce, round
     return reduce_moe(experts(x, weights, ids), shared, experts, tp, out_dtype)
 
 

@@ -126,15 +126,14 @@ def moe_unpermute(y, order, num_tokens: int, skip=None, out_dtype=None):
     ``t * k + j``; the shared expert's output as ``skip1``, as the DeepSeek-V4 recipe passes it), ``src2dst`` the
     inverse of ``order`` (scattered on the device); float32 rows and skip in, float32 out, then ``out_dtype``.
     The op's documented formula adds skip1 before the rows (the reference: after): float32 rounding order only."""
-    d = y.shape[-1]
     if num_tokens == 0 or y.shape[0] == 0:
-        out = torch.zeros(num_tokens, d, dtype=torch.float32, device=y.device)
+        out = torch.zeros(num_tokens, y.shape[-1], dtype=torch.float32, device=y.device)
         out = out if skip is None else out + skip.float()
-        return out if out_dtype is None else out.to(out_dtype)
-    k = y.shape[0] // num_tokens
-    src2dst = torch.empty_like(order, dtype=torch.int32)
-    src2dst[order] = torch.arange(order.numel(), dtype=torch.int32, device=order.device)
-    ones = torch.ones(num_tokens, k, dtype=torch.float32, device=y.device)
-    out = torch_npu().npu_moe_finalize_routing(y.float(), None if skip is None else skip.float(), None, None, ones,
-                                               src2dst, None, drop_pad_mode=2)
+    else:
+        k = y.shape[0] // num_tokens
+        src2dst = torch.empty_like(order, dtype=torch.int32)
+        src2dst[order] = torch.arange(order.numel(), dtype=torch.int32, device=order.device)
+        ones = torch.ones(num_tokens, k, dtype=torch.float32, device=y.device)
+        out = torch_npu().npu_moe_finalize_routing(y.float(), None if skip is None else skip.float(), None, None,
+                                                   ones, src2dst, None, drop_pad_mode=2)
     return out if out_dtype is None else out.to(out_dtype)
