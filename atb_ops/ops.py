@@ -359,4 +359,7 @@ def moe_unpermute(y: torch.Tensor, order: torch.Tensor, num_tokens: int, skip: t
     y: [T * k, d] float; order: int64 [T * k] from :func:`moe_permute`; skip: [num_tokens, d] float or None.
     Returns [num_tokens, d] in ``out_dtype`` (default float32).
     """
+    if skip is not None and tuple(skip.shape) != (num_tokens, y.shape[-1]):
+        raise ValueError(f"moe_unpermute: skip {tuple(skip.shape)} must be [num_tokens, d] = "
+                         f"{(num_tokens, y.shape[-1])} (one row per token, the rows' width)")
     return resolve("moe_unpermute", y)(y, order, num_tokens, skip, out_dtype)

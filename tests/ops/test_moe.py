@@ -284,3 +284,5 @@ def test_moe_unpermute_adds_skip_after_the_rows_and_rounds_once():
     assert got.dtype == torch.bfloat16 and torch.equal(got, (plain + skip.float()).to(torch.bfloat16))
     assert torch.equal(atb_ops.moe_unpermute(y, order, t, skip), plain + skip.float())
     assert torch.equal(atb_ops.moe_unpermute(y[:0], order[:0], t, skip, torch.bfloat16), skip)
+    with pytest.raises(ValueError, match=r"moe_unpermute: skip \(5, 7\) must be \[num_tokens, d\] = \(5, 8\)"):
+        atb_ops.moe_unpermute(y, order, t, skip[:, :7])
