@@ -5,6 +5,15 @@ Per collapse: the split-K skinny matmul (:mod:`._skinny`) gives the per-split pa
 sum(flat(x)^2) (float32 products, as the reference's float32 matmul); ``_split_kernel`` adds the splits up
 (one load of all of a token's splits, a fixed reduction tree), scales them by rsqrt(mean + eps), turns one
 token's mixes into pre / post / the Sinkhorn-normalised comb and writes u = sum_j pre_j x_j.
+Its grid is (T, cdiv(d, BD) + 1): each of the first cdiv(d, BD) programs of a token sums the partials, computes
+pre and writes one BD-chunk of u; the last one (hc_pre only) computes post and the Sinkhorn comb.
+A decode step's handful of tokens thus spreads over several programs each, and the long dependent Sinkhorn chain
+runs beside the u chunks instead of in front of them (one program per token before: on an H100 at T = 8,
+d = 4096, hc_pre 10.8 -> 9.0-9.4 us a call, hc_head 8.6 -> 7.0-7.2 us; the Sinkhorn program is now the longest,
+~4.5 us of the split kernel against ~2.1 us without it). u and post come from the same operations in the same
+order as before (bitwise-identical results). For 4 streams (V4) the Sinkhorn iterations after the first run on 16
+scalars in every thread (:func:`_sinkhorn4`): the tensor form's 2 (iters - 1) four-element sums each went through
+cross-thread shuffles.
 """
 
 from __future__ import annotations
@@ -43,7 +52,11 @@ def _pick2(v, idx, BO: tl.constexpr):
 @triton.jit
 def _split_kernel(m_ptr, ss_ptr, x_ptr, scale_ptr, base_ptr, u_ptr, post_ptr, comb_ptr, d, iters, hc_eps, norm_eps,
                   T, S, N: tl.constexpr, BO: tl.constexpr, SP: tl.constexpr, FULL: tl.constexpr, BD: tl.constexpr):
+    """Program (t, c): c < cdiv(d, BD) writes u[t, c BD:(c + 1) BD]; c == cdiv(d, BD) (launched only when FULL)
+    writes post[t] and comb[t]. Every program re-derives the token's mixes from the partials (the same load and
+    fixed reduction tree in each, so all programs see the same bits)."""
     t = tl.program_id(0).to(tl.int64)
+    c_id = tl.program_id(1)
     j = tl.arange(0, N)
     # the S split-K partials of this token in one load each, summed by a fixed tree (was a loop of S dependent
     # loads per mix: latency-bound at S = 64)
@@ -51,9 +64,15 @@ def _split_kernel(m_ptr, ss_ptr, x_ptr, scale_ptr, base_ptr, u_ptr, post_ptr, co
     sm = s < S
     mix = tl.sum(tl.load(m_ptr + (s[:, None] * T + t) * BO + tl.arange(0, BO)[None, :], mask=sm[:, None], other=0.0), 0)
     r = tl.rsqrt(tl.sum(tl.load(ss_ptr + s * T + t, mask=sm, other=0.0), 0) / (N * d) + norm_eps)
-    s0 = tl.load(scale_ptr)
-    pre = tl.sigmoid(_pick(mix, j, BO) * r * s0 + tl.load(base_ptr + j)) + hc_eps
-    if FULL:
+    d0 = c_id * BD
+    if d0 < d:
+        s0 = tl.load(scale_ptr)
+        pre = tl.sigmoid(_pick(mix, j, BO) * r * s0 + tl.load(base_ptr + j)) + hc_eps
+        dd = d0 + tl.arange(0, BD)
+        dm = dd < d
+        xv = tl.load(x_ptr + t * N * d + j[:, None] * d + dd[None, :], mask=dm[None, :], other=0.0).to(tl.float32)
+        tl.store(u_ptr + t * d + dd, tl.sum(pre[:, None] * xv, 0).to(u_ptr.dtype.element_ty), mask=dm)
+    elif FULL:
         s1 = tl.load(scale_ptr + 1)
         s2 = tl.load(scale_ptr + 2)
         post = 2.0 * tl.sigmoid(_pick(mix, N + j, BO) * r * s1 + tl.load(base_ptr + N + j))
@@ -63,15 +82,67 @@ def _split_kernel(m_ptr, ss_ptr, x_ptr, scale_ptr, base_ptr, u_ptr, post_ptr, co
         c = tl.exp(c - tl.max(c, 1)[:, None])
         c = c / tl.sum(c, 1)[:, None] + hc_eps
         c = c / (tl.sum(c, 0)[None, :] + hc_eps)
-        for _ in range(iters - 1):
-            c = c / (tl.sum(c, 1)[:, None] + hc_eps)
-            c = c / (tl.sum(c, 0)[None, :] + hc_eps)
-        tl.store(comb_ptr + t * N * N + j[:, None] * N + j[None, :], c)
-    for d0 in range(0, d, BD):
-        dd = d0 + tl.arange(0, BD)
-        dm = dd < d
-        xv = tl.load(x_ptr + t * N * d + j[:, None] * d + dd[None, :], mask=dm[None, :], other=0.0).to(tl.float32)
-        tl.store(u_ptr + t * d + dd, tl.sum(pre[:, None] * xv, 0).to(u_ptr.dtype.element_ty), mask=dm)
+        if N == 4:  # the rest of the chain on 16 scalars held by every thread (no cross-thread sums)
+            tl.store(comb_ptr + t * N * N + j[:, None] * N + j[None, :], c)
+            tl.debug_barrier()  # the block's stores visible to its own loads
+            _sinkhorn4(comb_ptr + t * N * N, iters, hc_eps)
+        else:
+            for _ in range(iters - 1):
+                c = c / (tl.sum(c, 1)[:, None] + hc_eps)
+                c = c / (tl.sum(c, 0)[None, :] + hc_eps)
+            tl.store(comb_ptr + t * N * N + j[:, None] * N + j[None, :], c)
+
+
+@triton.jit
+def _norm4(a, b, c, d, eps):
+    """a, b, c, d / (a + b + c + d + eps), the sum as tl.sum's tree adds four values."""
+    s = (a + b) + (c + d) + eps
+    return a / s, b / s, c / s, d / s
+
+
+@triton.jit
+def _sinkhorn4(p, iters, eps):
+    """The (iters - 1) row- then column-normalisations of a 4 x 4 comb at p (row-major), in place: as scalars,
+    every thread doing the whole chain (the tensor form spent each of its 2 (iters - 1) sums on cross-thread
+    shuffles: the longest program of the split kernel)."""
+    c00, c01, c02, c03 = tl.load(p + 0), tl.load(p + 1), tl.load(p + 2), tl.load(p + 3)
+    c10, c11, c12, c13 = tl.load(p + 4), tl.load(p + 5), tl.load(p + 6), tl.load(p + 7)
+    c20, c21, c22, c23 = tl.load(p + 8), tl.load(p + 9), tl.load(p + 10), tl.load(p + 11)
+    c30, c31, c32, c33 = tl.load(p + 12), tl.load(p + 13), tl.load(p + 14), tl.load(p + 15)
+    for _ in range(iters - 1):
+        c00, c01, c02, c03 = _norm4(c00, c01, c02, c03, eps)
+        c10, c11, c12, c13 = _norm4(c10, c11, c12, c13, eps)
+        c20, c21, c22, c23 = _norm4(c20, c21, c22, c23, eps)
+        c30, c31, c32, c33 = _norm4(c30, c31, c32, c33, eps)
+        c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, eps)
+        c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, eps)
+        c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, eps)
+        c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, eps)
+    tl.debug_barrier()  # every thread has read the comb before any overwrites it
+    tl.store(p + 0, c00)
+    tl.store(p + 1, c01)
+    tl.store(p + 2, c02)
+    tl.store(p + 3, c03)
+    tl.store(p + 4, c10)
+    tl.store(p + 5, c11)
+    tl.store(p + 6, c12)
+    tl.store(p + 7, c13)
+    tl.store(p + 8, c20)
+    tl.store(p + 9, c21)
+    tl.store(p + 10, c22)
+    tl.store(p + 11, c23)
+    tl.store(p + 12, c30)
+    tl.store(p + 13, c31)
+    tl.store(p + 14, c32)
+    tl.store(p + 15, c33)
+
+
+def _split_bd(d: int) -> int:
+    """The u chunk of one _split_kernel program: 1024 (d = 4096 -> 4 chunks), pow2(d) for a smaller d. The chunk
+    shapes the [N, BD] tile's register layout and with it how the compiled u = sum_j pre_j x_j is rounded: 1024 is
+    the chunk of the former one-program-per-token loop, so u stays bitwise as it was on a GPU (BD = 512 changed a
+    few bf16 u elements by one ulp at d = 4096 on an H100), and it was also the fastest of 256 / 512 / 1024 there."""
+    return min(pow2(d), 1024)
 
 
 def _check_streams(x: torch.Tensor) -> int:
@@ -93,9 +164,11 @@ def hc_pre(x, fn, base, scale, sinkhorn_iters: int, hc_eps: float, norm_eps: flo
     if t_count == 0:
         return u, post, comb
     mixes, ss, bo, splits = _mixes(xc, fn)
-    _split_kernel[(t_count,)](mixes, ss, xc, scale.float().contiguous(), base.float().contiguous(), u, post, comb, d,
-                              int(sinkhorn_iters), float(hc_eps), float(norm_eps), t_count, splits, N=n, BO=bo,
-                              SP=pow2(splits), FULL=True, BD=min(pow2(d), 1024))
+    bd = _split_bd(d)
+    _split_kernel[(t_count, triton.cdiv(d, bd) + 1)](mixes, ss, xc, scale.float().contiguous(),
+                                                     base.float().contiguous(), u, post, comb, d, int(sinkhorn_iters),
+                                                     float(hc_eps), float(norm_eps), t_count, splits, N=n, BO=bo,
+                                                     SP=pow2(splits), FULL=True, BD=bd)
     return u, post, comb
 
 
@@ -109,9 +182,10 @@ def hc_head(x, fn, base, scale, hc_eps: float, norm_eps: float):
     if t_count == 0:
         return u
     mixes, ss, bo, splits = _mixes(xc, fn)
-    _split_kernel[(t_count,)](mixes, ss, xc, scale.float().contiguous(), base.float().contiguous(), u, u, u, d, 0,
-                              float(hc_eps), float(norm_eps), t_count, splits, N=n, BO=bo, SP=pow2(splits), FULL=False,
-                              BD=min(pow2(d), 1024))
+    bd = _split_bd(d)
+    _split_kernel[(t_count, triton.cdiv(d, bd))](mixes, ss, xc, scale.float().contiguous(), base.float().contiguous(),
+                                                 u, u, u, d, 0, float(hc_eps), float(norm_eps), t_count, splits, N=n,
+                                                 BO=bo, SP=pow2(splits), FULL=False, BD=bd)
     return u
 
 
