@@ -22,6 +22,7 @@ from ._dispatch import (
 from .ops import (
     add_rms_norm,
     apply_rope,
+    compressor_entries,
     compressor_pool,
     compressor_state_write,
     dequantize_weight,
@@ -45,6 +46,7 @@ from .ops import (
     quant_grouped_matmul,
     quant_linear,
     rms_norm,
+    rms_norm_rope,
     sparse_attention,
     swiglu,
 )
@@ -72,7 +74,11 @@ def decode_context_kernel():
     return decode_context
 
 
-__all__ = list(OPS) + [
+# fused forms of registered ops (one launch where the backend's kernel has the epilogue, the ops in sequence
+# otherwise): public functions, not registry entries
+FUSED = ("rms_norm_rope", "compressor_entries")
+
+__all__ = list(OPS) + list(FUSED) + [
     "BACKENDS", "BackendError", "KVLayout", "batch_invariant", "decode_context_kernel", "device_available",
     "enable_batch_invariant_torch",
     "implementations", "is_batch_invariant", "kv_layout", "register", "register_kv_layout", "rope_inv_freq",

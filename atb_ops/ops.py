@@ -41,6 +41,40 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
     return resolve("apply_rope", x)(x, positions, inv_freq, inverse)
 
 
+def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, positions: torch.Tensor,
+                  inv_freq: torch.Tensor, out: torch.Tensor | None = None,
+                  out_rows: torch.Tensor | None = None) -> torch.Tensor | None:
+    """RMSNorm then RoPE: ``apply_rope(rms_norm(x, weight, eps), positions, inv_freq)``, the norm's result rounded
+    to x.dtype in between (exactly the two ops in sequence); V4's query (weightless, per head) and KV head.
+
+    x: [T, ..., D]; weight: [D] float32 or None; positions: [T] int64; inv_freq: [R/2] float32. Returns
+    [T, ..., D] in x.dtype. With ``out`` ([S, ...] of x's row shape, any float dtype) and ``out_rows`` ([T] int64,
+    distinct valid rows of ``out``) the result is stored instead, ``out[out_rows[t]] = y[t]`` cast to out.dtype,
+    and None is returned (the sliding-window KV write: ``out.index_copy_(0, out_rows, y.to(out.dtype))``).
+    A backend whose rms_norm kernel has this fused form (``impl.rope_epilogue``) runs it in one launch; otherwise
+    the ops run in sequence.
+    """
+    if (out is None) != (out_rows is None):
+        raise ValueError("rms_norm_rope: out and out_rows go together (the pool and the rows to write)")
+    if positions.shape != x.shape[:1]:
+        raise ValueError(f"rms_norm_rope: positions {tuple(positions.shape)} must be [T] = [{x.shape[0]}]")
+    if out is not None:
+        if out_rows.shape != x.shape[:1]:
+            raise ValueError(f"rms_norm_rope: out_rows {tuple(out_rows.shape)} must be [T] = [{x.shape[0]}]")
+        if out.shape[1:] != x.shape[1:]:
+            raise ValueError(f"rms_norm_rope: out rows {tuple(out.shape[1:])} must have x's row shape "
+                             f"{tuple(x.shape[1:])}")
+    impl = resolve("rms_norm", x)
+    fused = getattr(impl, "rope_epilogue", None)
+    if fused is not None:
+        return fused(x, weight, eps, positions, inv_freq, out, out_rows)
+    y = apply_rope(impl(x, weight, eps), positions, inv_freq)
+    if out is None:
+        return y
+    out.index_copy_(0, out_rows, y.to(out.dtype))
+    return None
+
+
 def hc_pre(x, fn, base, scale, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
     """mHC collapse (ascend_dsv4/models/deepseek_v4/README.md §2.2 steps 1-3).
 
@@ -85,6 +119,53 @@ def compressor_pool(kv_state: torch.Tensor, score_state: torch.Tensor, cand: tor
     Returns [M, c] float32 (before the compressor's RMSNorm and RoPE).
     """
     return resolve("compressor_pool", kv_state)(kv_state, score_state, cand, overlap)
+
+
+def compressor_entries(kv_state: torch.Tensor, score_state: torch.Tensor, cand: torch.Tensor, overlap: bool,
+                       norm_weight: torch.Tensor | None, norm_eps: float, positions: torch.Tensor,
+                       inv_freq: torch.Tensor, dtype: torch.dtype, out: torch.Tensor, out_rows: torch.Tensor) -> None:
+    """The compressor's entry path (ascend_dsv4/models/deepseek_v4/README.md §2.3 "Compressor"): pool, RMSNorm,
+    RoPE and the store into the entry pool, in place. Exactly the sequence
+
+        e = compressor_pool(kv_state, score_state, cand, overlap).to(dtype)   # [M, c] float32 -> dtype
+        e = rms_norm(e, norm_weight, norm_eps)                                # float32 inside, result in dtype
+        e = apply_rope(e, positions, inv_freq)                                # last R channels, result in dtype
+        out.index_copy_(0, out_rows, e.to(out.dtype))
+
+    kv_state, score_state, cand, overlap: as :func:`compressor_pool` (rows float32 or bfloat16; cand [M, K]).
+    norm_weight: [c] float32 or None; positions: [M] int64 (each entry's RoPE position); inv_freq: [R/2] float32
+    with R <= c; dtype: the model's activation dtype (the roundings between the ops); out: [S, c] entry pool (any
+    float dtype); out_rows: [M] int64 distinct valid rows of out. An entry whose candidates are all absent has no
+    defined value (NaN in the reference) but its row is still written. Returns None; M == 0 is a no-op.
+    A backend whose compressor_pool kernel has this epilogue (``impl.entries_epilogue``) runs it in one launch
+    (five on CUDA otherwise); other backends run the ops in sequence.
+    """
+    if cand.dim() != 2 or kv_state.dim() != 2 or score_state.shape != kv_state.shape:
+        raise ValueError(f"compressor_entries: cand {tuple(cand.shape)} must be [M, K] and kv_state "
+                         f"{tuple(kv_state.shape)} / score_state {tuple(score_state.shape)} the same [S, W]")
+    m = cand.shape[0]
+    c = kv_state.shape[1] // 2 if overlap else kv_state.shape[1]
+    if out_rows.shape != (m,):
+        raise ValueError(f"compressor_entries: out_rows {tuple(out_rows.shape)} must be [M] = [{m}]")
+    if positions.shape != (m,):
+        raise ValueError(f"compressor_entries: positions {tuple(positions.shape)} must be [M] = [{m}]")
+    if out.dim() != 2 or out.shape[1] != c:
+        raise ValueError(f"compressor_entries: out {tuple(out.shape)} must be [S, c] with c = {c} (the entry width)")
+    if norm_weight is not None and norm_weight.shape != (c,):
+        raise ValueError(f"compressor_entries: norm_weight {tuple(norm_weight.shape)} must be [c] = [{c}]")
+    if inv_freq.dim() != 1 or 2 * inv_freq.shape[0] > c:
+        raise ValueError(f"compressor_entries: inv_freq {tuple(inv_freq.shape)} must be [R/2] with R <= c = {c}")
+    if m == 0:
+        return None
+    impl = resolve("compressor_pool", kv_state)
+    fused = getattr(impl, "entries_epilogue", None)
+    if fused is not None:
+        return fused(kv_state, score_state, cand, overlap, norm_weight, norm_eps, positions, inv_freq, dtype, out,
+                     out_rows)
+    e = compressor_pool(kv_state, score_state, cand, overlap).to(dtype)
+    e = apply_rope(rms_norm(e, norm_weight, norm_eps), positions, inv_freq)
+    out.index_copy_(0, out_rows, e.to(out.dtype))
+    return None
 
 
 def compressor_state_write(kv_state: torch.Tensor, score_state: torch.Tensor, a: torch.Tensor, z: torch.Tensor,
@@ -172,7 +253,8 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, row_scale: torch.
     return h if out_dtype is None else h.to(out_dtype)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None = None, fmt: str = "dense") -> torch.Tensor:
+def linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None = None, fmt: str = "dense",
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """y = x @ W^T for a weight stored as ``fmt``:
 
     - ``dense``: w [N, K] in any float dtype (w_scale None);
@@ -182,8 +264,21 @@ def linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None = None
       [N, K/32]: W[i, j] = e2m1(code) * 2^(s[i, j // 32] - 127).
     x: [M, K]. Accumulates in float32 unless dense weight and x share a dtype; returns x.dtype [M, N].
     Activation rounding (reference numerics) is the caller's job (``fp8_act_round``).
+    ``out_dtype=torch.float32`` with a 16-bit x: the float32-compute form of the official model's head and
+    compressor projections, ``linear(x.float(), ...)`` (the upcast is exact). A backend whose kernel takes the
+    16-bit input itself (``impl.float32_from_16bit``: BF16 x BF16 products are exact in float32) runs it without
+    the upcast copy.
     """
-    return resolve("linear", x)(x, w, w_scale, fmt)
+    impl = resolve("linear", x)
+    if out_dtype is not None and out_dtype != x.dtype:
+        if out_dtype != torch.float32:
+            raise ValueError(f"linear: out_dtype {out_dtype} is not supported; expected None or torch.float32 "
+                             f"(the float32-compute form)")
+        fused = getattr(impl, "float32_from_16bit", None)
+        if fused is not None:
+            return fused(x, w, w_scale, fmt)
+        x = x.float()
+    return impl(x, w, w_scale, fmt)
 
 
 def group_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -42,12 +42,19 @@ class Linear(nn.Module):
         self.scale = None if scale is None else nn.Parameter(scale, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return atb_ops.linear(self.prepare_input(x), self.weight, self.scale, self.fmt)
+        return atb_ops.linear(self.prepare_input(x), self.weight, self.scale, self.fmt, self.out_dtype)
+
+    @property
+    def out_dtype(self) -> torch.dtype | None:
+        """float32 for ``compute_fp32`` (atb_ops.linear's float32-compute form: the input upcast exactly, or a
+        kernel that takes the 16-bit input itself), else None (the input's dtype)."""
+        return torch.float32 if self.compute_fp32 else None
 
     def prepare_input(self, x: torch.Tensor) -> torch.Tensor:
-        """The input as this layer's GEMM takes it (float32 for ``compute_fp32``, FP8-rounded for ``fp8_input``)."""
+        """The input as this layer's GEMM takes it (FP8-rounded for ``fp8_input``; a ``compute_fp32`` layer's input
+        as is, upcast by atb_ops.linear's ``out_dtype``)."""
         if self.compute_fp32:
-            return x.float()
+            return x
         if self.fp8_input:
             return atb_ops.fp8_act_round(x, 128)
         return x
@@ -150,7 +157,7 @@ def stacked_linear(mods: Sequence[nn.Module], x: torch.Tensor) -> list[torch.Ten
     if st is None or st.mods != tuple(mods) or not st.valid():
         return [m(x) for m in mods]
     a = mods[0]
-    y = atb_ops.linear(a.prepare_input(x), st.weight, st.scale, a.fmt)
+    y = atb_ops.linear(a.prepare_input(x), st.weight, st.scale, a.fmt, a.out_dtype)
     return list(y.split(st.sizes, dim=-1))
 
 

@@ -4,6 +4,12 @@
 One program per (entry, block of BC channels): the entry's K candidate rows are gathered as one [BK, BC] tile
 (with overlap, candidates 0..r-1 read the A half [:c] and r..2r-1 the B half [c:] of their rows), absent
 candidates (-1) get score -inf, and the softmax over candidates weights the kv values, all in float32.
+
+:func:`compressor_entries` (``compressor_pool.entries_epilogue``, run by :func:`atb_ops.compressor_entries`) is the
+model's whole entry path in one launch -- pool, RMSNorm, RoPE, store into the entry pool -- where the op sequence
+takes up to six (pool, its float32 -> dtype cast, norm, rope, the cast to the pool dtype, index_copy_) per
+compressor (main and indexer) per compressed layer and step. One program per entry holds the full channel vector,
+so the norm's sum of squares needs no second pass; the candidates stream through in chunks with an online softmax.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import triton.language as tl
 
 from .._registry import register
 from ..reference.compressor import compressor_state_write as reference_state_write
-from ._util import pow2
+from ._util import pow2, tl_dtype
 
 
 @triton.jit
@@ -53,6 +59,92 @@ def compressor_pool(kv_state: torch.Tensor, score_state: torch.Tensor, cand: tor
                                                 out, k, width, c, k // 2, OVERLAP=bool(overlap), BK=bk, BC=bc,
                                                 num_warps=4)
     return out
+
+
+@triton.jit
+def _entries_kernel(kv_ptr, sc_ptr, cand_ptr, w_ptr, pos_ptr, f_ptr, out_ptr, rows_ptr, K, W, C, RB, R, s_out, eps,
+                    OVERLAP: tl.constexpr, HAS_W: tl.constexpr, DT: tl.constexpr, CH: tl.constexpr,
+                    BC: tl.constexpr):
+    m = tl.program_id(0).to(tl.int64)
+    # register slot j holds channel j - SH: for an odd c the shift puts every rope pair (c-R+2i, c-R+2i+1) at the
+    # slots (2p, 2p+1) that the pair split below reads
+    SH = C % 2
+    ch = tl.arange(0, BC) - SH
+    cm = (ch >= 0) & (ch < C)
+    run_max = tl.full((BC,), float("-inf"), tl.float32)
+    den = tl.zeros((BC,), tl.float32)
+    acc = tl.zeros((BC,), tl.float32)
+    for k0 in range(0, K, CH):  # online softmax over the candidates, CH rows at a time, per channel
+        k = k0 + tl.arange(0, CH)
+        rows = tl.load(cand_ptr + m * K + k, mask=k < K, other=-1)
+        valid = rows >= 0  # absent rows (-1) are never read
+        if OVERLAP:
+            half = tl.where(k >= RB, C, 0)
+        else:
+            half = k * 0
+        offs = rows.to(tl.int64)[:, None] * W + half[:, None] + ch[None, :]
+        mask = valid[:, None] & cm[None, :]
+        s = tl.load(sc_ptr + offs, mask=mask, other=float("-inf")).to(tl.float32)
+        v = tl.load(kv_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        new_max = tl.maximum(run_max, tl.max(s, 0))
+        # no present candidate yet in a channel: subtract 0 instead of -inf, so that alpha = p = 0 there (not NaN)
+        safe = tl.where(new_max == float("-inf"), 0.0, new_max)
+        alpha = tl.exp(run_max - safe)
+        p = tl.exp(s - safe[None, :])
+        den = den * alpha + tl.sum(p, 0)
+        acc = acc * alpha + tl.sum(p * v, 0)
+        run_max = new_max
+    # all candidates absent: 0 / 0 = NaN, as the reference's empty softmax; padding slots: 0 / 1 = 0
+    e = acc / tl.where(cm, den, 1.0)
+    e = e.to(DT).to(tl.float32)  # compressor_pool(...).to(dtype)
+    y = e * tl.rsqrt(tl.sum(e * e, 0) / C + eps)
+    if HAS_W:
+        y = tl.load(w_ptr + ch, mask=cm, other=0.0).to(tl.float32) * y
+    y = y.to(DT).to(tl.float32)  # rms_norm returns dtype
+    # interleaved RoPE of the last R channels: slot pair p holds channels (2p - SH, 2p + 1 - SH), rope pair i
+    a, b = tl.split(tl.reshape(y, (BC // 2, 2)))
+    i = tl.arange(0, BC // 2) - (C + SH - R) // 2
+    rope = (i >= 0) & (i < R // 2)
+    ang = tl.load(pos_ptr + m).to(tl.float32) * tl.load(f_ptr + i, mask=rope, other=0.0)
+    cs = tl.cos(ang)
+    sn = tl.sin(ang)
+    a2 = tl.where(rope, a * cs - b * sn, a)
+    b2 = tl.where(rope, a * sn + b * cs, b)
+    y = tl.reshape(tl.join(a2, b2), (BC,))
+    row = tl.load(rows_ptr + m).to(tl.int64)
+    tl.store(out_ptr + row * s_out + ch, y.to(DT).to(out_ptr.dtype.element_ty), mask=cm)
+
+
+def compressor_entries(kv_state: torch.Tensor, score_state: torch.Tensor, cand: torch.Tensor, overlap: bool,
+                       norm_weight: torch.Tensor | None, norm_eps: float, positions: torch.Tensor,
+                       inv_freq: torch.Tensor, dtype: torch.dtype, out: torch.Tensor, out_rows: torch.Tensor) -> None:
+    """:func:`atb_ops.compressor_entries` (shapes checked there) in one launch: one program per entry m pools its
+    K candidates (chunks of 8, online softmax in float32), rounds to ``dtype``, RMSNorms (float32, rounded to
+    dtype), rotates the last R = 2 * len(inv_freq) channels by positions[m] (float32, rounded to dtype) and stores
+    the row, cast to out.dtype, at out[out_rows[m]]. The roundings are those of the op sequence."""
+    m_count, k = cand.shape
+    if m_count == 0:
+        return None
+    if out.stride(-1) != 1:  # a column-strided pool (not the model's): rows to a dense buffer, then copied
+        dense = torch.empty(m_count, out.shape[1], dtype=out.dtype, device=out.device)
+        compressor_entries(kv_state, score_state, cand, overlap, norm_weight, norm_eps, positions, inv_freq, dtype,
+                           dense, torch.arange(m_count, device=out.device))
+        out.index_copy_(0, out_rows, dense)
+        return None
+    width = kv_state.shape[-1]
+    c = width // 2 if overlap else width
+    f = inv_freq.to(device=kv_state.device, dtype=torch.float32).contiguous()
+    w = norm_weight.contiguous() if norm_weight is not None else f
+    bc = pow2(c + c % 2, 16)
+    _entries_kernel[(m_count,)](kv_state.contiguous(), score_state.contiguous(), cand.contiguous(), w,
+                                positions.contiguous(), f, out, out_rows.contiguous(), k, width, c, k // 2,
+                                2 * f.numel(), out.stride(0), float(norm_eps), OVERLAP=bool(overlap),
+                                HAS_W=norm_weight is not None, DT=tl_dtype(dtype), CH=min(8, pow2(k)), BC=bc,
+                                num_warps=8 if bc >= 512 else 4)
+    return None
+
+
+compressor_pool.entries_epilogue = compressor_entries  # atb_ops.compressor_entries runs it (one launch)
 
 
 @triton.jit

@@ -327,6 +327,24 @@ def split3(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def linear_float32_from_16bit(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None = None,
+                              fmt: str = "dense") -> torch.Tensor:
+    """``atb_ops.linear(x, ..., out_dtype=torch.float32)`` for a BF16 x: x.float() @ W^T. With a BF16 dense weight
+    (the head and the compressor projections, stored so by parallel.linear.compact_fp32_weights_) one cuBLAS BF16
+    GEMM writing its float32 accumulator: every product of two BF16 values is exact in float32, so this is the
+    float32 GEMM of the upcast input -- what :func:`_bf16x3` computes for a float32 x, whose second and third BF16
+    parts are zero here -- in one launch instead of four (the upcast, the split, the GEMM, the sum). Other
+    inputs: the upcast, then :func:`linear`."""
+    if (fmt == "dense" and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and x.numel() and not INTERPRET
+            and _mm_f32()):
+        x2 = x.reshape(-1, x.shape[-1])
+        return torch.mm(x2, w.t(), out_dtype=torch.float32).view(*x.shape[:-1], w.shape[0])
+    return linear(x.float(), w, w_scale, fmt)
+
+
+linear.float32_from_16bit = linear_float32_from_16bit  # atb_ops.linear(..., out_dtype=torch.float32)
+
+
 def _bf16x3(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """float32 x [M, K] @ W^T for a BF16 weight W [N, K], at float32 accuracy on the BF16 tensor cores.
 

@@ -1,4 +1,5 @@
-"""Triton RMSNorm, interleaved partial RoPE (forward and inverse) and clamped SwiGLU.
+"""Triton RMSNorm, interleaved partial RoPE (forward and inverse), the two fused (with the KV row write) and
+clamped SwiGLU.
 
 Same math as :func:`atb_ops.rms_norm`, :func:`atb_ops.apply_rope`, :func:`atb_ops.swiglu`: float32 inside,
 one pass over the data, the result cast to the input dtype (float32 for swiglu).
@@ -98,6 +99,64 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
     _rope_kernel[(t_count, triton.cdiv(g, bg))](xc, pos, f, y, g, d, r, -1.0 if inverse else 1.0,
                                                  BG=bg, BP=bp, BH=pow2(r // 2), num_warps=4)
     return y
+
+
+@triton.jit
+def _norm_rope_kernel(x_ptr, w_ptr, pos_ptr, f_ptr, y_ptr, rows_ptr, G, n, R, sx, s_tok, eps, HAS_W: tl.constexpr,
+                      TO_ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # (token, row of the token) = (row // G, row % G)
+    t = row // G
+    offs = tl.arange(0, BLOCK)
+    m = offs < n
+    x = tl.load(x_ptr + row * sx + offs, mask=m, other=0.0).to(tl.float32)
+    y = x * tl.rsqrt(tl.sum(x * x, 0) / n + eps)  # _rms_norm_kernel's expression, then its rounding to x's dtype
+    if HAS_W:
+        y = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32) * y
+    y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
+    # the pairs (2p, 2p + 1) in registers; pair p is RoPE pair i = p - (n - R) / 2 of the last R channels
+    a, b = tl.split(tl.reshape(y, (BLOCK // 2, 2)))
+    i = tl.arange(0, BLOCK // 2) - (n - R) // 2
+    rot = (i >= 0) & (i < R // 2)
+    ang = tl.load(pos_ptr + t).to(tl.float32) * tl.load(f_ptr + i, mask=rot, other=0.0)
+    cs = tl.cos(ang)
+    sn = tl.sin(ang)
+    a2 = tl.where(rot, a * cs - b * sn, a)  # _rope_kernel's expressions
+    b2 = tl.where(rot, a * sn + b * cs, b)
+    y = tl.reshape(tl.join(a2, b2), (BLOCK,)).to(x_ptr.dtype.element_ty)
+    dst = tl.load(rows_ptr + t).to(tl.int64) if TO_ROWS else t
+    tl.store(y_ptr + dst * s_tok + (row % G) * n + offs, y.to(y_ptr.dtype.element_ty), mask=m)
+
+
+def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, positions: torch.Tensor,
+                  inv_freq: torch.Tensor, out: torch.Tensor | None = None, out_rows: torch.Tensor | None = None):
+    """:func:`atb_ops.rms_norm_rope` in one launch, one program per row of the last dim n (per token and head):
+    the norm (as :func:`rms_norm`, rounded to x's dtype), the rotation of the last R channels' pairs (as
+    :func:`apply_rope`), the store to y or to ``out``'s rows ``out_rows[t]`` (cast to out's dtype). Layouts the
+    kernel does not take (n - R odd, an ``out`` whose rows are not contiguous) run the two kernels in sequence."""
+    n = x.shape[-1]
+    f = inv_freq.to(device=x.device, dtype=torch.float32).contiguous()
+    r = 2 * f.numel()
+    if (n - r) % 2 or r > n or (out is not None and not out[:1].is_contiguous()):
+        y = apply_rope(rms_norm(x, weight, eps), positions, inv_freq)
+        if out is None:
+            return y
+        out.index_copy_(0, out_rows, y.to(out.dtype))
+        return None
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
+    rows = x.numel() // max(n, 1)
+    if rows == 0 or n == 0:
+        return y if out is None else None
+    xr = _rows(x)
+    g = rows // x.shape[0]
+    w = weight.contiguous() if weight is not None else xr
+    dst = out_rows.contiguous() if out is not None else positions
+    _norm_rope_kernel[(rows,)](xr, w, positions.to(x.device).contiguous(), f, y, dst, g, n, r, xr.stride(0),
+                               y.stride(0), float(eps), HAS_W=weight is not None, TO_ROWS=out is not None,
+                               BLOCK=pow2(n), num_warps=4 if n <= 4096 else 8)
+    return y if out is None else None
+
+
+rms_norm.rope_epilogue = rms_norm_rope  # atb_ops.rms_norm_rope runs the fused kernel
 
 
 @triton.jit

@@ -61,6 +61,11 @@ class Compressor(nn.Module):
         cc = ctx.compress[self.ratio]
         if cc.new_slot.numel() == 0:
             return
+        if not self.reference and type(self.norm) is RMSNorm:  # pool, norm, rope and the store as one op
+            atb_ops.compressor_entries(kv_rows, score_rows, cc.new_cand, self.overlap, self.norm.weight, self.norm.eps,
+                                       cc.new_pos, inv_freq, self.dtype, ctx.pools.entry_layer(layer_id, which),
+                                       cc.new_slot)
+            return
         e = atb_ops.compressor_pool(kv_rows, score_rows, cc.new_cand, self.overlap).to(self.dtype)
         e = self.norm(e)
         e = atb_ops.apply_rope(e, cc.new_pos, inv_freq)
@@ -140,14 +145,16 @@ class Attention(nn.Module):
         qa, kv = stacked_linear((self.wq_a, self.wkv), x)
         qr = self.q_norm(qa)
         q = self.wq_b(qr).view(T, self.n_heads, self.head_dim)
-        q = atb_ops.rms_norm(q, None, self.eps)
-        q = atb_ops.apply_rope(q, pos, inv_freq)
+        q = atb_ops.rms_norm_rope(q, None, self.eps, pos, inv_freq)
 
-        kv = atb_ops.apply_rope(self.kv_norm(kv), pos, inv_freq)
-        if self.reference:
-            kv = _fp8_nope(kv, self.rope_head_dim)
         swa = ctx.pools.swa_layer(self.layer_id)
-        swa.index_copy_(0, ctx.swa_slot, kv.to(swa.dtype))
+        if self.reference or type(self.kv_norm) is not RMSNorm:
+            kv = atb_ops.apply_rope(self.kv_norm(kv), pos, inv_freq)
+            if self.reference:
+                kv = _fp8_nope(kv, self.rope_head_dim)
+            swa.index_copy_(0, ctx.swa_slot, kv.to(swa.dtype))
+        else:  # norm, rope and the window write in one op (one launch where the backend fuses them)
+            atb_ops.rms_norm_rope(kv, self.kv_norm.weight, self.kv_norm.eps, pos, inv_freq, swa, ctx.swa_slot)
 
         extra_kv = extra_idx = None
         if self.ratio:
