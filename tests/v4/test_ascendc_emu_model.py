@@ -41,13 +41,16 @@ def calls(monkeypatch):
 @pytest.mark.parametrize("variant", ["cube", "vector"])
 def test_toy_v4_float32_matches_reference(calls, monkeypatch, variant):
     monkeypatch.setenv("ASCEND_DSV4_ASCENDC_MLA", variant)  # both attention kernels (the default picks cube here)
+    fused = []  # the compressors' entry path on the kernel's fused RMSNorm + RoPE epilogue (atb_ops.compressor_entries)
+    epilogue = backend.compressor_pool_norm_rope
+    monkeypatch.setattr(backend, "compressor_pool_norm_rope", lambda *a: fused.append(1) or epilogue(*a))
     ref = LLM(model="toy-v4", device="cpu", dtype="float32", config_overrides=OVER, progress=False)
     emu = LLM(model="toy-v4", backend="ascendc_emu", dtype="float32", config_overrides=OVER, progress=False)
     assert emu.device.type == "cpu"
     a, b = ref.logits(IDS[:120], prefill_len=100), emu.logits(IDS[:120], prefill_len=100)
     assert rel_err(b, a) < 1e-4
     # 21 steps x 7 layers of attention; compressors on the 5 compressed layers (+ 3 indexer compressors)
-    assert calls["attention"] == 21 * 7 and calls["compressor"] > 0
+    assert calls["attention"] == 21 * 7 and calls["compressor"] > 0 and fused
 
 
 def test_toy_v4_bfloat16_every_kernel_call_matches_the_reference_op(monkeypatch):

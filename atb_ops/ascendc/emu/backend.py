@@ -59,8 +59,8 @@ def compressor_pool_norm_rope(kv_state: torch.Tensor, score_state: torch.Tensor,
                               inv_freq: torch.Tensor) -> torch.Tensor:
     """The compressor kernel with its fused epilogue: ``apply_rope(rms_norm(compressor_pool(...), norm_weight, eps),
     positions, inv_freq)`` in one launch, float32 throughout (returns float32 [M, c]; the model's three-op sequence
-    rounds to the model dtype between the ops). positions: [M] int64, inv_freq: [R/2] float32. Not an atb_ops op:
-    the kernel's optional epilogue, exercised by the tests."""
+    rounds to the model dtype between the ops). positions: [M] int64, inv_freq: [R/2] float32. What
+    :func:`compressor_entries` runs for float32 entries."""
     width = kv_state.shape[-1]
     c = width // 2 if overlap else width
     if cand.shape[0] == 0:
@@ -71,6 +71,24 @@ def compressor_pool_norm_rope(kv_state: torch.Tensor, score_state: torch.Tensor,
     return run_compressor(kv, score, _rows(cand, kv.shape[0], "compressor_pool cand"), overlap,
                           norm_weight=norm_weight.float().contiguous(), cos=angles.cos().contiguous(),
                           sin=angles.sin().contiguous(), eps=eps).out
+
+
+def compressor_entries(kv_state, score_state, cand, overlap: bool, norm_weight, norm_eps: float, positions, inv_freq,
+                       dtype: torch.dtype, out: torch.Tensor, out_rows: torch.Tensor) -> None:
+    """:func:`atb_ops.compressor_entries` (arguments checked there): the kernel with its fused epilogue where that is
+    the op sequence -- float32 entries, whose roundings between the pool, the norm and the rope are no-ops -- the
+    pool kernel then the reference norm and rope otherwise (the epilogue computes in float32 throughout)."""
+    if dtype == torch.float32 and norm_weight is not None:
+        e = compressor_pool_norm_rope(kv_state, score_state, cand, overlap, norm_weight, norm_eps, positions, inv_freq)
+    else:
+        from ...ops import apply_rope, rms_norm  # the public ops: this backend has no kernel for them
+
+        e = apply_rope(rms_norm(compressor_pool(kv_state, score_state, cand, overlap).to(dtype), norm_weight,
+                                norm_eps), positions, inv_freq)
+    out.index_copy_(0, out_rows, e.to(out.dtype))
+
+
+compressor_pool.entries_epilogue = compressor_entries  # the model's entry path on the epilogue (float32)
 
 
 def _attention(q, qpe, pools, idxs, sink, scale):
