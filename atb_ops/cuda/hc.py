@@ -13,7 +13,8 @@ d = 4096, hc_pre 10.8 -> 9.0-9.4 us a call, hc_head 8.6 -> 7.0-7.2 us; the Sinkh
 ~4.5 us of the split kernel against ~2.1 us without it). u and post come from the same operations in the same
 order as before (bitwise-identical results). For 4 streams (V4) the Sinkhorn iterations after the first run on 16
 scalars in every thread (:func:`_sinkhorn4`): the tensor form's 2 (iters - 1) four-element sums each went through
-cross-thread shuffles.
+cross-thread shuffles (the timings above are from before this form; it was measured only inside the decode step,
+scripts/bench_results/decode_h100_session10.txt).
 """
 
 from __future__ import annotations
