@@ -12,6 +12,7 @@ from parallel.layers import ColumnParallelLinear, RowParallelLinear
 from parallel.linear import stacked_linear
 
 from ...layers.experts import moe_output, routed_experts
+from ...layers.overlap import run_beside
 from ...layers.norm import fp32_param
 
 
@@ -62,6 +63,7 @@ class MoE(nn.Module):
                                if cfg.n_shared_experts else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(x)
-        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        # the router's small launches beside the shared expert's GEMMs (a side stream on a GPU / NPU)
+        shared_fn = (lambda: self.shared_experts(x)) if self.shared_experts is not None else None
+        (weights, ids), shared = run_beside(lambda: self.gate(x), shared_fn, x)
         return moe_output(self.experts, x, weights, ids, shared, self.tp, x.dtype)
