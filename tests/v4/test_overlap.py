@@ -1,5 +1,6 @@
-"""The MoE router on a side stream beside the shared expert (ascend_dsv4/layers/overlap.py): in order on the CPU,
-and on a GPU bitwise the same logits as without overlap, eager and graph-captured."""
+"""Side-stream overlap (ascend_dsv4/layers/overlap.py): the MoE router beside the shared expert, V4's compressed
+entries (compressor, indexer) beside the query. In order on the CPU; on a GPU bitwise the same logits as without
+overlap, eager and graph-captured."""
 
 from __future__ import annotations
 
@@ -39,6 +40,6 @@ def test_overlap_changes_no_logit(monkeypatch, family):
         monkeypatch.setattr(overlap, "fork", lambda x: calls.append(1) or real(x))
         out[mode] = llm.logits(ids, prefill_len=60)  # prefill eager, then decode steps (graph-captured)
         monkeypatch.setattr(overlap, "fork", real)
-        assert calls  # every MoE layer forked (a side stream when mode is 1)
+        assert calls  # MoE layers (and V4's compressed layers) forked: a side stream when mode is 1
         del llm
     assert torch.equal(out["0"], out["1"])

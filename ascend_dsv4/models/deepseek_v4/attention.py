@@ -16,6 +16,7 @@ from parallel.linear import Linear, stacked_linear
 
 from ...kv.context import StepContext
 from ...layers.norm import RMSNorm, fp32_param
+from ...layers.overlap import run_beside
 from .config import DeepseekV4Config
 
 
@@ -139,15 +140,11 @@ class Attention(nn.Module):
         """wq_a and wkv read the same input: one GEMM once stacked (parallel.linear.stack_model_linears_)."""
         return ((self.wq_a, self.wkv),)
 
-    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        T = x.shape[0]
+    def _query(self, qr: torch.Tensor, kv: torch.Tensor, swa: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """The query heads [T, H, D] (normed, rotated); writes this step's window KV rows."""
         pos, inv_freq = ctx.positions, self.inv_freq
-        qa, kv = stacked_linear((self.wq_a, self.wkv), x)
-        qr = self.q_norm(qa)
-        q = self.wq_b(qr).view(T, self.n_heads, self.head_dim)
+        q = self.wq_b(qr).view(qr.shape[0], self.n_heads, self.head_dim)
         q = atb_ops.rms_norm_rope(q, None, self.eps, pos, inv_freq)
-
-        swa = ctx.pools.swa_layer(self.layer_id)
         if self.reference or type(self.kv_norm) is not RMSNorm:
             kv = atb_ops.apply_rope(self.kv_norm(kv), pos, inv_freq)
             if self.reference:
@@ -155,15 +152,30 @@ class Attention(nn.Module):
             swa.index_copy_(0, ctx.swa_slot, kv.to(swa.dtype))
         else:  # norm, rope and the window write in one op (one launch where the backend fuses them)
             atb_ops.rms_norm_rope(kv, self.kv_norm.weight, self.kv_norm.eps, pos, inv_freq, swa, ctx.swa_slot)
+        return q
 
+    def _compressed(self, x: torch.Tensor, qr: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """The compressed entries each query sees ([T, N] entry rows, -1 padded: the indexer's top-k for CSA, all
+        visible ones for HCA); writes this step's compressor state and completed entries."""
+        if self.indexer is not None:
+            extra_idx = self.indexer(x, qr, ctx, self.layer_id, self.inv_freq)
+        else:
+            extra_idx = ctx.compress[self.ratio].visible
+        self.compressor(x, ctx, self.layer_id, self.inv_freq)
+        return extra_idx
+
+    def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        T = x.shape[0]
+        pos, inv_freq = ctx.positions, self.inv_freq
+        qa, kv = stacked_linear((self.wq_a, self.wkv), x)
+        qr = self.q_norm(qa)
+        swa = ctx.pools.swa_layer(self.layer_id)
         extra_kv = extra_idx = None
-        if self.ratio:
-            if self.indexer is not None:
-                extra_idx = self.indexer(x, qr, ctx, self.layer_id, inv_freq)
-            else:
-                extra_idx = ctx.compress[self.ratio].visible
-            self.compressor(x, ctx, self.layer_id, inv_freq)
+        if self.ratio:  # the compressed entries (compressor, indexer) beside the query (a side stream on a GPU)
+            extra_idx, q = run_beside(lambda: self._compressed(x, qr, ctx), lambda: self._query(qr, kv, swa, ctx), x)
             extra_kv = ctx.pools.entry_layer(self.layer_id)
+        else:
+            q = self._query(qr, kv, swa, ctx)
         o = atb_ops.sparse_attention(q, swa, ctx.window, self.attn_sink, self.head_dim ** -0.5, extra_kv, extra_idx)
         o = atb_ops.apply_rope(o, pos, inv_freq, inverse=True)
         # grouped low-rank output: group g of heads -> o_lora_rank, then wo_b over all groups
