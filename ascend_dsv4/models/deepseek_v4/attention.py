@@ -154,15 +154,14 @@ class Attention(nn.Module):
             atb_ops.rms_norm_rope(kv, self.kv_norm.weight, self.kv_norm.eps, pos, inv_freq, swa, ctx.swa_slot)
         return q
 
-    def _compressed(self, x: torch.Tensor, qr: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """The compressed entries each query sees ([T, N] entry rows, -1 padded: the indexer's top-k for CSA, all
-        visible ones for HCA); writes this step's compressor state and completed entries."""
+    def _beside_query(self, x: torch.Tensor, qr: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """The compressed entries each query sees ([T, N] entry rows, -1 padded): CSA, the indexer's top-k (the
+        layer's longest chain of small launches); HCA, all visible ones, after this step's compressor write. What
+        runs beside the query; a CSA layer's compressor runs with the query instead (balancing the two streams)."""
         if self.indexer is not None:
-            extra_idx = self.indexer(x, qr, ctx, self.layer_id, self.inv_freq)
-        else:
-            extra_idx = ctx.compress[self.ratio].visible
+            return self.indexer(x, qr, ctx, self.layer_id, self.inv_freq)
         self.compressor(x, ctx, self.layer_id, self.inv_freq)
-        return extra_idx
+        return ctx.compress[self.ratio].visible
 
     def forward(self, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         T = x.shape[0]
@@ -171,8 +170,14 @@ class Attention(nn.Module):
         qr = self.q_norm(qa)
         swa = ctx.pools.swa_layer(self.layer_id)
         extra_kv = extra_idx = None
-        if self.ratio:  # the compressed entries (compressor, indexer) beside the query (a side stream on a GPU)
-            extra_idx, q = run_beside(lambda: self._compressed(x, qr, ctx), lambda: self._query(qr, kv, swa, ctx), x)
+        if self.ratio:  # the compressed entries beside the query (a side stream on a GPU)
+            def query_side():
+                q = self._query(qr, kv, swa, ctx)
+                if self.indexer is not None:  # CSA: the compressor with the query, the indexer beside them
+                    self.compressor(x, ctx, self.layer_id, inv_freq)
+                return q
+
+            extra_idx, q = run_beside(lambda: self._beside_query(x, qr, ctx), query_side, x)
             extra_kv = ctx.pools.entry_layer(self.layer_id)
         else:
             q = self._query(qr, kv, swa, ctx)
