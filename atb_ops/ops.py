@@ -64,11 +64,16 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, posi
         if out.shape[1:] != x.shape[1:]:
             raise ValueError(f"rms_norm_rope: out rows {tuple(out.shape[1:])} must have x's row shape "
                              f"{tuple(x.shape[1:])}")
-    impl = resolve("rms_norm", x)
-    fused = getattr(impl, "rope_epilogue", None)
+    fused = getattr(resolve("rms_norm", x), "rope_epilogue", None)
     if fused is not None:
         return fused(x, weight, eps, positions, inv_freq, out, out_rows)
-    y = apply_rope(impl(x, weight, eps), positions, inv_freq)
+    return rms_norm_rope_in_sequence(x, weight, eps, positions, inv_freq, out, out_rows)
+
+
+def rms_norm_rope_in_sequence(x, weight, eps, positions, inv_freq, out=None, out_rows=None):
+    """:func:`rms_norm_rope` as the ops in sequence (the specification; a backend's fallback for layouts its fused
+    kernel does not take). Arguments as there, unchecked."""
+    y = apply_rope(rms_norm(x, weight, eps), positions, inv_freq)
     if out is None:
         return y
     out.index_copy_(0, out_rows, y.to(out.dtype))
@@ -162,10 +167,16 @@ def compressor_entries(kv_state: torch.Tensor, score_state: torch.Tensor, cand: 
     if fused is not None:
         return fused(kv_state, score_state, cand, overlap, norm_weight, norm_eps, positions, inv_freq, dtype, out,
                      out_rows)
+    return compressor_entries_in_sequence(kv_state, score_state, cand, overlap, norm_weight, norm_eps, positions,
+                                          inv_freq, dtype, out, out_rows)
+
+
+def compressor_entries_in_sequence(kv_state, score_state, cand, overlap, norm_weight, norm_eps, positions, inv_freq,
+                                   dtype, out, out_rows) -> None:
+    """:func:`compressor_entries` as the ops in sequence (the specification; a backend's fallback where its fused
+    kernel does not apply). Arguments as there, unchecked."""
     e = compressor_pool(kv_state, score_state, cand, overlap).to(dtype)
-    e = apply_rope(rms_norm(e, norm_weight, norm_eps), positions, inv_freq)
-    out.index_copy_(0, out_rows, e.to(out.dtype))
-    return None
+    rms_norm_rope_in_sequence(e, norm_weight, norm_eps, positions, inv_freq, out, out_rows)
 
 
 def compressor_state_write(kv_state: torch.Tensor, score_state: torch.Tensor, a: torch.Tensor, z: torch.Tensor,

@@ -137,11 +137,9 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, posi
     f = inv_freq.to(device=x.device, dtype=torch.float32).contiguous()
     r = 2 * f.numel()
     if (n - r) % 2 or r > n or (out is not None and not out[:1].is_contiguous()):
-        y = apply_rope(rms_norm(x, weight, eps), positions, inv_freq)
-        if out is None:
-            return y
-        out.index_copy_(0, out_rows, y.to(out.dtype))
-        return None
+        from ..ops import rms_norm_rope_in_sequence
+
+        return rms_norm_rope_in_sequence(x, weight, eps, positions, inv_freq, out, out_rows)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
     rows = x.numel() // max(n, 1)
     if rows == 0 or n == 0:

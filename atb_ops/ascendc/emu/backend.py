@@ -78,13 +78,12 @@ def compressor_entries(kv_state, score_state, cand, overlap: bool, norm_weight, 
     """:func:`atb_ops.compressor_entries` (arguments checked there): the kernel with its fused epilogue where that is
     the op sequence -- float32 entries, whose roundings between the pool, the norm and the rope are no-ops -- the
     pool kernel then the reference norm and rope otherwise (the epilogue computes in float32 throughout)."""
-    if dtype == torch.float32 and norm_weight is not None:
-        e = compressor_pool_norm_rope(kv_state, score_state, cand, overlap, norm_weight, norm_eps, positions, inv_freq)
-    else:
-        from ...ops import apply_rope, rms_norm  # the public ops: this backend has no kernel for them
+    if dtype != torch.float32 or norm_weight is None:
+        from ...ops import compressor_entries_in_sequence
 
-        e = apply_rope(rms_norm(compressor_pool(kv_state, score_state, cand, overlap).to(dtype), norm_weight,
-                                norm_eps), positions, inv_freq)
+        return compressor_entries_in_sequence(kv_state, score_state, cand, overlap, norm_weight, norm_eps, positions,
+                                              inv_freq, dtype, out, out_rows)
+    e = compressor_pool_norm_rope(kv_state, score_state, cand, overlap, norm_weight, norm_eps, positions, inv_freq)
     out.index_copy_(0, out_rows, e.to(out.dtype))
 
 
