@@ -22,7 +22,7 @@ places each by its rank inside its bin (no sort); ``hist`` compacts and sorts th
 bin holds too many keys (thousands of exact ties).
 
 ATB_CUDA_INDEXER = "PATH[,BN,WARPS,STAGES,CTAS_PER_SM[,PRE]]" or just the tiles: PATH ``auto`` (default: bits,
-split or fused by the candidate count N, see ``_AUTO_BITS_MAX``), ``fused`` (``indexer_fused``: score, bucket and
+split or rank by the candidate count N, see ``_AUTO_BITS_MAX``), ``fused`` (``indexer_fused``: score, bucket and
 sort programs in one launch), ``rank``, ``hist``, ``split``, ``bits`` (the
 previous selection: ``_select_kernel``, one program per token finding the k-th largest key by a 32-step MSB-first
 bit search of counts; rows over 16384 keys through torch.topk) or ``old`` (the first path: int64 keys +
@@ -175,9 +175,10 @@ PATHS = ("auto", "fused", "rank", "hist", "split", "bits", "old")
 DEFAULT_PATH = "auto"
 # auto: the fastest path per candidate count N in H100 runs at T = 32 (graph replays): N <= 8192 bits (N = 2048:
 # 20.7 us vs rank 24.1; N = 8192: 55.9 vs 57.6, hist 55.6; scripts/bench_results/indexer_select_h100.txt),
-# N <= 16384 split (82.3 us vs fused 105.5, rank 86.6), longer rows fused (N = 65536: 271.8 us vs rank 310.1;
-# scripts/bench_results/indexer_h100_session4.txt). The interpreter switches at small N so that CPU tests cover
-# every path.
+# N <= 16384 split, longer rows rank, both on the one-wave score grid (session 11, one run: N = 16384 split 80.0 us
+# vs 82.6 on the previous grid, fused 104.7, rank 84.7; N = 65536 rank 258.1 us vs fused 274.3 (the previous
+# default), split 339.2; scripts/bench_results/indexer_h100_session11.txt). The interpreter switches at small N
+# so that CPU tests cover every path.
 _AUTO_BITS_MAX, _AUTO_SPLIT_MAX = (64, 128) if INTERPRET else (8192, 16384)
 
 
@@ -190,18 +191,19 @@ def _mode(n):
         if path not in PATHS:
             raise ValueError(f"ATB_CUDA_INDEXER path {path!r} not in {PATHS}")
     if path == "auto":
-        path = "bits" if n <= _AUTO_BITS_MAX else "split" if n <= _AUTO_SPLIT_MAX else "fused"
+        path = "bits" if n <= _AUTO_BITS_MAX else "split" if n <= _AUTO_SPLIT_MAX else "rank"
     return path, ([int(v) for v in parts] or None)
 
 
 def _score_cfg(device, n, t_count, tiles=None, wave=False):
     """(BN, warps, stages, blocks per program, programs per token, register prefetch) of the score kernel.
 
-    Programs per token: wave (the fused path): CTAS_PER_SM (2) * SMs / T rounded down, one resident wave -- the
-    default tiles take 255 registers x 128 threads (triton 3.6, sm_90), so 2 programs fit on an SM, and the
-    previous rule's extra programs run as a short last wave (H100, T=32: score kernel alone 210 vs 266 us at
-    N=65536, 57 vs 61 us at N=16384); else the previous rule, 4 * SMs / T rounded up (the other paths: their ops
-    were not timed with the wave grid at every N yet). ATB_CUDA_INDEXER_FIT=0/1 forces either rule,
+    Programs per token: wave (the fused, rank and split paths): CTAS_PER_SM (2) * SMs / T rounded
+    down, one resident wave -- the default tiles take 255 registers x 128 threads (triton 3.6, sm_90), so 2
+    programs fit on an SM, and the previous rule's extra programs run as a short last wave (H100, T=32: score
+    kernel alone 210 vs 266 us at N=65536, 57 vs 61 us at N=16384; the rank op 258 vs 312 us at N=65536, the
+    split op 80 vs 83 us at N=16384, scripts/bench_results/indexer_h100_session11.txt); else (bits, hist) the
+    previous rule, 4 * SMs / T rounded up (not timed with the wave grid). ATB_CUDA_INDEXER_FIT=0/1 forces either rule,
     ATB_CUDA_INDEXER_SPLITS the count itself."""
     fit = os.environ.get("ATB_CUDA_INDEXER_FIT")
     wave = wave if fit not in ("0", "1") else fit == "1"
@@ -336,11 +338,11 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, 
         return topk_fused(q, weights, kc, cand, k, hb, tiles)
     if path == "rank":  # histogram, per-bin slot counters, |S|
         buf = torch.zeros(t_count, (2 << hb) + 32, dtype=torch.int32, device=q.device)
-        keys = score_keys(q, weights, kc, cand, buf, hb, tiles)
+        keys = score_keys(q, weights, kc, cand, buf, hb, tiles, wave=True)
         return select_rank(keys, buf, cand, k, hb)
     # per-token bins + the split path's slot counter (column 2^hb); rows padded to 128 bytes
     hist = torch.zeros(t_count, (1 << hb) + 32, dtype=torch.int32, device=q.device)
-    keys = score_keys(q, weights, kc, cand, hist, hb, tiles)
+    keys = score_keys(q, weights, kc, cand, hist, hb, tiles, wave=path == "split")
     return select_hist(keys, hist, cand, k, hb, split=path == "split")
 
 
