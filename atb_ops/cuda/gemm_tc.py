@@ -332,20 +332,33 @@ def _launch(x, w, w_scale, fmt, ids, n_exp, n_slots, act, grouped, ep=0):
     return out
 
 
-CTR_SIZE = 1 << 16  # split-K arrival counters per device (int32, zero between launches)
+CTR_SIZE = 1 << 16  # split-K arrival counters per set (int32, zero between launches)
+CTR_SETS = 4  # counter sets per device: one per stream that launches these kernels (main, side, graph capture)
 _CTRS: dict = {}
 
 
 def _counters(device: torch.device) -> torch.Tensor | None:
-    """The device's zeroed arrival counters (allocated once, outside CUDA-graph capture: None while capturing
-    before they exist; every launch leaves them zero). One set per device: launches that use them must not run
-    concurrently on two streams (the backend issues its ops on one stream at a time)."""
+    """The current stream's zeroed arrival counters on ``device`` ([CTR_SIZE] int32; every launch leaves them
+    zero), or None: then the caller takes its path without counters (a separate fix-up launch, or no split).
+
+    One set per stream: two launches running at once on two streams (the model's side-stream overlap,
+    ``ascend_dsv4/layers/overlap.py``) must not count arrivals in the same slots, or a tile's last arrival is
+    misjudged and a counter left non-zero for every later launch. The sets are allocated together, once, outside
+    CUDA-graph capture (None while capturing before they exist); a stream takes the next free set when it first
+    asks -- also during capture, which allocates nothing -- and keeps it; past CTR_SETS streams, None."""
     key = str(device)
     if key not in _CTRS:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
-        _CTRS[key] = torch.zeros(CTR_SIZE, dtype=torch.int32, device=device)
-    return _CTRS[key]
+        _CTRS[key] = (torch.zeros(CTR_SETS, CTR_SIZE, dtype=torch.int32, device=device), {})
+    sets, owners = _CTRS[key]
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    i = owners.get(stream)
+    if i is None:
+        if len(owners) >= CTR_SETS:
+            return None
+        i = owners[stream] = len(owners)
+    return sets[i]
 
 
 def _splits(programs: int, k_steps: int, device: torch.device, per_sm: int) -> int:
