@@ -59,10 +59,14 @@ DTYPES = [(F32, F32, F32), (F32, BF16, BF16), (BF16, BF16, F32)]  # (state rows,
 
 # the interpreter warns on the padding entry's intended 0 / 0
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("splits", ["", "2", "3"])  # "" = the launch's own choice; 2, 3: candidates split
 @pytest.mark.parametrize("dtypes", DTYPES, ids=["f32", "f32-state-bf16", "bf16-state-f32-pool"])
 @pytest.mark.parametrize("overlap, c, r, rope_dim", SHAPES)
-def test_cuda_kernel_matches_reference_ops(overlap, c, r, rope_dim, dtypes):
+def test_cuda_kernel_matches_reference_ops(overlap, c, r, rope_dim, dtypes, splits, monkeypatch):
+    """Every shape and dtype, with the candidates of an entry pooled by one program or split over 2 / 3 programs
+    (partials merged by the last): entry 0's first split has no present candidate, entry 4 none at all."""
     pytest.importorskip("triton")
+    monkeypatch.setenv("ATB_CUDA_ENTRIES_SPLITS", splits)
     fused = atb_ops.implementations("compressor_pool")["cuda"].entries_epilogue
     state_dtype, dtype, out_dtype = dtypes
     kv, sc, cand, w, pos, inv, rows = make_inputs(c + r, overlap, c, r, rope_dim, state_dtype)
@@ -85,6 +89,10 @@ def test_cuda_kernel_matches_reference_ops(overlap, c, r, rope_dim, dtypes):
         a, b = got[live].double(), want[live].double()
         ulp = torch.ldexp(torch.ones_like(b), torch.frexp(b)[1] - 8)
         assert (a != b).double().mean() < 0.05 and ((a - b).abs() <= 2 * ulp).all()
+    if splits:
+        from atb_ops.cuda import gemm_tc
+
+        assert int(gemm_tc._counters(kv.device).abs().sum()) == 0  # the last split of each entry reset its counter
 
 
 def test_cuda_kernel_no_entries_is_a_no_op():
