@@ -176,6 +176,8 @@ def entry_splits(m_count: int, k: int, ch: int, device: torch.device) -> int:
     pooling up to 128 candidates -- HCA -- in a chain of CH-row chunks), each entry's candidates are spread over
     programs of at least 2 chunks, aiming at 2 programs per SM. ``ATB_CUDA_ENTRIES_SPLITS`` forces the count."""
     env = os.environ.get("ATB_CUDA_ENTRIES_SPLITS")
+    if env and not env.isdigit():
+        raise ValueError(f"ATB_CUDA_ENTRIES_SPLITS={env!r}: expected a positive integer (splits per entry)")
     want = int(env) if env else triton.cdiv(2 * sm_count(device), max(m_count, 1))
     return max(1, min(want, triton.cdiv(k, 2 * ch) if not env else k))
 

@@ -95,6 +95,22 @@ def test_cuda_kernel_matches_reference_ops(overlap, c, r, rope_dim, dtypes, spli
         assert int(gemm_tc._counters(kv.device).abs().sum()) == 0  # the last split of each entry reset its counter
 
 
+def test_cuda_kernel_split_count_knob(monkeypatch):
+    pytest.importorskip("triton")
+    from atb_ops.cuda.compressor import entry_splits
+
+    dev = torch.device(DEV)
+    monkeypatch.delenv("ATB_CUDA_ENTRIES_SPLITS", raising=False)
+    assert entry_splits(10_000, 128, 8, dev) == 1  # entries enough to fill the GPU: one program each
+    assert 1 < entry_splits(8, 128, 8, dev) <= 8  # few entries: split, at least 2 chunks of 8 per program
+    assert entry_splits(8, 8, 8, dev) == 1  # one chunk: nothing to split
+    monkeypatch.setenv("ATB_CUDA_ENTRIES_SPLITS", "3")
+    assert entry_splits(10_000, 128, 8, dev) == 3
+    monkeypatch.setenv("ATB_CUDA_ENTRIES_SPLITS", "two")
+    with pytest.raises(ValueError, match="ATB_CUDA_ENTRIES_SPLITS"):
+        entry_splits(8, 128, 8, dev)
+
+
 def test_cuda_kernel_no_entries_is_a_no_op():
     pytest.importorskip("triton")
     fused = atb_ops.implementations("compressor_pool")["cuda"].entries_epilogue
