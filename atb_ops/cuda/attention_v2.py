@@ -244,7 +244,10 @@ def tile(h_count: int, d1: int, d2: int, elem: int, t_count: int, n_keys: int, n
     H100 sweep in scripts/bench_results/attention_h100.txt: 64 heads x 512 columns on 8 warps (h <= 64) or 128
     heads x 256 columns (h >= 128, a warpgroup per 64 heads), 5 stages; while those programs would fill less
     than half the SMs (decode of a few tokens over <= 2048 keys), 64 heads x 256 columns on 4 warps with the
-    key list split (flash-decoding)."""
+    key list split (flash-decoding). From 256 tokens (prefill) at h <= 64 without a rope part: 64-key chunks
+    (3 stages where they fit, else 2), which feed the score's tensor-core tiles twice the keys (H100, T=2048,
+    h=64: one sequence 159.7 -> 195.1 TFLOP/s, distinct rows 54.8 -> 61.0 % of HBM; decode T=128 unchanged within
+    noise, 53.3 -> 51.8-54.3 %, so decode keeps 32; scripts/bench_results/decode_h100_session11.txt)."""
     env = os.environ.get("ATB_CUDA_ATTN2")
     if env:
         v = [int(x) for x in env.split(",")] + [-1, 1][len(env.split(",")) - 5:]
@@ -257,6 +260,8 @@ def tile(h_count: int, d1: int, d2: int, elem: int, t_count: int, n_keys: int, n
     if bd1 < 256:
         return min(64, hp), 32, 1, 4, 3, -1, 1
     big = (128, 32, 2, 8, 3 if d2 else 5, -1, 1) if hp >= 128 else (min(64, hp), 32, 1, 8, 5, -1, 1)
+    if hp <= 64 and not d2 and t_count >= 256:
+        return min(64, hp), 64, 1, 8, 3, -1, 1
     if t_count * triton.cdiv(h_count, big[0]) * big[2] * 2 < n_sm and n_keys <= 2048:
         return min(64, hp), 32, 2, 4, 5, -1, 1
     return big

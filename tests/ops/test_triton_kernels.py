@@ -464,6 +464,19 @@ def test_attention_tile_override_refuses_column_groups_beyond_two(monkeypatch):
     assert tile(64, 512, 0, 2, 32, 640, 132) == (64, 16, 2, 4, 3, -1, 2)
 
 
+def test_attention_default_tiles(monkeypatch):
+    """The measured defaults (attention_v2.tile): h = 64 decode in 32-key chunks (key-list splits for a few tokens),
+    prefill from 256 tokens in 64-key chunks; h = 128 and V3's rope part keep their tiles."""
+    from atb_ops.cuda.attention_v2 import tile
+
+    monkeypatch.delenv("ATB_CUDA_ATTN2", raising=False)
+    assert tile(64, 512, 0, 2, 8, 640, 132) == (64, 32, 2, 4, 5, -1, 1)
+    assert tile(64, 512, 0, 2, 128, 640, 132) == (64, 32, 1, 8, 5, -1, 1)
+    assert tile(64, 512, 0, 2, 2048, 640, 132) == (64, 64, 1, 8, 3, -1, 1)
+    assert tile(128, 512, 0, 2, 2048, 640, 132) == (128, 32, 2, 8, 5, -1, 1)
+    assert tile(64, 512, 64, 2, 2048, 640, 132)[1] == 32
+
+
 @pytest.mark.parametrize("impl,cfg", ATTN_IMPLS)
 @pytest.mark.parametrize("t,h,d,k,k2,with_sink", [(5, 3, 80, 21, 19, True), (2, 17, 48, 40, 0, True),
                                                    (3, 2, 16, 0, 7, False), (6, 5, 64, 33, 40, False),
