@@ -345,7 +345,9 @@ def _counters(device: torch.device) -> torch.Tensor | None:
     ``ascend_dsv4/layers/overlap.py``) must not count arrivals in the same slots, or a tile's last arrival is
     misjudged and a counter left non-zero for every later launch. The sets are allocated together, once, outside
     CUDA-graph capture (None while capturing before they exist); a stream takes the next free set when it first
-    asks -- also during capture, which allocates nothing -- and keeps it; past CTR_SETS streams, None."""
+    asks -- also during capture, which allocates nothing -- and keeps it; past CTR_SETS streams, None. A captured
+    graph keeps the sets of the streams it was captured on: two replays running at once would share them (the
+    model runner replays one graph at a time)."""
     key = str(device)
     if key not in _CTRS:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
