@@ -45,7 +45,13 @@ def test_reference_numerics_is_close_to_exact_and_consistent_across_chunking():
     assert rel_err(ref, exact) > 1e-4  # the rounding really happens
     assert _cos(ref, exact) > 0.97  # FP8/FP4 noise plus a few MoE routing flips (ascend_dsv4/models/deepseek_v4/README.md §5.3: ~0.99)
     chunked = run_chunks(ref_runner, ids, [60, 1, 1, 78])
-    assert _cos(chunked, ref) > 0.9999
+    # chunking changes the GEMM shapes, hence float32 summation orders; the FP8 / FP4 roundings and the discrete
+    # choices (MoE routing, indexer top-k) can turn an ulp into a visible change at a token: with 2 torch threads
+    # one token of 140 came out at cos 0.972 (the rest >= 0.9997), with 1 thread all >= 0.9995. A chunking bug (a
+    # wrong position, page or entry) moves every token after it.
+    per_token = torch.nn.functional.cosine_similarity(chunked, ref, dim=-1)
+    assert float((per_token > 0.999).float().mean()) >= 0.98 and float(per_token.min()) > 0.9
+    assert _cos(chunked, ref) > 0.999
 
 
 def test_reference_numerics_rounds_linear_inputs(monkeypatch):
