@@ -16,19 +16,9 @@ import atb_ops  # noqa: E402
 from atb_ops.cuda import hc as hc_mod  # noqa: E402
 from atb_ops.cuda._util import pow2  # noqa: E402
 
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
+from test_triton_kernels import DEV, rel as _rel, tol as _tol  # noqa: E402
+
 N = 4
-
-
-def _rel(a, b):
-    a, b = a.double().cpu(), b.double().cpu()
-    assert not torch.isnan(a).any()
-    return float((a - b).norm() / b.norm().clamp(min=1e-30))
-
-
-def _tol(dtype):
-    return 2e-5 if dtype == torch.float32 else 1e-2
-
 
 def _inputs(seed, t, d, dtype):
     g = torch.Generator().manual_seed(seed)
