@@ -20,7 +20,14 @@ denominator, float32 accumulation, P rounded to the value dtype for P.V). What d
   2^-9, the size of the final output rounding) and halves the partial traffic of float32 partials. A second
   launch merges them (:func:`_merge_splits_kernel`), or, with ``ATB_CUDA_ATTN_MERGE=kernel``, the split that
   finishes last at its (token, head block, column group) (an arrival counter, zero between launches); see
-  :func:`merge_in_kernel` for which measured faster when.
+  :func:`merge_in_kernel` for which measured faster when;
+- fewer instructions around the tensor cores (session 12, H100, ``scripts/bench_results/attention_h100_session12.txt``):
+  rows addressed by int32 element offsets where the pools hold < 2^31 elements (``ATB_CUDA_ATTN_OFF32`` = auto |
+  0 | 1; 0 keeps 64-bit row pointers), absent keys set to -inf by one multiply-add with a 0 / -inf bias per key,
+  the output divided by one reciprocal per row instead of a division per element (IEEE division is a
+  multi-instruction sequence: 128 of them per thread ended every 64 x 512 tile), no masks where the head block
+  and the columns are whole. Together 1-6 % per kernel (T=8 h=64 decode 19.3 -> 18.1 us); with them the 2-stage
+  64-key tile of :func:`tile` measured 7-9 % faster than the 3-stage one (session 11, before them: equal).
 
 Shapes: q1 [T, H, D1], q2 [T, H, D2] (V3's rope part, scores only), kv [P, >= D1 + D2] (K = V = row[:D1]),
 idx [T, K1] int (-1 = absent, never read), kv2 [P2, ...] / idx2 [T, K2], sink [H] float32 -> out [T, H, D1].
@@ -47,7 +54,8 @@ def _attn2_kernel(q1_ptr, q2_ptr, kv_ptr, idx_ptr, kv2_ptr, idx2_ptr, sink_ptr, 
                   MERGE: tl.constexpr, SP: tl.constexpr,
                   BH: tl.constexpr, BN: tl.constexpr, DV: tl.constexpr, ND: tl.constexpr, BD2: tl.constexpr,
                   PREC: tl.constexpr, STAGES: tl.constexpr,
-                  TRIM: tl.constexpr, BK1: tl.constexpr, BK2: tl.constexpr):
+                  TRIM: tl.constexpr, BK1: tl.constexpr, BK2: tl.constexpr, OFF32: tl.constexpr,
+                  EVEN_D: tl.constexpr, EVEN_HD: tl.constexpr):
     # program id -> (token, split, head block, output-column group), the column group fastest: the ND
     # programs that read the same rows run side by side
     pid = tl.program_id(0)
@@ -63,7 +71,10 @@ def _attn2_kernel(q1_ptr, q2_ptr, kv_ptr, idx_ptr, kv2_ptr, idx2_ptr, sink_ptr, 
     cvm = cv < D1
     kv_ty = kv_ptr.dtype.element_ty
     qrow = (t * H + h[:, None]) * D1
-    q_own = tl.load(q1_ptr + qrow + cv[None, :], mask=hm[:, None] & cvm[None, :], other=0.0).to(kv_ty)
+    if EVEN_HD:  # whole head block and columns in range: no masks
+        q_own = tl.load(q1_ptr + qrow + cv[None, :]).to(kv_ty)
+    else:
+        q_own = tl.load(q1_ptr + qrow + cv[None, :], mask=hm[:, None] & cvm[None, :], other=0.0).to(kv_ty)
     co = (1 - dh) * DV + tl.arange(0, DV)  # the other group's columns (score only), ND == 2
     com = co < D1
     q_oth = q_own
@@ -122,16 +133,29 @@ def _attn2_kernel(q1_ptr, q2_ptr, kv_ptr, idx_ptr, kv2_ptr, idx2_ptr, sink_ptr, 
             stride = stride_kv
         rows = tl.load(ip + n, mask=n < lim, other=-1)
         valid = rows >= 0
-        base = rp + rows.to(tl.int64) * stride
-        k_own = tl.load(base[:, None] + cv[None, :], mask=valid[:, None] & cvm[None, :], other=0.0)
+        kmask = valid[:, None] if EVEN_D else valid[:, None] & cvm[None, :]
+        if OFF32:  # element offsets of the pools fit int32: offsets, one 64-bit address per vector at the load
+            roff = rows.to(tl.int32) * stride
+            k_own = tl.load(rp + (roff[:, None] + cv[None, :]), mask=kmask, other=0.0)
+        else:
+            base = rp + rows.to(tl.int64) * stride
+            k_own = tl.load(base[:, None] + cv[None, :], mask=kmask, other=0.0)
         s = mma(q_own, tl.trans(k_own), PREC)
         if ND == 2:
-            k_oth = tl.load(base[:, None] + co[None, :], mask=valid[:, None] & com[None, :], other=0.0)
+            if OFF32:
+                k_oth = tl.load(rp + (roff[:, None] + co[None, :]), mask=valid[:, None] & com[None, :], other=0.0)
+            else:
+                k_oth = tl.load(base[:, None] + co[None, :], mask=valid[:, None] & com[None, :], other=0.0)
             s += mma(q_oth, tl.trans(k_oth), PREC)
         if HAS_Q2:
-            k2 = tl.load(base[:, None] + D1 + d2[None, :], mask=valid[:, None] & (d2 < D2)[None, :], other=0.0)
+            if OFF32:
+                k2 = tl.load(rp + (roff[:, None] + D1 + d2[None, :]), mask=valid[:, None] & (d2 < D2)[None, :],
+                             other=0.0)
+            else:
+                k2 = tl.load(base[:, None] + D1 + d2[None, :], mask=valid[:, None] & (d2 < D2)[None, :], other=0.0)
             s += mma(q2, tl.trans(k2), PREC)
-        s = tl.where(valid[None, :], s * scale2, float("-inf"))
+        # absent keys (k = 0 rows) to -inf: one fused multiply-add with a 0 / -inf bias per key
+        s = s * scale2 + tl.where(valid, 0.0, float("-inf"))[None, :]
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -139,7 +163,9 @@ def _attn2_kernel(q1_ptr, q2_ptr, kv_ptr, idx_ptr, kv2_ptr, idx2_ptr, sink_ptr, 
         acc = acc * alpha[:, None] + mma(p.to(kv_ty), k_own, PREC)
         m_i = m_new
 
-    o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    # one reciprocal per row, then multiplies: a division per element (IEEE div.rn, a multi-instruction sequence)
+    # made the epilogue of a 64 x 512 tile a large share of a short program's instructions
+    o = acc * (1.0 / tl.where(l_i > 0, l_i, 1.0))[:, None]
     if SPLIT:
         off = (sp * T + t) * H + h
         tl.store(ml_ptr + off * 2, m_i, mask=hm)
@@ -153,6 +179,8 @@ def _attn2_kernel(q1_ptr, q2_ptr, kv_ptr, idx_ptr, kv2_ptr, idx2_ptr, sink_ptr, 
                 _merge_splits(part_ptr, ml_ptr, sink_ptr, out_ptr, t, h, hm, cv, cvm, T, H, D1, n_split, HAS_SINK,
                               BH, DV, SP)
                 tl.atomic_xchg(cp, 0)  # zero again for the next launch
+    elif EVEN_HD:
+        tl.store(out_ptr + (t * H + h[:, None]) * D1 + cv[None, :], o.to(out_ptr.dtype.element_ty))
     else:
         tl.store(out_ptr + (t * H + h[:, None]) * D1 + cv[None, :], o.to(out_ptr.dtype.element_ty),
                  mask=hm[:, None] & cvm[None, :])
@@ -189,7 +217,7 @@ def _merge_splits(part_ptr, ml_ptr, sink_ptr, out_ptr, t, h, hm, cv, cvm, T, H, 
         o_s = tl.load(part_ptr + row[:, None] * D1 + cv[None, :], mask=hm[:, None] & cvm[None, :], other=0.0,
                       cache_modifier=".cg")
         acc += o_s.to(tl.float32) * w_j[:, None]
-    o = acc / tl.where(den > 0, den, 1.0)[:, None]
+    o = acc * (1.0 / tl.where(den > 0, den, 1.0))[:, None]  # reciprocal per row (see _attn2_kernel)
     tl.store(out_ptr + (t * H + h[:, None]) * D1 + cv[None, :], o.to(out_ptr.dtype.element_ty),
              mask=hm[:, None] & cvm[None, :])
 
@@ -240,14 +268,23 @@ def tile(h_count: int, d1: int, d2: int, elem: int, t_count: int, n_keys: int, n
     """(BH heads per program, BN keys per chunk, ND column groups, warps, pipeline stages, trim (-1 = auto),
     programs per SM assumed when sizing the key-list split).
 
-    ``ATB_CUDA_ATTN2="BH,BN,ND,WARPS,STAGES[,TRIM[,CTAS]]"`` overrides (benchmarks, tests). Defaults, from the
-    H100 sweep in scripts/bench_results/attention_h100.txt: 64 heads x 512 columns on 8 warps (h <= 64) or 128
-    heads x 256 columns (h >= 128, a warpgroup per 64 heads), 5 stages; while those programs would fill less
-    than half the SMs (decode of a few tokens over <= 2048 keys), 64 heads x 256 columns on 4 warps with the
-    key list split (flash-decoding). From 256 tokens (prefill) at h <= 64 without a rope part: 64-key chunks
-    (3 stages where they fit, else 2), which feed the score's tensor-core tiles twice the keys (H100, T=2048,
-    h=64: one sequence 159.7 -> 195.1 TFLOP/s, distinct rows 54.8 -> 61.0 % of HBM; decode T=128 unchanged within
-    noise, 53.3 -> 51.8-54.3 %, so decode keeps 32; scripts/bench_results/decode_h100_session11.txt)."""
+    ``ATB_CUDA_ATTN2="BH,BN,ND,WARPS,STAGES[,TRIM[,CTAS]]"`` overrides (benchmarks, tests). Defaults (H100 sweeps:
+    scripts/bench_results/attention_h100.txt, decode_h100_session11.txt, attention_h100_session12.txt):
+
+    - 64 heads x 512 columns, 64-key chunks, 8 warps, 2 stages: prefill (from 256 tokens) at every head count,
+      decode at h = 64 and V3's MLA (rope part). With 2 stages the query tile stays in shared memory (the score's
+      wgmma reads it there) and the tile spills less (32 -> 14 registers' worth at h = 64); after session 12's
+      int32 row offsets and per-row reciprocal it measured, against the 3-stage 64-key tile / the 32-key tiles:
+      T=2048 one sequence h=64 202-203 -> 218-219 TFLOP/s, h=128 204 -> 219; distinct rows h=64 203-205 -> 214
+      (67 % of HBM), h=128 235 -> 230-231 (the one loss, kept for the one-sequence gain); decode T=128 h=64
+      55.4-56.1 -> 59.0-59.6 % of HBM; V3 MLA T=32 x 4096 keys 205-208 -> 223-224 TFLOP/s;
+    - h >= 128 decode without a rope part: 128 heads x 256 columns (a warpgroup per 64 heads), 32-key chunks,
+      5 stages (the 64-head tile measured 212 against 232-237 TFLOP/s at T=128);
+    - while those programs would fill less than half the SMs (decode of a few tokens over <= 2048 keys): 64 heads
+      x 256 columns on 4 warps with the key list split (flash-decoding; the 64-key tile measured 20-35 % slower
+      at T = 8 / 32);
+    - h < 64 decode (tensor-parallel head shards): h heads x 512 columns, 32-key chunks, 5 stages (not re-measured).
+    """
     env = os.environ.get("ATB_CUDA_ATTN2")
     if env:
         v = [int(x) for x in env.split(",")] + [-1, 1][len(env.split(",")) - 5:]
@@ -259,9 +296,12 @@ def tile(h_count: int, d1: int, d2: int, elem: int, t_count: int, n_keys: int, n
         return min(32, hp), 16, (2 if bd1 >= 256 else 1), 4, 3, -1, 1
     if bd1 < 256:
         return min(64, hp), 32, 1, 4, 3, -1, 1
-    big = (128, 32, 2, 8, 3 if d2 else 5, -1, 1) if hp >= 128 else (min(64, hp), 32, 1, 8, 5, -1, 1)
-    if hp <= 64 and not d2 and t_count >= 256:
-        return min(64, hp), 64, 1, 8, 3, -1, 1
+    if t_count >= 256 or hp == 64 or (hp >= 128 and d2):
+        big = (min(64, hp), 64, 1, 8, 2, -1, 1)
+    elif hp >= 128:
+        big = (128, 32, 2, 8, 5, -1, 1)
+    else:
+        big = (hp, 32, 1, 8, 5, -1, 1)
     if t_count * triton.cdiv(h_count, big[0]) * big[2] * 2 < n_sm and n_keys <= 2048:
         return min(64, hp), 32, 2, 4, 5, -1, 1
     return big
@@ -330,12 +370,18 @@ def run(q1, q2, kv, idx, kv2, idx2, sink, scale, out_dtype):
     else:
         part = ml = out
     merge = ctr is not None
+    off32 = os.environ.get("ATB_CUDA_ATTN_OFF32", "auto")
+    if off32 not in ("auto", "0", "1"):
+        raise ValueError(f"ATB_CUDA_ATTN_OFF32={off32!r}: expected auto, 0 or 1")
+    fits = kvc.numel() < 2**31 and kv2c.numel() < 2**31
+    off32 = fits and off32 != "0"
     args = (q1c, q2c, kvc, idxc, kv2c, idx2c, sinkc, out, part, ml, ctr if merge else ml, t_count, h_count, d1, d2,
             k1, k2, kvc.stride(0), kv2c.stride(0), float(scale) * LOG2E, cps, n_split, n_hb)
     meta = dict(HAS_Q2=q2 is not None, HAS_EXTRA=has_extra, HAS_SINK=sink is not None, SPLIT=split, MERGE=merge,
                 SP=pow2(n_split), BH=bh, BN=bn,
                 DV=dv, ND=nd, BD2=pow2(d2, 16), PREC=dot_precision(kv.dtype, q1.dtype), TRIM=trim,
-                BK1=pow2(k1, 16), BK2=pow2(k2, 16), num_warps=warps)
+                BK1=pow2(k1, 16), BK2=pow2(k2, 16), OFF32=off32,
+                EVEN_D=dv * nd == d1, EVEN_HD=dv * nd == d1 and n_hb * bh == h_count, num_warps=warps)
     key = (str(q1.dtype), str(kv.dtype), stages, tuple(meta.items()))
     for st in sorted({stages, min(stages, 3), 2}, reverse=True) if key not in _STAGES else [_STAGES[key]]:
         try:  # a tile whose pipeline buffers exceed shared memory: fewer stages (the smem need is compiler-made)

@@ -439,12 +439,15 @@ def test_sparse_attention(dtype, t, h, d, k, k2):
 
 # the two sparse-attention kernels (attention.py "old", attention_v2.py "new") and forced v2 tiles
 # "BH,BN,ND,WARPS,STAGES,TRIM": both column groups (ND = 2), one group, key-list splits (CPU: 8 "SMs"),
-# trimming of all-absent leading / trailing chunks (TRIM = 1; applies where the key list is not split)
+# trimming of all-absent leading / trailing chunks (TRIM = 1; applies where the key list is not split);
+# "new64": the v2 kernel with 64-bit row addresses (ATB_CUDA_ATTN_OFF32=0; the default takes int32 offsets)
 ATTN_IMPLS = [("old", None), ("new", None), ("new", "16,16,2,4,3,1"), ("new", "32,16,1,4,5,0"), ("new", "16,32,2,4,3,1"),
-              ("new", "16,16,1,4,2,1")]
+              ("new", "16,16,1,4,2,1"), ("new64", None), ("new64", "16,16,2,4,3,1")]
 
 
 def _attn_env(monkeypatch, impl, cfg):
+    monkeypatch.setenv("ATB_CUDA_ATTN_OFF32", "0" if impl == "new64" else "auto")
+    impl = "new" if impl == "new64" else impl
     monkeypatch.setenv("ATB_CUDA_ATTN_IMPL", impl)
     if cfg:
         monkeypatch.setenv("ATB_CUDA_ATTN2", cfg)
@@ -464,26 +467,41 @@ def test_attention_tile_override_refuses_column_groups_beyond_two(monkeypatch):
     assert tile(64, 512, 0, 2, 32, 640, 132) == (64, 16, 2, 4, 3, -1, 2)
 
 
+def test_attention_offset_knob_is_checked(monkeypatch):
+    cu, _ = impls("sparse_attention")
+    g = gen(3)
+    q, kv, idx, sink = _attn_inputs(g, 2, 4, 32, 30, 8, torch.bfloat16)
+    monkeypatch.setenv("ATB_CUDA_ATTN_IMPL", "new")
+    monkeypatch.setenv("ATB_CUDA_ATTN_OFF32", "yes")
+    with pytest.raises(ValueError, match="ATB_CUDA_ATTN_OFF32='yes': expected auto, 0 or 1"):
+        cu(q, kv, idx, sink, 0.1)
+
+
 def test_attention_default_tiles(monkeypatch):
-    """The measured defaults (attention_v2.tile): h = 64 decode in 32-key chunks (key-list splits for a few tokens),
-    prefill from 256 tokens in 64-key chunks; h = 128 and V3's rope part keep their tiles."""
+    """The measured defaults (attention_v2.tile): key-list splits for a few tokens; 64 heads x 64-key chunks in 2
+    stages for prefill (every head count), h = 64 decode and V3's MLA decode; h = 128 decode keeps 128 heads x
+    32-key chunks; head shards below 64 keep 32-key chunks in decode."""
     from atb_ops.cuda.attention_v2 import tile
 
     monkeypatch.delenv("ATB_CUDA_ATTN2", raising=False)
-    assert tile(64, 512, 0, 2, 8, 640, 132) == (64, 32, 2, 4, 5, -1, 1)
-    assert tile(64, 512, 0, 2, 128, 640, 132) == (64, 32, 1, 8, 5, -1, 1)
-    assert tile(64, 512, 0, 2, 2048, 640, 132) == (64, 64, 1, 8, 3, -1, 1)
-    assert tile(128, 512, 0, 2, 2048, 640, 132) == (128, 32, 2, 8, 5, -1, 1)
-    assert tile(64, 512, 64, 2, 2048, 640, 132)[1] == 32
+    assert tile(64, 512, 0, 2, 8, 640, 132) == (64, 32, 2, 4, 5, -1, 1)  # split (flash-decoding)
+    assert tile(64, 512, 0, 2, 128, 640, 132) == (64, 64, 1, 8, 2, -1, 1)
+    assert tile(64, 512, 0, 2, 2048, 640, 132) == (64, 64, 1, 8, 2, -1, 1)
+    assert tile(128, 512, 0, 2, 2048, 640, 132) == (64, 64, 1, 8, 2, -1, 1)
+    assert tile(128, 512, 0, 2, 128, 640, 132) == (128, 32, 2, 8, 5, -1, 1)
+    assert tile(128, 512, 64, 2, 32, 4096, 132) == (64, 64, 1, 8, 2, -1, 1)  # V3 MLA decode
+    assert tile(16, 512, 0, 2, 128, 640, 132) == (16, 32, 1, 8, 5, -1, 1)
+    assert tile(16, 512, 0, 2, 2048, 640, 132) == (16, 64, 1, 8, 2, -1, 1)
 
 
 @pytest.mark.parametrize("impl,cfg", ATTN_IMPLS)
 @pytest.mark.parametrize("t,h,d,k,k2,with_sink", [(5, 3, 80, 21, 19, True), (2, 17, 48, 40, 0, True),
                                                    (3, 2, 16, 0, 7, False), (6, 5, 64, 33, 40, False),
-                                                   (2, 4, 256, 40, 30, True)])
+                                                   (2, 4, 256, 40, 30, True), (4, 16, 64, 33, 20, True)])
 def test_sparse_attention_impls(monkeypatch, impl, cfg, t, h, d, k, k2, with_sink):
     """Both kernels and their tilings: odd head counts, d not a power of 2, -1 holes, a token whose keys are
-    all -1 (sink only: 0 output), an empty main set, a sink of ~0 weight."""
+    all -1 (sink only: 0 output), an empty main set, a sink of ~0 weight; 16 heads x 64 columns fill the v2
+    kernel's tile exactly (its unmasked q load and output store)."""
     _attn_env(monkeypatch, impl, cfg)
     cu, ref = impls("sparse_attention")
     g = gen(81)
