@@ -272,8 +272,9 @@ def tile(h_count: int, d1: int, d2: int, elem: int, t_count: int, n_keys: int, n
     scripts/bench_results/attention_h100.txt, decode_h100_session11.txt, attention_h100_session12.txt):
 
     - 64 heads x 512 columns, 64-key chunks, 8 warps, 2 stages: prefill (from 256 tokens) at every head count,
-      decode at h = 64 and V3's MLA (rope part). With 2 stages the query tile stays in shared memory (the score's
-      wgmma reads it there) and the tile spills less (32 -> 14 registers' worth at h = 64); after session 12's
+      decode at h = 64 and V3's MLA (rope part). Compiled with 2 stages its 197,120 B of shared memory hold two
+      64 KB key stages and, by their size, the 64 KB query tile, and it spills less (32 -> 14 registers at h = 64,
+      where 3 stages spent the shared memory on a third key stage and kept the query in registers); after session 12's
       int32 row offsets and per-row reciprocal it measured, against the 3-stage 64-key tile / the 32-key tiles:
       T=2048 one sequence h=64 202-203 -> 218-219 TFLOP/s, h=128 204 -> 219; distinct rows h=64 203-205 -> 214
       (67 % of HBM), h=128 235 -> 230-231 (the one loss, kept for the one-sequence gain); decode T=128 h=64
