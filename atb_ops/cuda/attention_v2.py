@@ -48,6 +48,16 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _gather_ptrs(rp, rows, stride, cols, OFF32: tl.constexpr):
+    """Pointers [len(rows), len(cols)] to columns cols of the pool rows ``rows`` (row stride ``stride`` elements).
+    OFF32 (the pool holds < 2^31 elements): int32 element offsets added to the pool's base once per vector;
+    else 64-bit row pointers."""
+    if OFF32:
+        return rp + ((rows.to(tl.int32) * stride)[:, None] + cols[None, :])
+    return (rp + rows.to(tl.int64) * stride)[:, None] + cols[None, :]
+
+
+@triton.jit
 def _attn2_kernel(q1_ptr, q2_ptr, kv_ptr, idx_ptr, kv2_ptr, idx2_ptr, sink_ptr, out_ptr, part_ptr, ml_ptr, ctr_ptr,
                   T, H, D1, D2, K1, K2, stride_kv, stride_kv2, scale2, chunks_per_split, n_split, n_hb,
                   HAS_Q2: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_SINK: tl.constexpr, SPLIT: tl.constexpr,
@@ -134,25 +144,14 @@ def _attn2_kernel(q1_ptr, q2_ptr, kv_ptr, idx_ptr, kv2_ptr, idx2_ptr, sink_ptr, 
         rows = tl.load(ip + n, mask=n < lim, other=-1)
         valid = rows >= 0
         kmask = valid[:, None] if EVEN_D else valid[:, None] & cvm[None, :]
-        if OFF32:  # element offsets of the pools fit int32: offsets, one 64-bit address per vector at the load
-            roff = rows.to(tl.int32) * stride
-            k_own = tl.load(rp + (roff[:, None] + cv[None, :]), mask=kmask, other=0.0)
-        else:
-            base = rp + rows.to(tl.int64) * stride
-            k_own = tl.load(base[:, None] + cv[None, :], mask=kmask, other=0.0)
+        k_own = tl.load(_gather_ptrs(rp, rows, stride, cv, OFF32), mask=kmask, other=0.0)
         s = mma(q_own, tl.trans(k_own), PREC)
         if ND == 2:
-            if OFF32:
-                k_oth = tl.load(rp + (roff[:, None] + co[None, :]), mask=valid[:, None] & com[None, :], other=0.0)
-            else:
-                k_oth = tl.load(base[:, None] + co[None, :], mask=valid[:, None] & com[None, :], other=0.0)
+            k_oth = tl.load(_gather_ptrs(rp, rows, stride, co, OFF32), mask=valid[:, None] & com[None, :], other=0.0)
             s += mma(q_oth, tl.trans(k_oth), PREC)
         if HAS_Q2:
-            if OFF32:
-                k2 = tl.load(rp + (roff[:, None] + D1 + d2[None, :]), mask=valid[:, None] & (d2 < D2)[None, :],
-                             other=0.0)
-            else:
-                k2 = tl.load(base[:, None] + D1 + d2[None, :], mask=valid[:, None] & (d2 < D2)[None, :], other=0.0)
+            k2 = tl.load(_gather_ptrs(rp, rows, stride, D1 + d2, OFF32), mask=valid[:, None] & (d2 < D2)[None, :],
+                         other=0.0)
             s += mma(q2, tl.trans(k2), PREC)
         # absent keys (k = 0 rows) to -inf: one fused multiply-add with a 0 / -inf bias per key
         s = s * scale2 + tl.where(valid, 0.0, float("-inf"))[None, :]
