@@ -246,13 +246,6 @@ class LLM:
         from ..engine.executor_dp import DPExecutor
         from ..parallel_plan import validate_dp_layout, validate_layout
 
-        if folder is not None:
-            from ..weights.msmodelslim_loader import is_msmodelslim_folder
-
-            if is_msmodelslim_folder(folder):
-                raise ConfigError(f"{folder}: msModelSlim checkpoints are not supported with data_parallel_size > 1 "
-                                  f"yet (their quantised experts have no zero-token step); use the official "
-                                  f"checkpoint or data_parallel_size=1")
         local = None if executor == "ray" else visible_devices(self.device.type)  # Ray: devices of many nodes
         validate_dp_layout(self.cfg, dp, tp, True, executor, visible_devices=local, device=self.device.type)
         validate_layout(self.cfg, tp, True, quantized_checkpoint=folder is not None, numerics=numerics)

@@ -163,31 +163,51 @@ class Experts(nn.Module):
         return torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device).index_add_(0, tok, y.float())
 
     def _forward_alltoall(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """EP dispatch / combine: rank r takes the r-th chunk of the (replicated) tokens, sends each of its
-        (token, expert) rows to the expert's rank, gets the weighted expert outputs back, sums them per token,
-        and the chunks are all-gathered so that every rank ends with all T rows (complete, not partial)."""
-        g, s, T, k, d = self.ep, self.split, ids.shape[0], ids.shape[1], x.shape[1]
-        E = self.w1.shape[0]
-        per = -(-T // s.size)
-        lo, hi = min(s.rank * per, T), min((s.rank + 1) * per, T)
-        flat_ids, flat_w = ids[lo:hi].reshape(-1), weights[lo:hi].reshape(-1).float()
-        dest = flat_ids // E
-        order = torch.argsort(flat_ids, stable=True)  # by expert, hence by destination rank
-        send_counts = torch.bincount(dest, minlength=g.size)
-        recv_counts = exchange_counts(send_counts, g)  # on the data's device: NCCL / HCCL take no CPU tensors
-        sc, rc = send_counts.tolist(), recv_counts.tolist()
-        tok = order // k
-        r_x = all_to_all(x[lo:hi][tok], sc, rc, g)
-        r_e = all_to_all(flat_ids[order], sc, rc, g)
-        r_w = all_to_all(flat_w[order], sc, rc, g)
-        local = r_e - self.first_expert
-        o = torch.argsort(local, stable=True)  # rows from several sources: regroup by expert
-        y = torch.empty(r_x.shape[0], d, dtype=torch.float32, device=x.device)
-        y[o] = self._rows(r_x[o], local[o], r_w[o], x.dtype).float()
-        back = all_to_all(y, rc, sc, g)  # the rows this rank sent, in the order it sent them
-        out = torch.zeros(per, d, dtype=torch.float32, device=x.device)
-        out.index_add_(0, tok, back)
-        return all_gather(out, s, 0)[:T]
+        """EP dispatch / combine (:func:`ep_dispatch_combine`) around this rank's experts (:meth:`_rows`)."""
+        return ep_dispatch_combine(x, weights, ids, self.ep, self.split, self.w1.shape[0], self.first_expert,
+                                   self._rows)
+
+    def zero_token_step(self, dtype: torch.dtype) -> None:
+        """One forward on zero tokens of activation ``dtype``: this layer's EP collectives, for a data-parallel
+        replica with no work in a step (:func:`dummy_moe_step`)."""
+        dev = self.w1.device
+        self(torch.empty(0, self.w2.shape[1], dtype=dtype, device=dev), torch.empty(0, 1, device=dev),
+             torch.empty(0, 1, dtype=torch.long, device=dev))
+
+
+def ep_dispatch_combine(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ep: Group, split: Group,
+                        n_local: int, first_expert: int, rows) -> torch.Tensor:
+    """Expert-parallel dispatch / combine over ``ep`` (each rank holds experts ``first_expert ..
+    first_expert + n_local - 1``, the same count on every rank).
+
+    x [T, d] and weights, ids [T, k] (global expert ids) are the same on every rank of ``split`` (the ranks that
+    hold the same tokens: the EP group itself, or a data-parallel replica's TP group). Rank r of ``split`` takes
+    the r-th chunk of the T tokens, sends each of its (token, expert) rows to the expert's rank, which computes
+    ``rows(xs, local_ids, row_weights, x.dtype) -> float [n, d]`` (rows sorted by local expert id, the routing
+    weight applied) and sends the outputs back; each token's rows are summed (float32) and the chunks are
+    all-gathered over ``split``, so that every rank ends with all T rows (complete sums, float32
+    [T, d]). T = 0 (a replica with no work) still takes part in every collective."""
+    T, k, d = ids.shape[0], ids.shape[1], x.shape[1]
+    per = -(-T // split.size)
+    lo, hi = min(split.rank * per, T), min((split.rank + 1) * per, T)
+    flat_ids, flat_w = ids[lo:hi].reshape(-1), weights[lo:hi].reshape(-1).float()
+    dest = flat_ids // n_local
+    order = torch.argsort(flat_ids, stable=True)  # by expert, hence by destination rank
+    send_counts = torch.bincount(dest, minlength=ep.size)
+    recv_counts = exchange_counts(send_counts, ep)  # on the data's device: NCCL / HCCL take no CPU tensors
+    sc, rc = send_counts.tolist(), recv_counts.tolist()
+    tok = order // k
+    r_x = all_to_all(x[lo:hi][tok], sc, rc, ep)
+    r_e = all_to_all(flat_ids[order], sc, rc, ep)
+    r_w = all_to_all(flat_w[order], sc, rc, ep)
+    local = r_e - first_expert
+    o = torch.argsort(local, stable=True)  # rows from several sources: regroup by expert
+    y = torch.empty(r_x.shape[0], d, dtype=torch.float32, device=x.device)
+    y[o] = rows(r_x[o], local[o], r_w[o], x.dtype).float()
+    back = all_to_all(y, rc, sc, ep)  # the rows this rank sent, in the order it sent them
+    out = torch.zeros(per, d, dtype=torch.float32, device=x.device)
+    out.index_add_(0, tok, back)
+    return all_gather(out, split, 0)[:T]
 
 
 def routed_experts(cfg, inter: int, limit: float, dtype: torch.dtype, reference: bool, parallel) -> Experts:
@@ -204,16 +224,15 @@ def routed_experts(cfg, inter: int, limit: float, dtype: torch.dtype, reference:
 
 def dummy_moe_step(model: nn.Module) -> int:
     """The EP collectives of one forward with no tokens (a data-parallel replica with no work in a step): the
-    expert-parallel :class:`Experts` of every main layer (``model.layers``, in order; not the MTP layers) run on
-    zero rows. Returns how many layers took part."""
+    expert-parallel routed experts of every main layer (``model.layers``, in order; not the MTP layers) run on
+    zero rows -- :class:`Experts` and msModelSlim's ``ParallelQuantExperts`` alike, whatever has an ``ep`` group
+    of more than one rank and a ``zero_token_step``. Returns how many layers took part."""
     n = 0
     for layer in model.layers:
         for m in layer.modules():
-            if isinstance(m, Experts) and m.ep.size > 1:
-                dev = m.w1.device
-                x = torch.empty(0, m.w2.shape[1], dtype=model.dtype, device=dev)  # w2: [E, dim, *]
-                m(x, torch.empty(0, 1, dtype=torch.float32, device=dev), torch.empty(0, 1, dtype=torch.long,
-                                                                                      device=dev))
+            ep = getattr(m, "ep", None)
+            if isinstance(ep, Group) and ep.size > 1 and callable(getattr(m, "zero_token_step", None)):
+                m.zero_token_step(model.dtype)
                 n += 1
     return n
 

@@ -43,18 +43,32 @@ class QuantExperts(nn.Module):
         self.w2 = nn.ModuleList(e[2] for e in experts)
         self.limit = limit
 
+    def _expert(self, e: int, xs: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Expert ``e`` (local index) on rows xs [n, d] with routing weights w [n, 1]: float32 [n, d], the weight
+        applied before w2 or after it (``weight_after_w2``)."""
+        h = atb_ops.swiglu(self.w1[e](xs), self.w3[e](xs), self.limit)
+        if self.weight_after_w2:
+            return self.w2[e](h.to(dtype)).float() * w
+        return self.w2[e]((h * w).to(dtype)).float()
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         T, k = ids.shape
         y = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
         for e in torch.unique(ids).tolist():
             tok, slot = (ids == e).nonzero(as_tuple=True)
-            xs = x[tok]
-            h = atb_ops.swiglu(self.w1[e](xs), self.w3[e](xs), self.limit)
-            w = weights[tok, slot].unsqueeze(-1)
-            if self.weight_after_w2:
-                y.index_add_(0, tok, self.w2[e](h.to(x.dtype)).float() * w)
-            else:
-                y.index_add_(0, tok, self.w2[e]((h * w).to(x.dtype)).float())
+            y.index_add_(0, tok, self._expert(e, x[tok], weights[tok, slot].unsqueeze(-1), x.dtype))
+        return y
+
+    def _rows(self, xs: torch.Tensor, e: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows xs [n, d] sorted by local expert id e [n], routing weights w [n] -> float32 [n, d] (each row its
+        expert's output, weighted): what expert-parallel dispatch (``layers.experts.ep_dispatch_combine``) asks
+        of the rank that holds the experts."""
+        y = torch.empty(xs.shape[0], xs.shape[1], dtype=torch.float32, device=xs.device)
+        ids, counts = torch.unique_consecutive(e, return_counts=True)
+        lo = 0
+        for eid, n in zip(ids.tolist(), counts.tolist()):
+            y[lo:lo + n] = self._expert(eid, xs[lo:lo + n], w[lo:lo + n].unsqueeze(-1).float(), dtype)
+            lo += n
         return y
 
 

@@ -144,7 +144,8 @@ def load_msmodelslim(model: nn.Module, folder: str, path: str = "int", allow_flo
                 triples = [tuple(quant_linear(ck, keys[(e, w)], kinds_tp.get(w), mod.tp, path, kw, dtype, reduce=False)
                                  for w in ("w1", "w3", "w2")) for e in range(E)]
                 setattr(parent, leaf, ParallelQuantExperts(triples, mod.limit, fam.experts_weight_after_w2, first,
-                                                           mod.ep, mod.tp))
+                                                           mod.ep, mod.tp, ep_comm=mod.ep_comm, split=mod.split,
+                                                           dim=mod.w2.shape[1]))
                 replaced.add(name)
                 n_quant += 3 * E
             else:

@@ -7,7 +7,8 @@ columns of the weight and of per-group scales, keeps per-channel scales whole, a
 on rank 0 only (they are added to the partial sum before the all-reduce, so once in total). Dynamic (per-token)
 activation quantisation of a row-parallel input uses the token's max over ALL ranks (an all-reduce of the local
 maxima), so that every rank quantises with the single-device scale and the integer sums add up to the
-single-device result. Routed experts: EP ranks build only their own experts; TP ranks split each expert's w1 / w3
+single-device result. Routed experts: EP ranks build only their own experts (rows dispatched to them by
+all-to-all, or an all-reduce of partial sums: :class:`ParallelQuantExperts`); TP ranks split each expert's w1 / w3
 by columns and w2 by rows. Only the integer path (``msmodelslim_path="int"``, what the NPU runs) is split.
 
 These tensors are read whole and sliced on the rank (the msModelSlim reader has no partial reads): a rank holds
@@ -24,6 +25,7 @@ from parallel.comm import all_reduce
 from parallel.groups import Group
 
 from ..errors import CheckpointError
+from ..layers.experts import ep_dispatch_combine
 from ..layers.quantized import QuantExperts, QuantLinearAdapter
 
 _PER_CHANNEL = ("weight_scale", "weight_offset", "weight_scale_second", "weight_offset_second", "deq_scale",
@@ -125,31 +127,43 @@ def quant_linear(ck, key: str, kind: str | None, tp: Group, path: str, kw: dict,
 
 
 class ParallelQuantExperts(QuantExperts):
-    """Routed msModelSlim experts of one rank: EP (experts ``first_expert ..`` only; others skipped) or TP (every
-    expert split); returns a partial sum reduced by the MoE (``ep_comm = 'allreduce'``)."""
+    """Routed msModelSlim experts of one rank: EP (experts ``first_expert ..`` only) or TP (every expert split).
 
-    def __init__(self, experts, limit: float, weight_after_w2: bool, first_expert: int, ep: Group, tp: Group):
+    EP follows the dense experts' ``ep_comm`` (``layers.experts.Experts``): ``'alltoall'`` sends each (token,
+    expert) row to the expert's rank and back (``layers.experts.ep_dispatch_combine``; complete rows; the only
+    mode under data-parallel attention, whose replicas hold different tokens: ``split`` is then the replica's TP
+    group), ``'allreduce'`` computes this rank's experts for all tokens and returns a partial sum that the MoE
+    reduces. TP: partial sums, reduced by the MoE. ``dim``: the model width, for :meth:`zero_token_step`."""
+
+    def __init__(self, experts, limit: float, weight_after_w2: bool, first_expert: int, ep: Group, tp: Group,
+                 ep_comm: str = "allreduce", split: Group | None = None, dim: int | None = None):
         super().__init__(experts, limit, weight_after_w2)
         self.first_expert, self.ep, self.tp = first_expert, ep, tp
-        self.ep_comm = "allreduce"
+        self.split = split or ep
+        self.ep_comm = ep_comm if ep.size > 1 else "allreduce"
+        if self.split is not ep and self.ep_comm != "alltoall":
+            raise ValueError("data-parallel attention needs ASCEND_DSV4_EP_COMM=alltoall (the replicas hold different "
+                             "tokens, an all-reduce of expert outputs would mix them)")
+        self.dim = dim
+
+    def zero_token_step(self, dtype: torch.dtype) -> None:
+        """One forward on zero tokens: this layer's EP collectives, for a data-parallel replica with no work."""
+        if self.dim is None:
+            raise ValueError("ParallelQuantExperts.zero_token_step: built without the model width (dim)")
+        dev = next((t.device for t in self.buffers()), torch.device("cpu"))
+        self(torch.empty(0, self.dim, dtype=dtype, device=dev), torch.empty(0, 1, device=dev),
+             torch.empty(0, 1, dtype=torch.long, device=dev))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         E = len(self.w1)
         if self.ep.size == 1:
             return super().forward(x, weights, ids)
+        if self.ep_comm == "alltoall":
+            return ep_dispatch_combine(x, weights, ids, self.ep, self.split, E, self.first_expert, self._rows)
         local = ids - self.first_expert
         mine = (local >= 0) & (local < E)
-        # rows routed elsewhere get weight 0 on a dummy local expert: skipped by masking ids to -1
         y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
-        import atb_ops
-
         for e in torch.unique(local[mine]).tolist():
             tok, slot = (local == e).nonzero(as_tuple=True)
-            xs = x[tok]
-            h = atb_ops.swiglu(self.w1[e](xs), self.w3[e](xs), self.limit)
-            w = weights[tok, slot].unsqueeze(-1)
-            if self.weight_after_w2:
-                y.index_add_(0, tok, self.w2[e](h.to(x.dtype)).float() * w)
-            else:
-                y.index_add_(0, tok, self.w2[e]((h * w).to(x.dtype)).float())
+            y.index_add_(0, tok, self._expert(e, x[tok], weights[tok, slot].unsqueeze(-1), x.dtype))
         return y

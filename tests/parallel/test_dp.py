@@ -175,3 +175,38 @@ def test_dp2_preemption_inside_a_replica_equals_one_device(monkeypatch):
         assert llm.engine.scheduler.num_preemptions > 0
     finally:
         llm.shutdown()
+
+
+MSM_FIX = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "msmodelslim")
+
+
+@pytest.mark.parametrize("case", ["dsv3_w8a8_dynamic_v0", "dsv3_mix_w8a8_w4a8_v1"])
+def test_dp2_msmodelslim_equals_one_device_with_an_idle_replica(case):
+    """msModelSlim checkpoints (the real tool's tiny DeepSeek-V3 fixtures: W8A8_DYNAMIC, mixed W8A8 / W4A8) under
+    DP 2 x TP 1 with EP: the quantised routed experts take rows by all-to-all dispatch / combine, and an idle
+    replica's dummy steps run them on zero tokens. Greedy outputs equal world size 1, also for a request alone
+    (the other replica idle for every step)."""
+    from ascend_dsv4.layers.experts import dummy_moe_step  # noqa: F401 - the path the idle replica takes
+
+    folder = os.path.join(MSM_FIX, case)
+    kw = dict(device="cpu", dtype="float32", allow_float_mtp=True, progress=False, max_model_len=64)
+    prompts = [[(11 * i + 5) % 120 + 3 for i in range(12)], [(7 * i + 1) % 120 + 3 for i in range(9)],
+               [(5 * i + 2) % 120 + 3 for i in range(7)]]
+    sp = SamplingParams(max_tokens=5, temperature=0.0)
+    one = LLM(folder, **kw)
+    want = _ids(one.generate(prompts, sp, use_tqdm=False))
+    alone = [[(13 * i + 4) % 120 + 3 for i in range(10)]]
+    want_alone = _ids(one.generate(alone, sp, use_tqdm=False))
+    llm = LLM(folder, data_parallel_size=2, enable_expert_parallel=True, **kw)
+    try:
+        eng = llm.engine
+        assert _ids(llm.generate(prompts, sp, use_tqdm=False)) == want
+        assert all(e.stats.prompt_tokens > 0 for e in eng.engines)
+        calls = [e.runner.calls for e in eng.engines]
+        steps = [e.stats.steps for e in eng.engines]
+        assert _ids(llm.generate(alone, sp, use_tqdm=False)) == want_alone
+        busy = [e.stats.steps - s for e, s in zip(eng.engines, steps)]
+        idle = busy.index(0)
+        assert eng.engines[idle].runner.calls - calls[idle] == max(busy) > 1  # a dummy step per busy step
+    finally:
+        llm.shutdown()

@@ -1,6 +1,6 @@
 """msModelSlim checkpoints (the real tool's tiny DeepSeek-V3 fixtures: W8A8_DYNAMIC, static W8A8 with quant_bias,
-mixed W8A8 / W4A8) on the integer path under TP 2 and TP 2 + EP equal world size 1 (float32): quant_bias added
-on one rank, dynamic per-token scales of row-parallel inputs from the global max."""
+mixed W8A8 / W4A8) on the integer path under TP 2 and TP 2 + EP (all-to-all and all-reduce) equal world size 1
+(float32): quant_bias added on one rank, dynamic per-token scales of row-parallel inputs from the global max."""
 
 from __future__ import annotations
 
@@ -39,8 +39,13 @@ def _worker(rank, world, init, result_dir, v4_folders):
 
     lines = []
     folders = [os.path.join(FIX, c) for c in CASES] + v4_folders
-    for i, (folder, ep) in enumerate((f, ep) for f in folders for ep in (False, True)):
+    # EP: the all-to-all dispatch / combine (the default, and the path data parallelism needs) everywhere, the
+    # all-reduce fallback on the real tool's fixtures
+    layouts = ((False, "alltoall"), (True, "alltoall"), (True, "allreduce"))
+    modes = [(f, ep, comm) for f in folders for ep, comm in layouts if f.startswith(FIX) or comm == "alltoall"]
+    for i, (folder, ep, comm) in enumerate(modes):
         case = os.path.basename(folder)
+        os.environ["ASCEND_DSV4_EP_COMM"] = comm
         state = init_parallel(world, rank, init + f"_{i}", enable_expert_parallel=ep, timeout_s=120)
         try:
             with torch.inference_mode():
@@ -48,7 +53,7 @@ def _worker(rank, world, init, result_dir, v4_folders):
                 if rank == 0:
                     want = _logits(folder, None)
                     err = ((got - want).abs().max() / want.abs().max()).item()
-                    lines.append(f"{case} world={world} ep={ep} rel_err={err:.2e}")
+                    lines.append(f"{case} world={world} ep={ep} {comm if ep else ''} rel_err={err:.2e}")
                     # the real tool's fixtures: 1e-5. Our quantiser's V4 toys quantise activations statically
                     # (W8A8): a last-ulp difference of the all-reduce order can flip one rounding (measured:
                     # 4e-3 .. 6e-3 after the flip, depending on the calibration's thread count), so they get the
