@@ -163,8 +163,7 @@ def format_layout_info(cfg, tensor_parallel_size: int, enable_expert_parallel: b
 
 
 def validate_dp_layout(cfg, data_parallel_size, tensor_parallel_size: int, enable_expert_parallel: bool,
-                       executor: str | None = None, num_speculative_tokens: int = 0,
-                       visible_devices: int | None = None, device: str = "") -> None:
+                       executor: str | None = None, visible_devices: int | None = None, device: str = "") -> None:
     """Rules of data-parallel attention (``D`` replicas of ``T`` ranks, experts EP over all ``D x T`` ranks whether
     or not ``enable_expert_parallel`` is set: the only MoE layout across replicas);
     raises :class:`ConfigError` naming the field. The per-replica TP rules are :func:`validate_layout`'s."""
@@ -176,9 +175,6 @@ def validate_dp_layout(cfg, data_parallel_size, tensor_parallel_size: int, enabl
     world = dp * tensor_parallel_size  # the routed experts are EP over all of them (enable_expert_parallel implied)
     if executor not in (None, "mp", "ray"):
         raise ConfigError(f"distributed_executor_backend must be 'mp' or 'ray', got {executor!r}")
-    if num_speculative_tokens:
-        raise ConfigError(f"data_parallel_size = {dp} does not support speculative decoding yet "
-                          f"(num_speculative_tokens must be 0)")
     import os
 
     if os.environ.get("ASCEND_DSV4_EP_COMM", "alltoall") != "alltoall":

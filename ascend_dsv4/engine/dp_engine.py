@@ -5,7 +5,8 @@ prefix caching is on and some replica has a hit), else to the replica with the f
 (prompt tokens not yet computed plus tokens still to generate, over its unfinished requests); ties go to the lower
 replica. :meth:`DPEngine.step` runs one step of every replica at once (one thread per replica, see
 ``executor_dp``): a replica whose engine step sent no forward sends a dummy step, so that every rank of the
-expert-parallel group takes part in every step. The interface is the part of :class:`LLMEngine` that ``LLM`` and
+expert-parallel group takes part in every step; with speculative decoding the same holds for the MTP forward
+(one per step and replica, real or dummy). The interface is the part of :class:`LLMEngine` that ``LLM`` and
 the async server use.
 """
 
@@ -75,10 +76,12 @@ class DPEngine:
     def _replica_step(self, d: int) -> list[RequestOutput]:
         e = self.engines[d]
         runner = e.runner
-        before = runner.calls
+        before, drafts_before = runner.calls, runner.draft_calls
         outs = e.step() if (e.has_unfinished() or e.requests) else []
         if runner.calls == before:  # no forward from this replica in this step: meet the EP collectives
             runner.dummy()
+        if e.drafter is not None and runner.draft_calls == drafts_before:  # nor an MTP forward (speculation on)
+            runner.dummy_draft()
         return outs
 
     def step(self) -> list[RequestOutput]:

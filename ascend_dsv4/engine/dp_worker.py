@@ -4,11 +4,18 @@ Every rank of every replica is a worker process (the front end holds no model sh
 rank's pipe):
 
 - ``("execute", (ids, ctx, rows))``: the replica's step: ``model(ids, ctx)`` then ``model.logits(hidden, rows)``;
-  the replica's rank 0 answers the float32 CPU logits, the others ``None``;
+  the replica's rank 0 answers the float32 CPU logits, the others ``None``; the step's hidden states stay on the
+  rank for a following ``draft``;
+- ``("draft", (ctx, next_ids, rows, k))``: MTP module k over rows ``rows`` of the last ``execute``'s hidden
+  states (``model.mtp_logits``, speculative decoding); rank 0 answers the draft logits;
 - ``("dummy", None)``: no work for this replica in this step: the expert-parallel collectives of one forward on
   zero tokens (:func:`ascend_dsv4.layers.experts.dummy_moe_step`), so that the other replicas' all-to-alls meet;
+- ``("dummy_draft", k)``: the same for MTP module k (:func:`ascend_dsv4.layers.experts.dummy_mtp_step`), when
+  another replica drafts in this step and this one does not;
 - ``("copy_page", args)``: a prefix-cache page copy on this rank's pools;
 - ``("stop", None)``.
+
+:func:`apply_dp_call` applies one call; the Ray actors of ``executor_dp_ray`` use it too.
 
 A call that raises reports its traceback and ends the process, so that the other ranks' collectives fail at once.
 """
@@ -26,6 +33,42 @@ import torch
 from .executor import RankSpec, restore
 
 
+class DPRankState:
+    """What a data-parallel rank keeps between calls: the hidden states of its last ``execute`` (for ``draft``)."""
+
+    def __init__(self) -> None:
+        self.hidden: torch.Tensor | None = None
+
+
+def apply_dp_call(op: str, args, model, runner, device, leader: bool, state: DPRankState):
+    """Apply one call of the data-parallel protocol (the module docstring) on this rank; returns what the rank
+    answers (rank 0 of a replica: logits; others None)."""
+    from ..layers.experts import dummy_moe_step, dummy_mtp_step
+
+    if op == "execute":
+        ids, ctx, rows = restore(args, runner.pools, device)
+        hidden = model(ids, ctx)
+        state.hidden = hidden if getattr(model, "mtp", None) else None
+        logits = model.logits(hidden, rows)
+        return logits.float().cpu() if leader else None
+    if op == "draft":
+        ctx, nxt, rows, k = restore(args, runner.pools, device)
+        if state.hidden is None:
+            raise RuntimeError("draft: no hidden states of an execute call on this rank")
+        logits = model.mtp_logits(state.hidden[rows], nxt, ctx, k, ctx.logits_index)
+        return logits.float().cpu() if leader else None
+    if op == "dummy":
+        dummy_moe_step(model)
+        return None
+    if op == "dummy_draft":
+        dummy_mtp_step(model, args)
+        return None
+    if op == "copy_page":
+        runner.pools.copy_page(*args)
+        return None
+    raise ValueError(f"unknown call {op!r}")
+
+
 def _send(conn, obj) -> None:
     conn.send_bytes(pickle.dumps(obj))
 
@@ -41,7 +84,6 @@ def dp_worker_main(rank: int, spec: RankSpec, port: int, conn) -> None:
     from parallel.dp_groups import init_dp_parallel
     from parallel.groups import destroy_parallel, set_rank_device
 
-    from ..layers.experts import dummy_moe_step
     from .rank_worker import build_rank_runner
 
     dp, tp = spec.data_parallel_size, spec.tensor_parallel_size
@@ -61,6 +103,7 @@ def dp_worker_main(rank: int, spec: RankSpec, port: int, conn) -> None:
         os._exit(1)
     leader = state.tp.rank == 0
     ops = atb_ops.use_backend(spec.backend) if spec.backend else contextlib.nullcontext()
+    kept = DPRankState()
     while True:
         try:
             op, args = pickle.loads(conn.recv_bytes())
@@ -69,19 +112,8 @@ def dp_worker_main(rank: int, spec: RankSpec, port: int, conn) -> None:
         if op == "stop":
             break
         try:
-            out = None
             with torch.inference_mode(), ops:
-                if op == "execute":
-                    ids, ctx, rows = restore(args, runner.pools, device)
-                    hidden = model(ids, ctx)
-                    logits = model.logits(hidden, rows)
-                    out = logits.float().cpu() if leader else None
-                elif op == "dummy":
-                    dummy_moe_step(model)
-                elif op == "copy_page":
-                    runner.pools.copy_page(*args)
-                else:
-                    raise ValueError(f"unknown call {op!r}")
+                out = apply_dp_call(op, args, model, runner, device, leader, kept)
             _send(conn, ("ok", out))
         except BaseException:  # noqa: BLE001
             _send(conn, ("err", traceback.format_exc()))

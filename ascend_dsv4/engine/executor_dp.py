@@ -14,8 +14,9 @@ replica, so no "has work" all-reduce between ranks is needed.
 Failure: a worker that raises reports its traceback and exits; one that dies closes its pipe; either way the call
 raises :class:`ExecutorError` naming the rank, and every rank is stopped (the replicas share the EP collectives,
 so one lost rank stops them all); a replica waiting on its ranks stops waiting as soon as another replica's
-failure marked the executor down. Not supported with DP (checked): speculative decoding (the MTP forward would
-need its own lock step). The same front end over Ray actors: ``executor_dp_ray.py``.
+failure marked the executor down. Speculative decoding (MTP) keeps the lock step per forward kind: every step of
+every replica sends one main forward and one MTP forward, each real or a dummy on zero tokens (the MTP module's
+experts are EP too). The same front end over Ray actors: ``executor_dp_ray.py``.
 """
 
 from __future__ import annotations
@@ -37,10 +38,17 @@ from .executor import ExecutorError, RankSpec, kill_processes, sanitize
 log = logging.getLogger("ascend_dsv4")
 
 
+class _ReplicaHidden:
+    """Stands for the hidden states of a replica's last ``execute``, which stay on its ranks (``dp_worker``)."""
+
+    def __init__(self, replica: int, step: int):
+        self.replica, self.step = replica, step
+
+
 class ReplicaRunner:
-    """The runner interface the engine uses (``cfg``, ``pools``, ``has_mtp``, ``execute``, ``ops``), for one
-    replica whose model runs on its ranks. ``calls`` counts the forwards sent (the DP engine adds a dummy step
-    when a replica's engine step sent none)."""
+    """The runner interface the engine uses (``cfg``, ``pools``, ``has_mtp``, ``execute``, ``draft``, ``ops``), for
+    one replica whose model runs on its ranks. ``calls`` counts the main forwards sent and ``draft_calls`` the MTP
+    forwards (the DP engine adds a dummy of either kind when a replica's engine step sent none)."""
 
     def __init__(self, executor: "DPExecutor", replica: int, model_on_meta: torch.nn.Module, sizes):
         self.executor, self.replica = executor, replica
@@ -48,7 +56,7 @@ class ReplicaRunner:
         self.device = torch.device("cpu")  # where step inputs are built
         self.backend = None
         self.quant_summary = None
-        self.has_mtp = False
+        self.has_mtp = bool(getattr(model_on_meta, "mtp", None))
         self.pools = model_on_meta.make_pools(sizes, model_on_meta.dtype, torch.device("meta"))
         copy_page = self.pools.copy_page
 
@@ -58,6 +66,7 @@ class ReplicaRunner:
 
         self.pools.copy_page = mirrored_copy
         self.calls = 0
+        self.draft_calls = 0
         self.max_model_len: int | None = None
         self.max_num_batched_tokens: int | None = None
 
@@ -67,18 +76,34 @@ class ReplicaRunner:
         return contextlib.nullcontext()
 
     def execute(self, seqs, tokens: Sequence[Sequence[int]], rows: Sequence[int]):
-        """As :meth:`ModelRunner.execute`; ``hidden`` is None (no speculative decoding under DP)."""
+        """As :meth:`ModelRunner.execute`; ``hidden`` is a handle: the hidden states stay on the replica's ranks,
+        where :meth:`draft` uses them."""
         for s, t in zip(seqs, tokens):
             self.pools.ensure(s, s.num_tokens + len(t))
         ctx = self.pools.build_context(list(seqs), [len(t) for t in tokens], "none", self.device)
         ids = torch.tensor([x for t in tokens for x in t], dtype=torch.long)
         self.calls += 1
         logits = self.executor.call(self.replica, "execute", (ids, ctx, torch.tensor(list(rows), dtype=torch.long)))
-        return logits, None
+        return logits, _ReplicaHidden(self.replica, self.calls)
+
+    def draft(self, seqs, counts: Sequence[int], next_ids: Sequence[int], hidden, rows: torch.Tensor,
+              k: int = 0) -> torch.Tensor:
+        """As :meth:`ModelRunner.draft`, on the replica's ranks; ``hidden`` must be the handle of this replica's
+        last :meth:`execute`."""
+        if not isinstance(hidden, _ReplicaHidden) or hidden.replica != self.replica or hidden.step != self.calls:
+            raise ValueError(f"replica {self.replica}: draft needs the hidden states of this replica's last execute")
+        ctx = self.pools.build_context(list(seqs), list(counts), "last", self.device)
+        nxt = torch.tensor(list(next_ids), dtype=torch.long)
+        self.draft_calls += 1
+        return self.executor.call(self.replica, "draft", (ctx, nxt, torch.as_tensor(rows, dtype=torch.long), k))
 
     def dummy(self) -> None:
         self.calls += 1
         self.executor.call(self.replica, "dummy", None)
+
+    def dummy_draft(self, k: int = 0) -> None:
+        self.draft_calls += 1
+        self.executor.call(self.replica, "dummy_draft", k)
 
     def new_sequence(self):
         from ..kv.blocks import SeqBlocks

@@ -18,7 +18,8 @@ import weakref
 
 import torch
 
-from .executor import ExecutorError, RankSpec, restore, sanitize
+from .dp_worker import DPRankState, apply_dp_call
+from .executor import ExecutorError, RankSpec, sanitize
 from .executor_dp import ReplicaRunner
 from .executor_ray import start_timeout_s
 from .ray_executor import RayExecutor
@@ -42,26 +43,16 @@ class DPEngineRank:
         self.replica = state.dp_rank
         self.model, self.runner = build_rank_runner(spec, state, self.device)
         self._ops = (lambda: atb_ops.use_backend(spec.backend)) if spec.backend else contextlib.nullcontext
+        self._kept = DPRankState()
 
     def info(self) -> dict:
         return {"pid": os.getpid(), "replica": self.replica, "pool_sizes": self.runner.pools.sizes,
                 "param_bytes": sum(p.numel() * p.element_size() for p in self.model.parameters())}
 
     def call(self, op: str, args):
-        from ..layers.experts import dummy_moe_step
-
+        """One call of the data-parallel protocol (``dp_worker``'s docstring, :func:`~.dp_worker.apply_dp_call`)."""
         with torch.inference_mode(), self._ops():
-            if op == "execute":
-                ids, ctx, rows = restore(args, self.runner.pools, self.device)
-                logits = self.model.logits(self.model(ids, ctx), rows)
-                return logits.float().cpu() if self.leader else None
-            if op == "dummy":
-                dummy_moe_step(self.model)
-                return None
-            if op == "copy_page":
-                self.runner.pools.copy_page(*args)
-                return None
-        raise ValueError(f"unknown call {op!r}")
+            return apply_dp_call(op, args, self.model, self.runner, self.device, self.leader, self._kept)
 
 
 class RayDPExecutor:

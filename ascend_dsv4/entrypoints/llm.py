@@ -157,7 +157,7 @@ class LLM:
         from ..parallel_plan import validate_dp_layout
 
         validate_dp_layout(cfg, data_parallel_size, tensor_parallel_size, enable_expert_parallel,
-                           distributed_executor_backend, num_speculative_tokens)
+                           distributed_executor_backend)
         parallel = (data_parallel_size > 1 or tensor_parallel_size != 1 or enable_expert_parallel
                     or distributed_executor_backend is not None)
         if self.batch_invariant and parallel:
@@ -172,7 +172,7 @@ class LLM:
                          data_parallel_size * tensor_parallel_size)
             self._start_dp(model, folder, numerics, seed, dequantize, block_size, data_parallel_size,
                            tensor_parallel_size, distributed_executor_backend, max_num_seqs, max_num_batched_tokens,
-                           enable_prefix_caching,
+                           enable_prefix_caching, num_speculative_tokens,
                            dict(msmodelslim_path=msmodelslim_path, allow_float_mtp=allow_float_mtp,
                                 msmodelslim_act_sim=msmodelslim_act_sim, check_weights=not skip_weight_check,
                                 gpu_memory_utilization=gpu_memory_utilization))
@@ -235,7 +235,7 @@ class LLM:
         return runner
 
     def _start_dp(self, model, folder, numerics, seed, dequantize, block_size, dp, tp, executor, max_num_seqs,
-                  max_num_batched_tokens, enable_prefix_caching, msm: dict) -> None:
+                  max_num_batched_tokens, enable_prefix_caching, num_speculative_tokens, msm: dict) -> None:
         """Data-parallel attention (``engine/executor_dp.py``): validate, start ``dp x tp`` worker ranks, one
         engine per replica behind a :class:`~ascend_dsv4.engine.dp_engine.DPEngine`."""
         from parallel.groups import visible_devices
@@ -246,6 +246,11 @@ class LLM:
         from ..engine.executor_dp import DPExecutor
         from ..parallel_plan import validate_dp_layout, validate_layout
 
+        if num_speculative_tokens not in (0, 1):  # the engine's rules, checked before any worker starts
+            raise ConfigError(f"num_speculative_tokens must be 0 or 1 (one MTP draft per step), got "
+                              f"{num_speculative_tokens!r}")
+        if num_speculative_tokens and not getattr(self.cfg, "n_mtp_layers", 0):
+            raise ConfigError("speculative decoding needs a model with an MTP module (n_mtp_layers = 0)")
         local = None if executor == "ray" else visible_devices(self.device.type)  # Ray: devices of many nodes
         validate_dp_layout(self.cfg, dp, tp, True, executor, visible_devices=local, device=self.device.type)
         validate_layout(self.cfg, tp, True, quantized_checkpoint=folder is not None, numerics=numerics)
@@ -268,7 +273,8 @@ class LLM:
         for r in self.executor.runners:
             r.max_model_len, r.max_num_batched_tokens = self.max_model_len, max_num_batched_tokens
             engines.append(LLMEngine(r, self.tokenizer, self.max_model_len, max_num_seqs, max_num_batched_tokens,
-                                     enable_prefix_caching=enable_prefix_caching))
+                                     enable_prefix_caching=enable_prefix_caching,
+                                     num_speculative_tokens=num_speculative_tokens))
         self.runner = self.executor.runners[0]
         self.engine = DPEngine(engines, self.executor)
 

@@ -222,19 +222,29 @@ def routed_experts(cfg, inter: int, limit: float, dtype: torch.dtype, reference:
     return Experts(E, inter, cfg.dim, limit, dtype, reference, tp=parallel.tp)
 
 
+def _zero_token_steps(modules, dtype: torch.dtype) -> int:
+    """Run ``zero_token_step`` of every expert-parallel routed-experts module among ``modules`` (in order)."""
+    n = 0
+    for m in modules:
+        ep = getattr(m, "ep", None)
+        if isinstance(ep, Group) and ep.size > 1 and callable(getattr(m, "zero_token_step", None)):
+            m.zero_token_step(dtype)
+            n += 1
+    return n
+
+
 def dummy_moe_step(model: nn.Module) -> int:
     """The EP collectives of one forward with no tokens (a data-parallel replica with no work in a step): the
     expert-parallel routed experts of every main layer (``model.layers``, in order; not the MTP layers) run on
     zero rows -- :class:`Experts` and msModelSlim's ``ParallelQuantExperts`` alike, whatever has an ``ep`` group
     of more than one rank and a ``zero_token_step``. Returns how many layers took part."""
-    n = 0
-    for layer in model.layers:
-        for m in layer.modules():
-            ep = getattr(m, "ep", None)
-            if isinstance(ep, Group) and ep.size > 1 and callable(getattr(m, "zero_token_step", None)):
-                m.zero_token_step(model.dtype)
-                n += 1
-    return n
+    return _zero_token_steps((m for layer in model.layers for m in layer.modules()), model.dtype)
+
+
+def dummy_mtp_step(model: nn.Module, k: int = 0) -> int:
+    """:func:`dummy_moe_step` for MTP module ``k`` (``model.mtp[k]``): what a data-parallel replica that does not
+    draft in a step runs while another replica's draft (``model.mtp_logits``) runs that module's experts."""
+    return _zero_token_steps(model.mtp[k].modules(), model.dtype)
 
 
 def moe_output(experts: nn.Module, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,

@@ -112,7 +112,7 @@ def test_cli_generate_and_info_with_dp(capsys):
     (dict(data_parallel_size=3, enable_expert_parallel=True), "n_routed_experts = 16 is not divisible"),
     (dict(data_parallel_size=2, enable_expert_parallel=True, distributed_executor_backend="spark"),
      "must be .mp. or .ray."),
-    (dict(data_parallel_size=2, enable_expert_parallel=True, num_speculative_tokens=1), "speculative"),
+    (dict(data_parallel_size=2, enable_expert_parallel=True, num_speculative_tokens=2), "0 or 1"),
 ])
 def test_bad_dp_layout_fails_before_workers_start(kw, match):
     with pytest.raises(ConfigError, match=match):
@@ -208,5 +208,62 @@ def test_dp2_msmodelslim_equals_one_device_with_an_idle_replica(case):
         busy = [e.stats.steps - s for e, s in zip(eng.engines, steps)]
         idle = busy.index(0)
         assert eng.engines[idle].runner.calls - calls[idle] == max(busy) > 1  # a dummy step per busy step
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("model", ["toy-v4", "toy-v3"])
+def test_dp2_mtp_speculation_equals_one_device_with_an_idle_replica(model, monkeypatch):
+    """MTP speculative decoding under DP 2 x TP 1 with EP: every step of every replica sends one main and one MTP
+    forward (real or a dummy on zero tokens: the MTP module's experts are EP too). The MTP forwards run on the
+    replicas' ranks over the hidden states kept there; their drafts are then replaced two times out of three by
+    the true next token (the toys' random MTP modules never guess it), so that accepted drafts skip steps and
+    rejected ones roll back. Greedy outputs equal world size 1 without speculation; a request alone leaves the
+    other replica idle, which sends a dummy main and a dummy MTP step for every step of the busy one."""
+    from ascend_dsv4.engine import spec_decode
+
+    one = LLM(model, **KW)
+    want = _ids(one.generate(PROMPTS, GREEDY, use_tqdm=False))
+    alone = [[1, 2, 3, 4, 5] + [600 + j for j in range(30)]]
+    want_alone = _ids(one.generate(alone, GREEDY, use_tqdm=False))
+    ref = {tuple(p): w for p, w in zip(PROMPTS + alone, want + want_alone)}
+    real, calls, drafts = spec_decode.MTPDrafter.catch_up, [0], {}
+
+    def oracle(self, items, streams):
+        res = real(self, items, streams)  # the MTP module ran (on the replica's ranks under DP)
+        out = []
+        for (r, *_), x in zip(items, res):
+            if x is not None:
+                key = (tuple(r.prompt_ids), len(r.output_ids))
+                if key[1]:  # a draft that is kept (after a prompt's last chunk; one after an earlier chunk
+                    drafts.setdefault(calls[-1], {})[key] = x[0]  # depends on where the chunk ended)
+                calls[0] += 1
+                truth = ref[key[0]]
+                tok = truth[key[1]] if key[1] < len(truth) else x[0]
+                x = (tok if calls[0] % 3 else (tok + 1) % 1000, x[1])
+            out.append(x)
+        return out
+
+    monkeypatch.setattr(spec_decode.MTPDrafter, "catch_up", oracle)
+    calls.append("one")  # drafts[run] = {(prompt, outputs so far): the MTP draft}
+    LLM(model, num_speculative_tokens=1, **KW).generate(PROMPTS, GREEDY, use_tqdm=False)
+    calls[-1] = "dp"
+    llm = LLM(model, data_parallel_size=2, enable_expert_parallel=True, num_speculative_tokens=1, **KW)
+    try:
+        eng = llm.engine
+        assert _ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == want
+        st = eng.stats
+        assert 0 < st.mtp_accepted < st.mtp_proposed
+        # the MTP forwards on the replicas' ranks draft what one device drafts at the same point
+        common = drafts["one"].keys() & drafts["dp"].keys()
+        assert len(common) >= 6 and all(drafts["one"][k] == drafts["dp"][k] for k in common)
+        assert all(e.runner.draft_calls == e.runner.calls for e in eng.engines)  # one of each per step
+        counts = [(e.runner.calls, e.runner.draft_calls) for e in eng.engines]
+        steps = [e.stats.steps for e in eng.engines]
+        assert _ids(llm.generate(alone, GREEDY, use_tqdm=False)) == want_alone
+        busy = [e.stats.steps - s for e, s in zip(eng.engines, steps)]
+        idle = busy.index(0)
+        r = eng.engines[idle].runner
+        assert r.calls - counts[idle][0] == r.draft_calls - counts[idle][1] == max(busy) > 1
     finally:
         llm.shutdown()
