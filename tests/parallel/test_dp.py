@@ -180,10 +180,12 @@ def test_dp2_preemption_inside_a_replica_equals_one_device(monkeypatch):
 MSM_FIX = os.path.join(os.path.dirname(os.path.dirname(__file__)), "fixtures", "msmodelslim")
 
 
-@pytest.mark.parametrize("case", ["dsv3_w8a8_dynamic_v0", "dsv3_mix_w8a8_w4a8_v1"])
-def test_dp2_msmodelslim_equals_one_device_with_an_idle_replica(case):
+@pytest.mark.parametrize("case, tp", [("dsv3_w8a8_dynamic_v0", 1), ("dsv3_mix_w8a8_w4a8_v1", 1),
+                                      ("dsv3_w8a8_dynamic_v0", 2)])
+def test_dp2_msmodelslim_equals_one_device_with_an_idle_replica(case, tp):
     """msModelSlim checkpoints (the real tool's tiny DeepSeek-V3 fixtures: W8A8_DYNAMIC, mixed W8A8 / W4A8) under
-    DP 2 x TP 1 with EP: the quantised routed experts take rows by all-to-all dispatch / combine, and an idle
+    DP 2 x TP 1 and TP 2 with EP: the quantised routed experts take rows by all-to-all dispatch / combine (under
+    TP 2 a replica's tokens split over its two ranks first; its linears split as under TP), and an idle
     replica's dummy steps run them on zero tokens. Greedy outputs equal world size 1, also for a request alone
     (the other replica idle for every step)."""
     from ascend_dsv4.layers.experts import dummy_moe_step  # noqa: F401 - the path the idle replica takes
@@ -197,9 +199,10 @@ def test_dp2_msmodelslim_equals_one_device_with_an_idle_replica(case):
     want = _ids(one.generate(prompts, sp, use_tqdm=False))
     alone = [[(13 * i + 4) % 120 + 3 for i in range(10)]]
     want_alone = _ids(one.generate(alone, sp, use_tqdm=False))
-    llm = LLM(folder, data_parallel_size=2, enable_expert_parallel=True, **kw)
+    llm = LLM(folder, data_parallel_size=2, tensor_parallel_size=tp, enable_expert_parallel=True, **kw)
     try:
         eng = llm.engine
+        assert llm.executor.world == 2 * tp
         assert _ids(llm.generate(prompts, sp, use_tqdm=False)) == want
         assert all(e.stats.prompt_tokens > 0 for e in eng.engines)
         calls = [e.runner.calls for e in eng.engines]
