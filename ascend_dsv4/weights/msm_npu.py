@@ -170,16 +170,19 @@ class NpuQuantExperts(nn.Module):
         t, k = ids.shape
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
-        tok, e = order // k, flat[order]
-        xs = x[tok]
+        tok = order // k
+        y = self._rows(x[tok], flat[order], weights.reshape(-1)[order], x.dtype)
+        return torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device).index_add_(0, tok, y)
+
+    def _rows(self, xs: torch.Tensor, e: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows xs [n, d] sorted by local expert id e [n], routing weights w [n] -> float32 [n, d], each row its
+        expert's weighted output (what expert-parallel dispatch asks of this rank: ``ParallelQuantExperts``)."""
         h = atb_ops.swiglu(atb_ops.quant_grouped_matmul(xs, self.w1, e, self.w1_scale),
                            atb_ops.quant_grouped_matmul(xs, self.w3, e, self.w3_scale), self.limit)
-        wt = weights.reshape(-1)[order].unsqueeze(-1)
+        wt = w.unsqueeze(-1)
         if self.weight_after_w2:
-            y = atb_ops.quant_grouped_matmul(h.to(x.dtype), self.w2, e, self.w2_scale).float() * wt
-        else:
-            y = atb_ops.quant_grouped_matmul((h * wt).to(x.dtype), self.w2, e, self.w2_scale).float()
-        return torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device).index_add_(0, tok, y)
+            return atb_ops.quant_grouped_matmul(h.to(dtype), self.w2, e, self.w2_scale).float() * wt
+        return atb_ops.quant_grouped_matmul((h * wt).to(dtype), self.w2, e, self.w2_scale).float()
 
 
 def to_npu_experts(experts: nn.Module) -> nn.Module:

@@ -117,7 +117,7 @@ def load_msmodelslim(model: nn.Module, folder: str, path: str = "int", allow_flo
                     mod.set_weight((sh.take(t, key) if sh else t).to(torch.float32 if mod.compute_fp32 else dtype))
             elif linear_kind(mod) is not None:
                 setattr(parent, leaf, quant_linear(ck, key, linear_kind(mod), mod.tp, path, kw, dtype,
-                                                   getattr(mod, "reduce", True)))
+                                                   getattr(mod, "reduce", True), npu=npu))
                 replaced.add(name)
                 n_quant += 1
             else:
@@ -141,11 +141,14 @@ def load_msmodelslim(model: nn.Module, folder: str, path: str = "int", allow_flo
                         _set(mod, w, st.to(dtype))
             elif getattr(mod, "shard", None) or mod.ep.size > 1:
                 kinds_tp = {"w1": "column", "w3": "column", "w2": "row"} if mod.shard else {}
-                triples = [tuple(quant_linear(ck, keys[(e, w)], kinds_tp.get(w), mod.tp, path, kw, dtype, reduce=False)
+                triples = [tuple(quant_linear(ck, keys[(e, w)], kinds_tp.get(w), mod.tp, path, kw, dtype, reduce=False,
+                                              npu=npu)
                                  for w in ("w1", "w3", "w2")) for e in range(E)]
-                setattr(parent, leaf, ParallelQuantExperts(triples, mod.limit, fam.experts_weight_after_w2, first,
-                                                           mod.ep, mod.tp, ep_comm=mod.ep_comm, split=mod.split,
-                                                           dim=mod.w2.shape[1]))
+                local = QuantExperts(triples, mod.limit, weight_after_w2=fam.experts_weight_after_w2)
+                if npu and path == "int":  # one grouped matmul per projection where every linear allows it
+                    local = to_npu_experts(local)
+                setattr(parent, leaf, ParallelQuantExperts(local, E, first, mod.ep, mod.tp, ep_comm=mod.ep_comm,
+                                                           split=mod.split, dim=mod.w2.shape[1]))
                 replaced.add(name)
                 n_quant += 3 * E
             else:

@@ -26,7 +26,7 @@ from parallel.groups import Group
 
 from ..errors import CheckpointError
 from ..layers.experts import ep_dispatch_combine
-from ..layers.quantized import QuantExperts, QuantLinearAdapter
+from ..layers.quantized import QuantLinearAdapter
 
 _PER_CHANNEL = ("weight_scale", "weight_offset", "weight_scale_second", "weight_offset_second", "deq_scale",
                 "quant_bias", "bias", "scale_bias")
@@ -109,25 +109,43 @@ def linear_kind(mod: nn.Module) -> str | None:
     return {0: "column", 1: "row"}.get(getattr(mod, "shard_dim", None))
 
 
-def quant_linear(ck, key: str, kind: str | None, tp: Group, path: str, kw: dict, dtype, reduce: bool = True):
-    """The adapter of described linear ``key`` for this rank (whole when ``kind`` is None)."""
+def quant_linear(ck, key: str, kind: str | None, tp: Group, path: str, kw: dict, dtype, reduce: bool = True,
+                 npu: bool = False):
+    """The adapter of described linear ``key`` for this rank (whole when ``kind`` is None).
+
+    ``npu`` (the NPU backend, integer path): the rank's share gets its NPU parameter form (``msm_npu.to_npu_linear``:
+    ``atb_ops.quant_linear`` on ``npu_quant_matmul`` / ``npu_weight_quant_batchmatmul``) where that computes the
+    single-device integers: whole and column-split linears, and row-split ones whose activations are not quantised
+    per token. A row split with dynamic (per-token) activation quantisation keeps the CPU layout: its per-token
+    scale must come from the max over all ranks (:func:`_global_dynamic_quant`), which ``npu_dynamic_quant``
+    (the rank's own max) does not give."""
     from quant.msmodelslim.schemes import QuantLinear
 
+    from .msm_npu import to_npu_linear
+
+    def npu_form(ql):
+        return (to_npu_linear(ql, dtype) or ql) if npu and path == "int" else ql
+
     if kind is None:
-        return QuantLinearAdapter(ck.linear(key, path=path, **kw), dtype)
+        return QuantLinearAdapter(npu_form(ck.linear(key, path=path, **kw)), dtype)
     if path != "int":
         raise CheckpointError(f"{key}: msModelSlim linears are split over tensor-parallel ranks on the integer path "
                               f"only (msmodelslim_path='int')")
     entry = ck.layout.linears[key]
     tensors = {suffix: ck.weights.get(k) for suffix, k in entry.tensors.items()}
     ql = QuantLinear(entry.qtype, sliced_tensors(tensors, kind, tp, key), name=key, path=path, **kw)
-    if kind == "row":
+    if kind == "row" and ql.mode == "dynamic":
         _global_dynamic_quant(ql, tp)
+    else:
+        ql = npu_form(ql)
     return ParallelQuantLinearAdapter(ql, dtype, kind, tp, reduce)
 
 
-class ParallelQuantExperts(QuantExperts):
-    """Routed msModelSlim experts of one rank: EP (experts ``first_expert ..`` only) or TP (every expert split).
+class ParallelQuantExperts(nn.Module):
+    """Routed msModelSlim experts of one rank: EP (experts ``first_expert .. first_expert + n_local - 1`` only) or
+    TP (every expert split), around ``local``: this rank's experts as a world-size-1 module with ``_rows``
+    (``layers.quantized.QuantExperts``, or on the NPU backend ``msm_npu.NpuQuantExperts``: one grouped matmul per
+    projection).
 
     EP follows the dense experts' ``ep_comm`` (``layers.experts.Experts``): ``'alltoall'`` sends each (token,
     expert) row to the expert's rank and back (``layers.experts.ep_dispatch_combine``; complete rows; the only
@@ -135,9 +153,10 @@ class ParallelQuantExperts(QuantExperts):
     group), ``'allreduce'`` computes this rank's experts for all tokens and returns a partial sum that the MoE
     reduces. TP: partial sums, reduced by the MoE. ``dim``: the model width, for :meth:`zero_token_step`."""
 
-    def __init__(self, experts, limit: float, weight_after_w2: bool, first_expert: int, ep: Group, tp: Group,
+    def __init__(self, local: nn.Module, n_local: int, first_expert: int, ep: Group, tp: Group,
                  ep_comm: str = "allreduce", split: Group | None = None, dim: int | None = None):
-        super().__init__(experts, limit, weight_after_w2)
+        super().__init__()
+        self.local, self.n_local = local, n_local
         self.first_expert, self.ep, self.tp = first_expert, ep, tp
         self.split = split or ep
         self.ep_comm = ep_comm if ep.size > 1 else "allreduce"
@@ -155,15 +174,16 @@ class ParallelQuantExperts(QuantExperts):
              torch.empty(0, 1, dtype=torch.long, device=dev))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        E = len(self.w1)
         if self.ep.size == 1:
-            return super().forward(x, weights, ids)
+            return self.local(x, weights, ids)
         if self.ep_comm == "alltoall":
-            return ep_dispatch_combine(x, weights, ids, self.ep, self.split, E, self.first_expert, self._rows)
-        local = ids - self.first_expert
-        mine = (local >= 0) & (local < E)
-        y = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
-        for e in torch.unique(local[mine]).tolist():
-            tok, slot = (local == e).nonzero(as_tuple=True)
-            y.index_add_(0, tok, self._expert(e, x[tok], weights[tok, slot].unsqueeze(-1), x.dtype))
-        return y
+            return ep_dispatch_combine(x, weights, ids, self.ep, self.split, self.n_local, self.first_expert,
+                                       self.local._rows)
+        # all-reduce fallback: this rank's experts over all tokens, a partial sum per token
+        T, k = ids.shape
+        flat = ids.reshape(-1) - self.first_expert
+        mine = ((flat >= 0) & (flat < self.n_local)).nonzero(as_tuple=True)[0]
+        order = mine[torch.argsort(flat[mine], stable=True)]
+        tok = order // k
+        y = self.local._rows(x[tok], flat[order], weights.reshape(-1)[order].float(), x.dtype)
+        return torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device).index_add_(0, tok, y.float())
