@@ -115,10 +115,12 @@ def quant_linear(ck, key: str, kind: str | None, tp: Group, path: str, kw: dict,
 
     ``npu`` (the NPU backend, integer path): the rank's share gets its NPU parameter form (``msm_npu.to_npu_linear``:
     ``atb_ops.quant_linear`` on ``npu_quant_matmul`` / ``npu_weight_quant_batchmatmul``) where that computes the
-    single-device integers: whole and column-split linears, and row-split ones whose activations are not quantised
-    per token. A row split with dynamic (per-token) activation quantisation keeps the CPU layout: its per-token
-    scale must come from the max over all ranks (:func:`_global_dynamic_quant`), which ``npu_dynamic_quant``
-    (the rank's own max) does not give."""
+    single-device integers: whole and column-split linears, and row-split static W8A8 ones (one per-tensor input
+    scale on every rank). A row split with dynamic (per-token) activation quantisation keeps the CPU layout: its
+    per-token scale must come from the max over all ranks (:func:`_global_dynamic_quant`), which
+    ``npu_dynamic_quant`` (the rank's own max) does not give; so do weight-only row splits (their NPU form would
+    be ``npu_weight_quant_batchmatmul`` over per-group scales cut at the split, not tested here: no weight-only
+    DeepSeek checkpoint among the fixtures)."""
     from quant.msmodelslim.schemes import QuantLinear
 
     from .msm_npu import to_npu_linear
@@ -134,8 +136,11 @@ def quant_linear(ck, key: str, kind: str | None, tp: Group, path: str, kw: dict,
     entry = ck.layout.linears[key]
     tensors = {suffix: ck.weights.get(k) for suffix, k in entry.tensors.items()}
     ql = QuantLinear(entry.qtype, sliced_tensors(tensors, kind, tp, key), name=key, path=path, **kw)
-    if kind == "row" and ql.mode == "dynamic":
-        _global_dynamic_quant(ql, tp)
+    if kind == "row":
+        if ql.mode == "static":
+            ql = npu_form(ql)
+        else:
+            _global_dynamic_quant(ql, tp)  # a no-op for weight-only schemes (no activation quantisation)
     else:
         ql = npu_form(ql)
     return ParallelQuantLinearAdapter(ql, dtype, kind, tp, reduce)

@@ -1,7 +1,7 @@
 """msModelSlim checkpoints on the NPU backend under tensor / expert parallelism (world 2 through the ``hccl`` test
 backend, every rank on the torch_npu emulation with its calls replayed on the wheel's contracts): the rank's
 share of each int-path linear in its NPU form where that gives the single-device integers (whole and
-column-split linears; row splits of static / weight-only schemes), the EP rank's routed experts as one
+column-split linears; static W8A8 row splits), the EP rank's routed experts as one
 ``npu_grouped_matmul`` per projection (``msm_npu.NpuQuantExperts`` behind ``ParallelQuantExperts``, all-to-all
 dispatch). Logits equal the world-size-1 reference backend on the real tool's DeepSeek-V3 fixtures (float32,
 1e-5 of max |logit|, the msModelSlim tests' tight bound)."""
