@@ -3,9 +3,9 @@
 Every rank of every replica is a worker process (the front end holds no model share). Calls (pickled over the
 rank's pipe):
 
-- ``("execute", (ids, ctx, rows))``: the replica's step: ``model(ids, ctx)`` then ``model.logits(hidden, rows)``;
-  the replica's rank 0 answers the float32 CPU logits, the others ``None``; the step's hidden states stay on the
-  rank for a following ``draft``;
+- ``("execute", (ids, ctx, rows, keep))``: the replica's step: ``model(ids, ctx)`` then ``model.logits(hidden,
+  rows)``; the replica's rank 0 answers the float32 CPU logits, the others ``None``; with ``keep`` (speculative
+  decoding on) the step's hidden states stay on the rank for a following ``draft``;
 - ``("draft", (ctx, next_ids, rows, k))``: MTP module k over rows ``rows`` of the last ``execute``'s hidden
   states (``model.mtp_logits``, speculative decoding); rank 0 answers the draft logits;
 - ``("dummy", None)``: no work for this replica in this step: the expert-parallel collectives of one forward on
@@ -46,15 +46,15 @@ def apply_dp_call(op: str, args, model, runner, device, leader: bool, state: DPR
     from ..layers.experts import dummy_moe_step, dummy_mtp_step
 
     if op == "execute":
-        ids, ctx, rows = restore(args, runner.pools, device)
+        ids, ctx, rows, keep = restore(args, runner.pools, device)
         hidden = model(ids, ctx)
-        state.hidden = hidden if getattr(model, "mtp", None) else None
+        state.hidden = hidden if keep else None  # kept only while speculation is on (a prefill's can be large)
         logits = model.logits(hidden, rows)
         return logits.float().cpu() if leader else None
     if op == "draft":
         ctx, nxt, rows, k = restore(args, runner.pools, device)
         if state.hidden is None:
-            raise RuntimeError("draft: no hidden states of an execute call on this rank")
+            raise RuntimeError("draft: no hidden states kept from an execute call on this rank (keep was off)")
         logits = model.mtp_logits(state.hidden[rows], nxt, ctx, k, ctx.logits_index)
         return logits.float().cpu() if leader else None
     if op == "dummy":

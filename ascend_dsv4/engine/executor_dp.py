@@ -67,6 +67,7 @@ class ReplicaRunner:
         self.pools.copy_page = mirrored_copy
         self.calls = 0
         self.draft_calls = 0
+        self.keep_hidden = False  # set by the front end when speculative decoding is on (draft reads them)
         self.max_model_len: int | None = None
         self.max_num_batched_tokens: int | None = None
 
@@ -83,7 +84,8 @@ class ReplicaRunner:
         ctx = self.pools.build_context(list(seqs), [len(t) for t in tokens], "none", self.device)
         ids = torch.tensor([x for t in tokens for x in t], dtype=torch.long)
         self.calls += 1
-        logits = self.executor.call(self.replica, "execute", (ids, ctx, torch.tensor(list(rows), dtype=torch.long)))
+        logits = self.executor.call(self.replica, "execute", (ids, ctx, torch.tensor(list(rows), dtype=torch.long),
+                                                              self.keep_hidden))
         return logits, _ReplicaHidden(self.replica, self.calls)
 
     def draft(self, seqs, counts: Sequence[int], next_ids: Sequence[int], hidden, rows: torch.Tensor,
@@ -92,6 +94,9 @@ class ReplicaRunner:
         last :meth:`execute`."""
         if not isinstance(hidden, _ReplicaHidden) or hidden.replica != self.replica or hidden.step != self.calls:
             raise ValueError(f"replica {self.replica}: draft needs the hidden states of this replica's last execute")
+        if not self.keep_hidden:
+            raise ValueError(f"replica {self.replica}: draft without keep_hidden (the ranks did not keep the hidden "
+                             f"states; LLM sets it when num_speculative_tokens > 0)")
         ctx = self.pools.build_context(list(seqs), list(counts), "last", self.device)
         nxt = torch.tensor(list(next_ids), dtype=torch.long)
         self.draft_calls += 1

@@ -272,6 +272,7 @@ class LLM:
         engines = []
         for r in self.executor.runners:
             r.max_model_len, r.max_num_batched_tokens = self.max_model_len, max_num_batched_tokens
+            r.keep_hidden = bool(num_speculative_tokens)
             engines.append(LLMEngine(r, self.tokenizer, self.max_model_len, max_num_seqs, max_num_batched_tokens,
                                      enable_prefix_caching=enable_prefix_caching,
                                      num_speculative_tokens=num_speculative_tokens))
