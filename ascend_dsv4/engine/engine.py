@@ -25,7 +25,7 @@ from .sampling_guard import bad_logit_rows, describe_bad_row
 from .prefix_cache import PrefixCache
 from .prompts import check_prompt_ids
 from .scheduler import Scheduler
-from .spec_decode import MTPDrafter, rejection_accept
+from .spec_decode import MTPDrafter, rejection_accept, speculation_problem
 from .tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("ascend_dsv4")
@@ -60,10 +60,9 @@ class LLMEngine:
                                    on_admit=prefix_cache.attach if prefix_cache else None,
                                    on_free=prefix_cache.release if prefix_cache else None)
         self.sampler = Sampler()
-        if num_speculative_tokens not in (0, 1):
-            raise RequestError("num_speculative_tokens must be 0 or 1 (one MTP draft per step)")
-        if num_speculative_tokens and not runner.has_mtp:
-            raise RequestError("speculative decoding needs a model with an MTP module")
+        problem = speculation_problem(num_speculative_tokens, runner.has_mtp)
+        if problem:
+            raise RequestError(problem)
         self.num_spec = num_speculative_tokens
         self.drafter = MTPDrafter(runner, self.sampler) if num_speculative_tokens else None
         if async_scheduling and num_speculative_tokens:

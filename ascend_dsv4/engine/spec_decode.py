@@ -27,6 +27,16 @@ from .sampling import Sampler
 from .sampling_guard import bad_logit_rows
 
 
+def speculation_problem(num_speculative_tokens, has_mtp: bool) -> str | None:
+    """Why ``num_speculative_tokens`` cannot run on a model (``has_mtp``: it has an MTP module), or None. The
+    engine raises it as a RequestError; the data-parallel front end as a ConfigError before any worker starts."""
+    if num_speculative_tokens not in (0, 1):
+        return f"num_speculative_tokens must be 0 or 1 (one MTP draft per step), got {num_speculative_tokens!r}"
+    if num_speculative_tokens and not has_mtp:
+        return "speculative decoding needs a model with an MTP module"
+    return None
+
+
 def rejection_accept(p: torch.Tensor, q: torch.Tensor, draft: int, gen: torch.Generator | None) -> tuple[bool, int]:
     """Speculative-sampling acceptance for one draft token.
 

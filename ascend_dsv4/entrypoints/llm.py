@@ -246,11 +246,11 @@ class LLM:
         from ..engine.executor_dp import DPExecutor
         from ..parallel_plan import validate_dp_layout, validate_layout
 
-        if num_speculative_tokens not in (0, 1):  # the engine's rules, checked before any worker starts
-            raise ConfigError(f"num_speculative_tokens must be 0 or 1 (one MTP draft per step), got "
-                              f"{num_speculative_tokens!r}")
-        if num_speculative_tokens and not getattr(self.cfg, "n_mtp_layers", 0):
-            raise ConfigError("speculative decoding needs a model with an MTP module (n_mtp_layers = 0)")
+        from ..engine.spec_decode import speculation_problem
+
+        problem = speculation_problem(num_speculative_tokens, bool(getattr(self.cfg, "n_mtp_layers", 0)))
+        if problem:  # the engine's rule, checked before any worker starts
+            raise ConfigError(problem)
         local = None if executor == "ray" else visible_devices(self.device.type)  # Ray: devices of many nodes
         validate_dp_layout(self.cfg, dp, tp, True, executor, visible_devices=local, device=self.device.type)
         validate_layout(self.cfg, tp, True, quantized_checkpoint=folder is not None, numerics=numerics)

@@ -150,17 +150,7 @@ class Experts(nn.Module):
             xs, e, order = atb_ops.moe_permute(x, ids, self.w1.shape[0])
             y = self._rows(xs, e, weights.reshape(-1)[order], x.dtype)
             return atb_ops.moe_unpermute(y, order, T, skip, out_dtype)
-        flat_ids = ids.reshape(-1)
-        flat_w = weights.reshape(-1)
-        if self.ep.size > 1:  # only the pairs routed to this rank's experts
-            E = self.w1.shape[0]
-            mine = ((flat_ids >= self.first_expert) & (flat_ids < self.first_expert + E)).nonzero(as_tuple=True)[0]
-            order = mine[torch.argsort(flat_ids[mine], stable=True)]
-        else:
-            order = torch.argsort(flat_ids, stable=True)  # group rows by expert
-        tok = order // k
-        y = self._rows(x[tok], flat_ids[order] - self.first_expert, flat_w[order], x.dtype)
-        return torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device).index_add_(0, tok, y.float())
+        return ep_local_rows(x, weights, ids, self.w1.shape[0], self.first_expert, self._rows)  # 'allreduce'
 
     def _forward_alltoall(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """EP dispatch / combine (:func:`ep_dispatch_combine`) around this rank's experts (:meth:`_rows`)."""
@@ -208,6 +198,20 @@ def ep_dispatch_combine(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tenso
     out = torch.zeros(per, d, dtype=torch.float32, device=x.device)
     out.index_add_(0, tok, back)
     return all_gather(out, split, 0)[:T]
+
+
+def ep_local_rows(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, n_local: int, first_expert: int,
+                  rows) -> torch.Tensor:
+    """The all-reduce form of expert parallelism (``ASCEND_DSV4_EP_COMM=allreduce``): this rank's experts
+    ``first_expert .. first_expert + n_local - 1`` over every token that chose one of them; returns the partial sum
+    float32 [T, d] (``rows`` as in :func:`ep_dispatch_combine`), which the MoE all-reduces over the EP ranks."""
+    T, k = ids.shape
+    flat_ids = ids.reshape(-1)
+    mine = ((flat_ids >= first_expert) & (flat_ids < first_expert + n_local)).nonzero(as_tuple=True)[0]
+    order = mine[torch.argsort(flat_ids[mine], stable=True)]  # this rank's pairs, grouped by expert
+    tok = order // k
+    y = rows(x[tok], flat_ids[order] - first_expert, weights.reshape(-1)[order], x.dtype)
+    return torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device).index_add_(0, tok, y.float())
 
 
 def routed_experts(cfg, inter: int, limit: float, dtype: torch.dtype, reference: bool, parallel) -> Experts:

@@ -25,7 +25,7 @@ from parallel.comm import all_reduce
 from parallel.groups import Group
 
 from ..errors import CheckpointError
-from ..layers.experts import ep_dispatch_combine
+from ..layers.experts import ep_dispatch_combine, ep_local_rows
 from ..layers.quantized import QuantLinearAdapter
 
 _PER_CHANNEL = ("weight_scale", "weight_offset", "weight_scale_second", "weight_offset_second", "deq_scale",
@@ -184,11 +184,4 @@ class ParallelQuantExperts(nn.Module):
         if self.ep_comm == "alltoall":
             return ep_dispatch_combine(x, weights, ids, self.ep, self.split, self.n_local, self.first_expert,
                                        self.local._rows)
-        # all-reduce fallback: this rank's experts over all tokens, a partial sum per token
-        T, k = ids.shape
-        flat = ids.reshape(-1) - self.first_expert
-        mine = ((flat >= 0) & (flat < self.n_local)).nonzero(as_tuple=True)[0]
-        order = mine[torch.argsort(flat[mine], stable=True)]
-        tok = order // k
-        y = self.local._rows(x[tok], flat[order], weights.reshape(-1)[order].float(), x.dtype)
-        return torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device).index_add_(0, tok, y.float())
+        return ep_local_rows(x, weights, ids, self.n_local, self.first_expert, self.local._rows)  # partial sum
