@@ -367,6 +367,9 @@ def main() -> None:
     ap.add_argument("--fp4moe-variants", default=None,
                     help="';'-separated ATB_CUDA_FP4_MOE_CFG settings of the fp4 MoE GEMM, each its own row ('' = "
                          "its defaults); given: fp4 grouped cases also get a '[gemm=auto]' row (the default path)")
+    ap.add_argument("--fp4mma-variants", default=None,
+                    help="';'-separated ATB_CUDA_FP4_MMA_CFG settings of the CUDA C fp4 MoE kernel (fp4_moe_mma.py), "
+                         "each its own row ('' = its defaults)")
     ap.add_argument("--gemm-paths", default=None,
                     help="','-separated subset of the GEMM paths to time (tiled,decode,tc,tcl,auto); default all "
                          "but auto")
@@ -385,6 +388,8 @@ def main() -> None:
     if a.fp4moe_variants is not None:
         FP4_MOE_PATHS.extend(f"[gemm=fp4moe cfg={v}]" if v else "[gemm=fp4moe]" for v in a.fp4moe_variants.split(";"))
         FP4_MOE_PATHS.append("[gemm=auto]")
+    if a.fp4mma_variants is not None:
+        FP4_MOE_PATHS.extend(f"[gemm=fp4mma cfg={v}]" if v else "[gemm=fp4mma]" for v in a.fp4mma_variants.split(";"))
     dev = torch.device("cuda")
     name = torch.cuda.get_device_name(dev)
     ceil = ceilings(dev)
@@ -404,9 +409,11 @@ def main() -> None:
         tc_cfg = gm and gm.group(1) == "tc" and gm.group(3)
         tcl_cfg = gm and gm.group(1) == "tcl" and gm.group(3)
         moe_cfg = gm and gm.group(1) == "fp4moe" and gm.group(3)
+        mma_cfg = gm and gm.group(1) == "fp4mma" and gm.group(3)
         for var, val in (("ATB_CUDA_DECODE_BM", gm and gm.group(2)),
                          ("ATB_CUDA_DECODE_CFG", gm and gm.group(1) == "decode" and gm.group(3)),
-                         ("ATB_CUDA_TC_CFG", tc_cfg), ("ATB_CUDA_TCL_CFG", tcl_cfg), ("ATB_CUDA_FP4_MOE_CFG", moe_cfg)):
+                         ("ATB_CUDA_TC_CFG", tc_cfg), ("ATB_CUDA_TCL_CFG", tcl_cfg), ("ATB_CUDA_FP4_MOE_CFG", moe_cfg),
+                         ("ATB_CUDA_FP4_MMA_CFG", mma_cfg)):
             if val:
                 os.environ[var] = val
             else:

@@ -1,0 +1,530 @@
+"""MoE decode over FP4 experts by a hand-written CUDA kernel (NVRTC): weights loaded straight into the registers
+that feed ``mma.sync``, no shared memory, no wgmma bookkeeping.
+
+Same op as :mod:`.gemm_fp4_moe` -- out[m, :] = x[m, :] @ W[e(m)]^T, bfloat16 x [M, K], FP4 experts W int8
+[E, N, K/2] (element 2c in the low nibble of byte c, e2m1) with E8M0 scales uint8 [E, N, K/32], W[n, k] =
+e2m1(code) * 2^(s[n, k // 32] - 127) (``quant.fp4.dequant_fp4``); rows whose id lies outside [0, E) come out as
+zeros -- written for what held that Triton kernel at ~60 % of HBM: its instruction stream (~300 instructions per
+thread per 4 KB of weights, of which only 144 decode; scripts/bench_results/fp4_moe_h100_session4.txt). Here the
+weights need no layout change at load; the *K order* inside each MMA is chosen to fit the bytes as they lie:
+
+- a warp owns 16 x MT weight rows; lane l = 4 g + c holds rows g and g + 8 of each 16-row tile (the A fragment
+  rows of ``mma.m16n8k16``) and, per K step of 256 codes, the 64 codes [64 c, 64 c + 64) of those rows: two
+  16-byte loads per row, a whole 128-byte line per row across the 4 lanes of a row;
+- a 32-bit word of 8 codes is decoded into 4 bfloat16 pairs P_j = (code j, code j + 4) (the decoder of
+  :mod:`.gemm_tc`, 14 integer operations and 4 bf16x2 multiplies per word, scales <= 2 only: one multiply by
+  2^(s - 1)), and the word feeds two MMAs: A = (P0 row g, P0 row g+8, P1 row g, P1 row g+8), then P2 / P3. The
+  MMA's k slots (2c, 2c+1, 2c+8, 2c+9) then hold codes (0, 4, 1, 5), resp. (2, 6, 3, 7), of the word;
+- the activations are permuted to that order once per call (within each 8 columns: 0 4 1 5 2 6 3 7), so one
+  16-byte load gives the B fragments (token = lane / 4) of both MMAs of a word;
+- each 32-code group has one scale, and a lane's 64 codes are two whole groups: one 2-byte scale load per row
+  and K step.
+
+A block (4 warps, 64 x MT rows) serves one (row tile, expert slot, K split): slot j takes the j-th active expert
+(increasing id, found in the block from ``expert_ids``) and its rows in increasing order, 8 x NT of them per pass
+(more rows: further passes over the same weights); the slot after the last active expert writes the zero rows.
+K splits (while the blocks would not fill ``ctas`` per SM) store float32 partials; the block that arrives last
+at a tile (arrival counter, :func:`.gemm_tc._counters`) adds them in split order (deterministic) and writes the
+bfloat16 output. Products are exact (bf16 x bf16 into float32); results differ from the reference op only in the
+order of summation.
+
+Built at first use with NVRTC (``torch.cuda._utils``: the CUDA runtime compiler torch loads; no CUDA toolkit
+needed) for the device's compute capability (sm_80+: ``mma.sync`` bf16; ``fma.rn.bf16x2``); unavailable builds
+fall back to :mod:`.gemm_fp4_moe` (``available``). ``ATB_CUDA_FP4_MOE=mma`` selects it in :mod:`.gemm`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import hashlib
+import json
+import os
+
+import torch
+
+from . import gemm_decode as gd
+from . import gemm_tc as tc
+from ._util import sm_count
+
+K_STEP = 256  # codes per row per K step (4 lanes x 64)
+ROWS_PER_WARP_TILE = 16
+WARPS = 4
+MAX_ROWS = 1024  # rows of one call (the block keeps the ids and its expert's rows in shared memory)
+MAX_EXPERTS = 1024  # one bit per expert in a 32-word bitmap
+
+_DECODE = tc.FP4X4_PTX_1MUL.replace("$", "%")
+
+_SRC = r"""
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+
+struct U4 { u32 x, y, z, w; };
+
+__device__ __forceinline__ U4 ldg_stream(const void* p) {
+    U4 r;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ U4 ldg_cached(const void* p) {
+    U4 r;
+    asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ u32 ldg_u16(const void* p) {
+    u16 r;
+    asm volatile("ld.global.nc.u16 %0, [%1];" : "=h"(r) : "l"(p));
+    return (u32)r;
+}
+
+// 8 e2m1 codes (nibbles 0..7 of q) -> bfloat16 pairs P_j = (code j, code j + 4) * sc (sc: bf16x2 2^(s - 1))
+__device__ __forceinline__ void decode8(u32 q, u32 sc, u32& p0, u32& p1, u32& p2, u32& p3) {
+    asm(DECODE_PTX : "=r"(p0), "=r"(p1), "=r"(p2), "=r"(p3) : "r"(q), "r"(sc));
+}
+
+__device__ __forceinline__ void mma16816(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ float ld_cg(const float* p) {
+    float r;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(r) : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ u16 to_bf16(float v) {
+    u16 r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(v));
+    return r;
+}
+
+// bf16x2 of 2^(s - 1) for E8M0 byte s <= 128: bits (s + 126) << 7 in both halves
+__device__ __forceinline__ u32 scale2(u32 s) {
+    u32 b = (s + 126u) << 7;
+    return b | (b << 16);
+}
+
+template <int NT, int MT, bool SPLIT, bool IDS64>
+__global__ void __launch_bounds__(128) fp4_moe_mma(
+        const u16* __restrict__ x, const u8* __restrict__ w, const u8* __restrict__ s, const void* __restrict__ ids,
+        u16* __restrict__ out, float* __restrict__ part, int* __restrict__ ctr,
+        int M, int N, int K, int E, int n_slots, int steps_per_split, int n_split, int max_pass) {
+    __shared__ int s_ids[1024];
+    __shared__ int s_rows[1024];
+    __shared__ u32 s_bits[32];
+    __shared__ int s_e, s_cnt, s_nact, s_last;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, c = lane & 3;
+    const int slot = blockIdx.y, split = blockIdx.z;
+    const int words = (E + 31) >> 5;
+
+    // ---- this slot's expert and its rows
+    if (tid < 32) s_bits[tid] = 0u;
+    __syncthreads();
+    for (int m = tid; m < M; m += 128) {
+        int id = IDS64 ? (int)((const long long*)ids)[m] : ((const int*)ids)[m];
+        if (id < 0 || id >= E) id = -1;
+        s_ids[m] = id;
+        if (id >= 0) atomicOr(&s_bits[id >> 5], 1u << (id & 31));
+    }
+    __syncthreads();
+    if (warp == 0) {
+        u32 word = lane < words ? s_bits[lane] : 0u;
+        int pc = __popc(word), incl = pc;
+        for (int o = 1; o < 32; o <<= 1) {
+            int v = __shfl_up_sync(0xffffffffu, incl, o);
+            if (lane >= o) incl += v;
+        }
+        int n_act = __shfl_sync(0xffffffffu, incl, 31);
+        int excl = incl - pc;
+        if (slot < n_act && excl <= slot && slot < incl) {
+            for (int j = 0; j < slot - excl; ++j) word &= word - 1u;
+            s_e = lane * 32 + __ffs(word) - 1;
+        }
+        if (lane == 0) s_nact = n_act;
+    }
+    __syncthreads();
+    const int n_act = s_nact;
+    if (slot > n_act) return;
+    const int e = slot < n_act ? s_e : -1;  // -1: the rows whose id lies outside [0, E)
+    if (warp == 0) {
+        int cnt = 0;
+        for (int base = 0; base < M; base += 32) {
+            int m = base + lane;
+            bool sel = m < M && s_ids[m] == e;
+            u32 bal = __ballot_sync(0xffffffffu, sel);
+            if (sel) s_rows[cnt + __popc(bal & ((1u << lane) - 1u))] = m;
+            cnt += __popc(bal);
+        }
+        if (lane == 0) s_cnt = cnt;
+    }
+    __syncthreads();
+    const int cnt = s_cnt;
+    const int row_block = blockIdx.x * (WARPS_ * 16 * MT);
+    if (e < 0) {  // zero rows: written once (split 0)
+        if (split == 0)
+            for (int i = tid; i < cnt * WARPS_ * 16 * MT; i += 128) {
+                int r = i / (WARPS_ * 16 * MT), n = row_block + i % (WARPS_ * 16 * MT);
+                if (n < N) out[(long long)s_rows[r] * N + n] = 0;
+            }
+        return;
+    }
+
+    const int K2 = K >> 1, KS = K >> 5;
+    const int steps = K / 256;
+    const int k_lo = split * steps_per_split;
+    const int k_hi = min(k_lo + steps_per_split, steps);
+    const u8* wb = w + (long long)e * N * K2;
+    const u8* sb = s + (long long)e * N * KS;
+    const int n0 = row_block + warp * 16 * MT;
+    const u8* wrow[MT][2];
+    const u8* srow[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            int r = n0 + mt * 16 + g + 8 * h;
+            wrow[mt][h] = wb + (long long)r * K2 + c * 32;
+            srow[mt][h] = sb + (long long)r * KS + c * 2;
+        }
+
+    for (int pass = 0; pass < max_pass && pass * 8 * NT < cnt; ++pass) {
+        const int t0 = pass * 8 * NT;
+        const u16* xrow[NT];
+        bool xok[NT];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+            int t = t0 + nt * 8 + g;
+            xok[nt] = t < cnt;
+            xrow[nt] = x + (long long)(xok[nt] ? s_rows[t] : 0) * K + c * 64;
+        }
+        float acc[MT][NT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
+
+        U4 wv[MT][2][2], wn[MT][2][2];
+        u32 sv[MT][2], sn[MT][2];
+        if (k_lo < k_hi) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    wn[mt][h][0] = ldg_stream(wrow[mt][h] + k_lo * 128);
+                    wn[mt][h][1] = ldg_stream(wrow[mt][h] + k_lo * 128 + 16);
+                    sn[mt][h] = ldg_u16(srow[mt][h] + k_lo * 8);
+                }
+        }
+        for (int ks = k_lo; ks < k_hi; ++ks) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    wv[mt][h][0] = wn[mt][h][0];
+                    wv[mt][h][1] = wn[mt][h][1];
+                    sv[mt][h] = sn[mt][h];
+                }
+            if (ks + 1 < k_hi) {  // the next step's weights in flight while this one is decoded
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        wn[mt][h][0] = ldg_stream(wrow[mt][h] + (ks + 1) * 128);
+                        wn[mt][h][1] = ldg_stream(wrow[mt][h] + (ks + 1) * 128 + 16);
+                        sn[mt][h] = ldg_u16(srow[mt][h] + (ks + 1) * 8);
+                    }
+            }
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {  // 32 codes = one scale group per row
+                u32 sc[MT][2];
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) sc[mt][h] = scale2((sv[mt][h] >> (8 * half)) & 0xFFu);
+#pragma unroll
+                for (int wd = 0; wd < 4; ++wd) {  // word: 8 codes of each row -> 2 MMAs per row tile
+                    U4 xb[NT];
+#pragma unroll
+                    for (int nt = 0; nt < NT; ++nt) {
+                        if (xok[nt]) xb[nt] = ldg_cached(xrow[nt] + ks * 256 + half * 32 + wd * 8);
+                        else xb[nt] = U4{0u, 0u, 0u, 0u};
+                    }
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        u32 q0 = wd == 0 ? wv[mt][0][half].x : wd == 1 ? wv[mt][0][half].y
+                               : wd == 2 ? wv[mt][0][half].z : wv[mt][0][half].w;
+                        u32 q1 = wd == 0 ? wv[mt][1][half].x : wd == 1 ? wv[mt][1][half].y
+                               : wd == 2 ? wv[mt][1][half].z : wv[mt][1][half].w;
+                        u32 a0, a1, a2, a3, b0, b1, b2, b3;
+                        decode8(q0, sc[mt][0], a0, a1, a2, a3);
+                        decode8(q1, sc[mt][1], b0, b1, b2, b3);
+#pragma unroll
+                        for (int nt = 0; nt < NT; ++nt) {
+                            mma16816(acc[mt][nt], a0, b0, a1, b1, xb[nt].x, xb[nt].y);
+                            mma16816(acc[mt][nt], a2, b2, a3, b3, xb[nt].z, xb[nt].w);
+                        }
+                    }
+                }
+            }
+        }
+
+        // ---- epilogue: C fragment (row g / g + 8, tokens 2c, 2c + 1)
+        const int tile = (slot * gridDim.x + blockIdx.x) * max_pass + pass;
+        if (SPLIT) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        int t = t0 + nt * 8 + 2 * c + (i & 1);
+                        int n = n0 + mt * 16 + g + 8 * (i >> 1);
+                        if (t < cnt) part[((long long)split * M + s_rows[t]) * N + n] = acc[mt][nt][i];
+                    }
+            __threadfence();
+            __syncthreads();
+            if (tid == 0) s_last = atomicAdd(ctr + tile, 1) == n_split - 1;
+            __syncthreads();
+            if (!s_last) continue;
+            __threadfence();
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        int t = t0 + nt * 8 + 2 * c + (i & 1);
+                        int n = n0 + mt * 16 + g + 8 * (i >> 1);
+                        if (t < cnt) {
+                            long long o = (long long)s_rows[t] * N + n;
+                            float v = 0.f;
+                            for (int sp = 0; sp < n_split; ++sp) v += ld_cg(part + (long long)sp * M * N + o);
+                            out[o] = to_bf16(v);
+                        }
+                    }
+            if (tid == 0) ctr[tile] = 0;
+        } else {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        int t = t0 + nt * 8 + 2 * c + (i & 1);
+                        int n = n0 + mt * 16 + g + 8 * (i >> 1);
+                        if (t < cnt) out[(long long)s_rows[t] * N + n] = to_bf16(acc[mt][nt][i]);
+                    }
+        }
+    }
+}
+"""
+
+
+def _source() -> str:
+    ptx = _DECODE.strip()
+    body = "\\n\"\n\"".join(line.strip() for line in ptx.splitlines())
+    return (_SRC.replace("DECODE_PTX", '"' + body + '\\n"').replace("WARPS_", str(WARPS)))
+
+
+# ---- build (NVRTC through ctypes; the module is loaded by torch's own loader) --------------------------------
+
+_KERNELS: dict = {}
+_BUILD_ERROR: list = []
+
+
+def _nvrtc() -> ctypes.CDLL:
+    major = int(str(torch.version.cuda).split(".")[0])
+    names = [f"libnvrtc.so.{major}", "libnvrtc.so"]
+    import nvidia  # noqa: F401  (pip CUDA wheels: nvidia/*/lib)
+
+    for root in getattr(nvidia, "__path__", []):
+        names += sorted(glob.glob(os.path.join(root, "*", "lib", f"libnvrtc.so.{major}*")))
+    for name in names:
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    raise OSError("no NVRTC library (libnvrtc.so) found")
+
+
+VARIANTS = [(nt, mt, split, ids64) for nt in (1, 2, 4) for mt in (1, 2, 4) for split in (False, True)
+            for ids64 in (False, True)]  # template instances, built together
+
+
+def _name(nt: int, mt: int, split: bool, ids64: bool) -> str:
+    return f"fp4_moe_mma<{nt}, {mt}, {str(split).lower()}, {str(ids64).lower()}>"
+
+
+def _compile(arch: str) -> tuple[bytes, dict]:
+    """One NVRTC program instantiating every variant: (cubin, {name expression: lowered name})."""
+    lib = _nvrtc()
+    lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+    prog = ctypes.c_void_p()
+
+    def ok(res, what):
+        if res != 0:
+            raise RuntimeError(f"NVRTC {what}: {lib.nvrtcGetErrorString(res)!r}")
+
+    names = [_name(*v) for v in VARIANTS]
+    ok(lib.nvrtcCreateProgram(ctypes.byref(prog), _source().encode(), b"fp4_moe_mma.cu", 0, None, None), "create")
+    for name in names:
+        ok(lib.nvrtcAddNameExpression(prog, name.encode()), "name")
+    opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17"]
+    arr = (ctypes.c_char_p * len(opts))(*opts)
+    res = lib.nvrtcCompileProgram(prog, len(opts), arr)
+    if res != 0:
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(prog, log)
+        raise RuntimeError(f"NVRTC compile of fp4_moe_mma.cu failed:\n{log.value.decode(errors='replace')}")
+    size = ctypes.c_size_t()
+    ok(lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "cubin size")
+    binary = ctypes.create_string_buffer(size.value)
+    ok(lib.nvrtcGetCUBIN(prog, binary), "cubin")
+    lowered = {}
+    for name in names:
+        low = ctypes.c_char_p()
+        ok(lib.nvrtcGetLoweredName(prog, name.encode(), ctypes.byref(low)), "lowered name")
+        lowered[name] = low.value.decode()
+    lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    return binary.raw, lowered
+
+
+def _cache_path(arch: str) -> str:
+    """Built cubins are kept on disk (keyed by the source, the architecture and torch's CUDA version):
+    ``$ATB_CUDA_CACHE_DIR`` or ``~/.cache/ascend_dsv4``."""
+    key = hashlib.sha256((_source() + arch + str(torch.version.cuda)).encode()).hexdigest()[:16]
+    root = os.environ.get("ATB_CUDA_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "ascend_dsv4")
+    return os.path.join(root, f"fp4_moe_mma_{arch}_{key}")
+
+
+def _build(arch: str) -> tuple[bytes, dict]:
+    path = _cache_path(arch)
+    try:
+        with open(path + ".cubin", "rb") as f:
+            cubin = f.read()
+        with open(path + ".json") as f:
+            return cubin, json.load(f)
+    except (OSError, ValueError):
+        pass
+    cubin, lowered = _compile(arch)
+    try:  # a cache that cannot be written costs a rebuild next time, nothing else
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}"
+        with open(tmp + ".cubin", "wb") as f:
+            f.write(cubin)
+        with open(tmp + ".json", "w") as f:
+            json.dump(lowered, f)
+        os.replace(tmp + ".cubin", path + ".cubin")
+        os.replace(tmp + ".json", path + ".json")
+    except OSError:
+        pass
+    return cubin, lowered
+
+
+def _kernels(device: torch.device) -> dict:
+    """{(nt, mt, split, ids64): kernel} on ``device``, built (or read from the cache) and loaded once per device."""
+    key = str(device)
+    if key not in _KERNELS:
+        from torch.cuda._utils import _cuda_load_module
+
+        major, minor = torch.cuda.get_device_capability(device)
+        cubin, lowered = _build(f"sm_{major}{minor}")
+        with torch.cuda.device(device):
+            loaded = _cuda_load_module(cubin, list(lowered.values()))
+        _KERNELS[key] = {v: loaded[lowered[_name(*v)]] for v in VARIANTS}
+    return _KERNELS[key]
+
+
+def available(device: torch.device) -> bool:
+    """Whether the kernels are loaded on ``device`` (compute capability 8.0+, NVRTC present). They are built at the
+    first ask outside CUDA-graph capture (under capture: not available until then, the Triton kernel serves); the
+    first failure is kept in ``_BUILD_ERROR`` and the Triton kernel serves from then on."""
+    if device.type != "cuda" or _BUILD_ERROR:
+        return False
+    if str(device) in _KERNELS:
+        return True
+    if torch.cuda.get_device_capability(device) < (8, 0) or torch.cuda.is_current_stream_capturing():
+        return False
+    try:
+        _kernels(device)
+    except Exception as exc:  # noqa: BLE001 -- any build failure means: use the Triton kernel
+        _BUILD_ERROR.append(f"{type(exc).__name__}: {exc}")
+        return False
+    return True
+
+
+def eligible(x: torch.Tensor, w_scale: torch.Tensor | None, rows: int) -> bool:
+    """bfloat16 x on a CUDA device, fp4 weights with E8M0 scales [E, N, K/32]: N a multiple of 256 (the largest
+    block: 64 x 4 rows), K of 256, 1..MAX_ROWS rows, at most MAX_EXPERTS experts, every scale byte <= 128 (one
+    multiply decodes a pair: :func:`.gemm_decode.small_scales`)."""
+    if w_scale is None or w_scale.dim() != 3 or not (w_scale.dtype == torch.uint8 or "e8m0" in str(w_scale.dtype)):
+        return False
+    return (x.is_cuda and x.dtype == torch.bfloat16 and 0 < rows <= MAX_ROWS and x.shape[-1] % K_STEP == 0
+            and w_scale.shape[0] <= MAX_EXPERTS and w_scale.shape[1] % (WARPS * ROWS_PER_WARP_TILE * 4) == 0
+            and gd.small_scales(w_scale))
+
+
+def _cfg(m: int, n: int, n_slots: int, device: torch.device) -> dict:
+    """Tunables: mt (16-row tiles per warp: 1, 2, 4), nt (8-token tiles per pass: 1, 2, 4), ctas (blocks per SM
+    the K split aims at). Defaults: nt = 1 up to 3 rows per expert slot (m / slots), 2 up to 8 (DeepSeek's
+    routing puts up to ~2x the mean on one expert; an expert past 8 x nt rows costs another pass over its
+    weights), else 4; mt = 2, or 1 while the mt = 2 grid would start fewer than ctas blocks per SM before K splits
+    (one token: more, shorter warps). Measured against nt = 2, mt = 1 and mt = 4 forced, on a lent H200
+    (scripts/bench_results/fp4_moe_mma_h200_session14.txt): the defaults are the fastest or within 4 % of it in
+    every case there but w2 at 8 tokens (mt = 1: 0.0626 against 0.0651 ms).
+    ATB_CUDA_FP4_MMA_CFG="mt=2,nt=1,ctas=4" overrides (benchmarks)."""
+    per = m / n_slots
+    cfg = dict(mt=2, nt=1 if per <= 3 else 2 if per <= 8 else 4, ctas=4)
+    if (n // (WARPS * ROWS_PER_WARP_TILE * 2)) * n_slots < cfg["ctas"] * sm_count(device):
+        cfg["mt"] = 1
+    for kv in filter(None, os.environ.get("ATB_CUDA_FP4_MMA_CFG", "").split(",")):
+        key, val = kv.split("=")
+        cfg[key.strip()] = int(val)
+    return cfg
+
+
+def grouped_matmul(x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """out[m] = x[m] @ W[expert_ids[m]]^T for bfloat16 x [M, K] over fp4 experts w [E, N, K/2] with E8M0 scales
+    [E, N, K/32] (callers check :func:`eligible`); bfloat16 [M, N]; rows with an id outside [0, E) are zeros."""
+    m, k = x.shape
+    n_exp, n = w.shape[0], w.shape[1]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    n_slots = max(1, min(n_exp, m))
+    cfg = _cfg(m, n, n_slots, x.device)
+    mt, nt = cfg["mt"], cfg["nt"]
+    max_pass = -(-m // (8 * nt))
+    rows_blk = WARPS * ROWS_PER_WARP_TILE * mt
+    n_bx = n // rows_blk
+    steps = k // K_STEP
+    ctr = tc._counters(x.device) if n_bx * (n_slots + 1) * max_pass <= tc.CTR_SIZE else None
+    want = -(-cfg["ctas"] * sm_count(x.device) // (n_bx * n_slots))
+    split = max(1, min(want, steps // 2)) if ctr is not None else 1
+    sps = -(-steps // split)
+    split = -(-steps // sps)
+    ids = expert_ids.contiguous()
+    ids64 = ids.dtype == torch.int64
+    if not ids64 and ids.dtype != torch.int32:
+        ids, ids64 = ids.to(torch.int32), False
+    # activations in the MMA's K order: within each 8 columns 0 4 1 5 2 6 3 7
+    xp = x.contiguous().view(m, k // 8, 2, 4).transpose(2, 3).contiguous()
+    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
+    kern = _kernels(x.device)[(nt, mt, split > 1, ids64)]
+    kern(grid=(n_bx, n_slots + 1, split), block=(WARPS * 32, 1, 1),
+         args=[xp, w.view(torch.uint8), w_scale.view(torch.uint8), ids, out, part,
+               ctr if ctr is not None else out, m, n, k, n_exp, n_slots, sps, split, max_pass])
+    return out
+
