@@ -8,8 +8,8 @@ per sequence and runs decode steps through ``ModelRunner.step``: CUDA-graph-capt
 the same buckets in lockstep, the NCCL collectives inside the graphs; what the mp executor's ranks do since
 ModelRunner.replay_decode is mirrored), or eager with ``--enforce-eager``. Reported per (layout, batch): ms/step (median; all ranks step together since the collectives meet),
 tokens/s, the share of a step's time the GPU spends in NCCL kernels (torch.profiler: device time of kernels whose
-name contains "nccl", over 3 steps, rank 0; the collectives also wait for the slowest rank, which this counts as
-communication), and the HBM floor of the per-GPU bytes: the bytes the busiest rank must read in a step (its
+name contains "nccl", over 3 steps after a throw-away profiled step, the smallest over the ranks; a collective also waits for
+the slowest rank, which this counts as communication), and the HBM floor of the per-GPU bytes: the bytes the busiest rank must read in a step (its
 non-routed weight slices (of the embedding, the batch's rows only), its slices / whole experts of the routed experts the step selected, the KV rows its heads
 read: the KV is replicated, so every rank reads all of them) over the copy bandwidth measured in the same run.
 
@@ -46,15 +46,28 @@ def _free_port() -> int:
 
 
 def _nccl_ms(runner, seqs, vocab: int, n: int = 3) -> float:
-    """Device ms per step spent in NCCL kernels over ``n`` decode steps (0 without CUDA)."""
+    """Device ms per step spent in NCCL kernels over ``n`` decode steps (0 without CUDA).
+
+    The profiler's first start in a process (CUPTI's initialisation) takes a variable time; a rank that starts
+    early then sees its first collectives wait for the late one, and that wait is counted as NCCL kernel time
+    (session 9's TP 2 batch-8 row: 76 ms "in" a 1.5 ms step). So a first profiled step is thrown away (the ranks
+    meet again in it), and the caller takes the smallest share over the ranks: the rank that waits least is the
+    closest to the transfer time."""
     if not torch.cuda.is_available() or runner.device.type != "cuda":
         return 0.0
     from torch.profiler import ProfilerActivity, profile
 
     g = torch.Generator().manual_seed(3)
+
+    def step():
+        runner.step(seqs, [[int(x)] for x in torch.randint(0, vocab, (len(seqs),), generator=g)])
+
+    with profile(activities=[ProfilerActivity.CUDA]):  # the throw-away start
+        step()
+        torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(n):
-            runner.step(seqs, [[int(x)] for x in torch.randint(0, vocab, (len(seqs),), generator=g)])
+            step()
         torch.cuda.synchronize()
     us = 0.0
     for e in prof.key_averages():
@@ -171,13 +184,14 @@ def main() -> None:
         for i, batch in enumerate(a.batches):
             rs = [r[i] for r in per_rank]
             ms = statistics.median(r["ms"] for r in rs)
-            comm = rs[0]["comm_ms"]
+            comm = min(r["comm_ms"] for r in rs)  # the rank that waits least (see _nccl_ms)
             busiest = max(rs, key=lambda r: r["bytes"])
             floor = busiest["floor_ms"]
             label = f"TP {tp}" + (" + EP" if ep else "")
             print(f"| {label} | {tp} | {batch} | {ms:.2f} | {batch / ms * 1e3:.0f} | {comm:.2f} ({100 * comm / ms:.0f} %) | "
                   f"{busiest['bytes'] / 1e9:.2f} | {floor:.2f} | {100 * floor / ms:.1f} |", flush=True)
-            every.append(dict(layout=label, gpus=tp, batch=batch, ms=ms, comm_ms=comm, bytes=busiest["bytes"],
+            every.append(dict(layout=label, gpus=tp, batch=batch, ms=ms, comm_ms=comm,
+                              comm_ms_ranks=[r["comm_ms"] for r in rs], bytes=busiest["bytes"],
                               floor_ms=floor, device=name))
     if a.out:
         with open(a.out, "w") as f:

@@ -98,6 +98,23 @@ def test_pools_sized_from_device_memory():
         size_pools_for_memory(llm.model, base, torch.float32, 0.05, free, total)
 
 
+def test_device_memory_returns_the_allocator_cache_first(monkeypatch):
+    """Memory this process freed but its caching allocator still holds (an earlier engine's pools) is returned
+    before free memory is read: on the lent H200 x 4 a second engine in one process found 36 GiB 'in use' and
+    refused to start."""
+    import gc
+
+    from ascend_dsv4.engine import memory_sizing
+
+    calls = []
+    monkeypatch.setattr(gc, "collect", lambda: calls.append("collect"))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty_cache"))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev: calls.append("mem_get_info") or (7, 9))
+    assert memory_sizing.device_memory(torch.device("cuda", 0)) == (7, 9)
+    assert calls == ["collect", "empty_cache", "mem_get_info"]
+    assert memory_sizing.device_memory(torch.device("cpu")) is None
+
+
 def test_pools_sized_from_device_memory_on_a_parallel_rank(monkeypatch):
     """Under the mp executor every rank sizes its pools after loading its share (rank 0 runs in this process:
     its device memory is faked here; the all-ranks minimum is tested in tests/parallel/test_parallel_layers.py)."""

@@ -19,6 +19,7 @@ ranks, so their pools must have the same sizes (vLLM likewise takes the minimum 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 
 import torch
@@ -40,12 +41,18 @@ def check_utilization(util) -> float:
 
 
 def device_memory(device: torch.device) -> tuple[int, int] | None:
-    """(free, total) bytes of ``device`` from its torch device module (``torch.cuda`` / ``torch.npu``), or None for
-    a device without one (CPU)."""
+    """(free, total) bytes of ``device`` from its torch device module (``torch.cuda`` / ``torch.npu``), after
+    unreferenced tensors are collected and the allocator's cache is returned, or None for a device without one
+    (CPU)."""
     mod = getattr(torch, device.type, None)
     fn = getattr(mod, "mem_get_info", None)
     if device.type == "cpu" or fn is None:
         return None
+    # memory this process freed but its caching allocator still holds (an earlier engine of the process, say)
+    # counts as in use for the driver: collect and return it first, as vLLM does before it profiles
+    gc.collect()
+    if hasattr(mod, "empty_cache"):
+        mod.empty_cache()
     free, total = fn(device)
     return int(free), int(total)
 

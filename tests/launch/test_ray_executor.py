@@ -45,7 +45,7 @@ def test_rank_order_and_device_index():
 
 
 @pytest.mark.distributed
-def test_two_node_executor(ray_cluster, monkeypatch, kill_and_wait):
+def test_two_node_executor(ray_cluster, monkeypatch, kill_and_wait, tmp_path):
     import ray
 
     from ascend_dsv4.engine.ray_executor import ExecutorError, RayExecutor
@@ -88,6 +88,19 @@ def test_two_node_executor(ray_cluster, monkeypatch, kill_and_wait):
             ex.collective_rpc("where")
     finally:
         ex.shutdown()
+
+    # a healthy executor lets every rank release its process groups before it kills the actors (NCCL: rank 0
+    # hung in destroy_process_group when peers were killed with their communicators open)
+    monkeypatch.setenv("ASCEND_DSV4_CLOSE_MARK", str(tmp_path))  # propagated to the ranks
+    ex = RayExecutor(2, "ascend_dsv4.engine.ray_executor.GroupCheckWorker", device="cpu", address=c.address,
+                     start_timeout_s=120, call_timeout_s=60)
+    try:
+        ex.start()
+        pids = [w["pid"] for w in ex.collective_rpc("where")]
+    finally:
+        ex.shutdown()
+    assert sorted(os.listdir(tmp_path)) == ["rank0", "rank1"]
+    assert [int((tmp_path / f"rank{r}").read_text()) for r in (0, 1)] == pids
 
     with pytest.raises(PlacementError, match=r"asked 17 NPU, the cluster has 16 NPU"):
         RayExecutor(17, "ascend_dsv4.engine.ray_executor.GroupCheckWorker", device="npu",
