@@ -49,10 +49,11 @@ def _nccl_ms(runner, seqs, vocab: int, n: int = 3) -> float:
     """Device ms per step spent in NCCL kernels over ``n`` decode steps (0 without CUDA).
 
     The profiler's first start in a process (CUPTI's initialisation) takes a variable time; a rank that starts
-    early then sees its first collectives wait for the late one, and that wait is counted as NCCL kernel time
-    (session 9's TP 2 batch-8 row: 76 ms "in" a 1.5 ms step). So a first profiled step is thrown away (the ranks
-    meet again in it), and the caller takes the smallest share over the ranks: the rank that waits least is the
-    closest to the transfer time."""
+    early can see its first collectives wait for the late one, and that wait counts as NCCL kernel time (the likely
+    reading of session 9's TP 2 batch-8 row: 76 ms "in" a 1.5 ms step, rank 0 only; with the two measures below the
+    same row read 0.08 ms in session 14). So a first profiled step is thrown away (the ranks meet again in it), and
+    the caller takes the smallest share over the ranks: the rank that waits least is the closest to the transfer
+    time."""
     if not torch.cuda.is_available() or runner.device.type != "cuda":
         return 0.0
     from torch.profiler import ProfilerActivity, profile
