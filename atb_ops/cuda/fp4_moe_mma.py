@@ -32,7 +32,7 @@ Built at first use with NVRTC (``torch.cuda._utils``: the CUDA runtime compiler 
 needed) for the device's compute capability (sm_80+: ``mma.sync`` bf16; ``fma.rn.bf16x2``); unavailable builds
 fall back to :mod:`.gemm_fp4_moe` (``available``). ``ATB_CUDA_FP4_MOE=mma`` selects it in :mod:`.gemm`.
 
-One module of ~530 lines on purpose: the CUDA source, its NVRTC build and the launcher that sizes its grid are one
+One module of ~550 lines on purpose: the CUDA source, its NVRTC build and the launcher that sizes its grid are one
 unit (the launch arguments follow the kernel's template parameters line by line); the build was measured and
 GPU-tested as it stands here, and no GPU was left this session to re-test a split.
 """
@@ -493,10 +493,28 @@ def _cfg(m: int, n: int, n_slots: int, device: torch.device) -> dict:
     cfg = dict(mt=2, nt=1 if per <= 3 else 2 if per <= 8 else 4, ctas=4)
     if (n // (WARPS * ROWS_PER_WARP_TILE * 2)) * n_slots < cfg["ctas"] * sm_count(device):
         cfg["mt"] = 1
-    for kv in filter(None, os.environ.get("ATB_CUDA_FP4_MMA_CFG", "").split(",")):
-        key, val = kv.split("=")
-        cfg[key.strip()] = int(val)
+    cfg.update(_overrides())
     return cfg
+
+
+_ALLOWED = {"mt": (1, 2, 4), "nt": (1, 2, 4)}  # the built template instances (VARIANTS)
+
+
+def _overrides() -> dict:
+    """``ATB_CUDA_FP4_MMA_CFG="mt=2,nt=1,ctas=4"`` as a dict; a malformed entry, an unknown key or a tile that was
+    not built is a ValueError naming the variable and what it takes."""
+    out = {}
+    for kv in filter(None, (t.strip() for t in os.environ.get("ATB_CUDA_FP4_MMA_CFG", "").split(","))):
+        key, _, val = kv.partition("=")
+        key = key.strip()
+        ok = val.strip().isdigit() and key in ("mt", "nt", "ctas")
+        if ok:
+            v = int(val)
+            ok = v in _ALLOWED[key] if key in _ALLOWED else v > 0
+        if not ok:
+            raise ValueError(f"ATB_CUDA_FP4_MMA_CFG: {kv!r} is not one of mt=1|2|4, nt=1|2|4, ctas=<positive integer>")
+        out[key] = v
+    return out
 
 
 def grouped_matmul(x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:

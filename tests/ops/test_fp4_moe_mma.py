@@ -152,3 +152,13 @@ def test_dispatch_fp4_mma(monkeypatch):
     assert gemm._path(x, "fp4", s, 48, 1.4) == "fp4moe"
     monkeypatch.setenv("ATB_CUDA_GEMM", "fp4mma")
     assert gemm._path(x, "fp4", s, 48, 1.4) == "tiled"
+
+
+def test_cfg_overrides_validated(monkeypatch):
+    """The benchmark knob takes the built tiles only, and says what it takes otherwise."""
+    monkeypatch.setenv("ATB_CUDA_FP4_MMA_CFG", " mt=1, nt=4,ctas=8")
+    assert fm._overrides() == {"mt": 1, "nt": 4, "ctas": 8}
+    for bad in ("mt=3", "nt=0", "ctas=-1", "ctas", "bw=128", "mt=two"):
+        monkeypatch.setenv("ATB_CUDA_FP4_MMA_CFG", bad)
+        with pytest.raises(ValueError, match="ATB_CUDA_FP4_MMA_CFG: .* is not one of mt=1|2|4"):
+            fm._overrides()
