@@ -318,7 +318,9 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor, w
     """Per-row expert matmul: out[m] = x[m] @ W[expert_ids[m]]^T.
 
     x: [M, K]; w: [E, N, K] (or [E, N, K/2] packed FP4) with w_scale [E, ...] as in :func:`linear`;
-    expert_ids: [M] int64 in [0, E). Accumulates in float32, returns x.dtype [M, N].
+    expert_ids: [M] int64 in [0, E]; a row of id E (no expert here: the capture-safe expert-parallel path marks
+    the rows of other ranks' experts so, ``layers/experts.py`` ``ep_static_rows``) comes out as zeros.
+    Accumulates in float32, returns x.dtype [M, N].
     """
     return resolve("grouped_matmul", x)(x, w, expert_ids, w_scale, fmt)
 
@@ -426,8 +428,8 @@ def quant_grouped_matmul(x: torch.Tensor, weight: torch.Tensor, expert_ids: torc
     ``out[m] = quant_linear(x[m], weight[expert_ids[m]], "dynamic", scale[expert_ids[m]])``, i.e. per-token
     ``s_m = max|x_m| / 127``, ``q = round(x_m / s_m)``, ``out[m] = (q @ W_e) * scale[e] * s_m``.
 
-    x: [M, K] float; weight: int8 [E, K, N] (``x2`` layout); expert_ids: [M] int64 in [0, E); scale: float32
-    [E, N]. Returns [M, N] in x.dtype.
+    x: [M, K] float; weight: int8 [E, K, N] (``x2`` layout); expert_ids: [M] int64 in [0, E] (id E: a zero
+    row, as in :func:`grouped_matmul`); scale: float32 [E, N]. Returns [M, N] in x.dtype.
     """
     return resolve("quant_grouped_matmul", x)(x, weight, expert_ids, scale)
 

@@ -13,10 +13,18 @@ replicas hold different tokens: the tokens are then split over the ``split`` gro
 ranks hold the same tokens), dispatched / combined over the whole EP group, and all-gathered over ``split``.
 Without DP ``split`` has the EP group's ranks, so the two readings agree. A replica with no work in a step calls
 the experts with zero tokens (:func:`dummy_moe_step`) so that every EP collective is met.
+
+Captured decode steps (CUDA graphs; NPU graph mode needs the same) cannot hold either form as is: the all-to-all
+takes its counts through the host and the all-reduce form selects this rank's rows by a data-dependent count.
+Inside :func:`static_shape_moe` (``engine/cuda_graphs.py`` runs every graph step in it) expert parallelism takes
+a static-shape form instead, :func:`ep_static_rows`: every (token, expert) row, those of other ranks' experts
+given the id one past this rank's last (a zero row in ``grouped_matmul``), then the all-reduce.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 
 import torch
@@ -27,6 +35,33 @@ from parallel.comm import all_gather, all_reduce, all_to_all, exchange_counts
 from parallel.groups import Group
 
 EP_COMM = ("alltoall", "allreduce")
+
+_STATIC = contextvars.ContextVar("ascend_dsv4_static_shape_moe", default=False)
+
+
+@contextlib.contextmanager
+def static_shape_moe(on: bool = True):
+    """Within: expert parallelism takes its static-shape form (:func:`ep_mode` 'static'), which a captured graph
+    can hold; ``engine/cuda_graphs.py`` runs every graph step (warm-up, capture, the replay off CUDA) in it."""
+    token = _STATIC.set(on)
+    try:
+        yield
+    finally:
+        _STATIC.reset(token)
+
+
+def ep_mode(experts: nn.Module) -> str:
+    """How a routed-experts module (:class:`Experts`, msModelSlim's ``ParallelQuantExperts``) runs expert
+    parallelism in this call: 'none' (one EP rank), 'static' (inside :func:`static_shape_moe`, unless the
+    replicas of data-parallel attention hold different tokens: their all-to-all stays, and such a step is not
+    capturable), else its ``ep_comm`` ('alltoall' | 'allreduce'). 'alltoall' returns complete rows; 'static' and
+    'allreduce' partial sums that the MoE all-reduces (:func:`reduce_moe`)."""
+    ep = getattr(experts, "ep", None)
+    if ep is None or ep.size == 1:
+        return "none"
+    if _STATIC.get() and getattr(experts, "split", ep) is ep:
+        return "static"
+    return getattr(experts, "ep_comm", "allreduce")
 
 
 class Experts(nn.Module):
@@ -143,14 +178,15 @@ class Experts(nn.Module):
         if (skip is not None or out_dtype is not None) and not self.sums_here:
             raise ValueError("Experts.forward: skip / out_dtype need the rows summed here (expert parallel "
                              "size 1); add the shared output after the reduction (moe_output does)")
-        if self.ep.size > 1 and self.ep_comm == "alltoall":
+        mode = ep_mode(self)
+        if mode == "alltoall":
             return self._forward_alltoall(x, weights, ids)
-        T, k = ids.shape
-        if self.ep.size == 1:  # all experts here: permute / unpermute as ops (npu_moe_init_routing_v2 / finalize)
+        if mode == "none":  # all experts here: permute / unpermute as ops (npu_moe_init_routing_v2 / finalize)
             xs, e, order = atb_ops.moe_permute(x, ids, self.w1.shape[0])
             y = self._rows(xs, e, weights.reshape(-1)[order], x.dtype)
-            return atb_ops.moe_unpermute(y, order, T, skip, out_dtype)
-        return ep_local_rows(x, weights, ids, self.w1.shape[0], self.first_expert, self._rows)  # 'allreduce'
+            return atb_ops.moe_unpermute(y, order, ids.shape[0], skip, out_dtype)
+        local_rows = ep_static_rows if mode == "static" else ep_local_rows
+        return local_rows(x, weights, ids, self.w1.shape[0], self.first_expert, self._rows)  # partial sums
 
     def _forward_alltoall(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """EP dispatch / combine (:func:`ep_dispatch_combine`) around this rank's experts (:meth:`_rows`)."""
@@ -214,6 +250,25 @@ def ep_local_rows(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, n_l
     return torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device).index_add_(0, tok, y.float())
 
 
+def ep_static_rows(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, n_local: int, first_expert: int,
+                   rows) -> torch.Tensor:
+    """:func:`ep_local_rows`' partial sum float32 [T, d] with shapes that do not depend on the routing (what a
+    captured step needs): all T * k (token, expert) rows are permuted (``moe_permute`` over ``n_local + 1`` ids),
+    those of other ranks' experts with id ``n_local`` -- one past this rank's last, which ``grouped_matmul`` writes
+    as zero rows -- and routing weight 0; ``rows`` (as in :func:`ep_dispatch_combine`) computes them and
+    ``moe_unpermute`` sums each token's rows. The same values as :func:`ep_local_rows` up to the order of the
+    float32 additions (zero rows add nothing). The grouped GEMMs skip the id-``n_local`` rows: the extra cost is
+    the permuted copy of every row."""
+    T = ids.shape[0]
+    local = ids - first_expert
+    mine = (local >= 0) & (local < n_local)
+    lid = torch.where(mine, local, n_local)
+    w = torch.where(mine, weights, torch.zeros((), dtype=weights.dtype, device=weights.device))
+    xs, e, order = atb_ops.moe_permute(x, lid, n_local + 1)
+    y = rows(xs, e, w.reshape(-1)[order], x.dtype)
+    return atb_ops.moe_unpermute(y, order, T)
+
+
 def routed_experts(cfg, inter: int, limit: float, dtype: torch.dtype, reference: bool, parallel) -> Experts:
     """The routed experts of one layer for a rank: split inside (TP) or partitioned (EP) per ``parallel``."""
     E = cfg.n_routed_experts
@@ -271,9 +326,7 @@ def reduce_moe(routed: torch.Tensor, shared: torch.Tensor | None, experts: Exper
     """Sum of the routed and shared outputs (float32 [T, d]) with one all-reduce of the partial sums, in
     ``out_dtype`` (default float32): the float32 sum rounded once. Without an all-reduce the sum and the rounding
     are one launch (``torch.add`` computes in the promoted float32 and writes ``out_dtype``), not three."""
-    ep = getattr(experts, "ep", None)  # msModelSlim's QuantExperts replace Experts at world size 1
-    complete = ep is not None and ep.size > 1 and getattr(experts, "ep_comm", "") == "alltoall"
-    if complete:
+    if ep_mode(experts) == "alltoall":  # complete rows (msModelSlim's QuantExperts at world size 1: 'none')
         y = routed if shared is None else routed + all_reduce(shared.float(), tp)
     elif shared is not None and tp.size == 1 and out_dtype is not None:
         return torch.add(routed, shared, out=torch.empty(routed.shape, dtype=out_dtype, device=routed.device))

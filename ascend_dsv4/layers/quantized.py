@@ -62,12 +62,14 @@ class QuantExperts(nn.Module):
     def _rows(self, xs: torch.Tensor, e: torch.Tensor, w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows xs [n, d] sorted by local expert id e [n], routing weights w [n] -> float32 [n, d] (each row its
         expert's output, weighted): what expert-parallel dispatch (``layers.experts.ep_dispatch_combine``) asks
-        of the rank that holds the experts."""
-        y = torch.empty(xs.shape[0], xs.shape[1], dtype=torch.float32, device=xs.device)
+        of the rank that holds the experts. Rows of id E (no expert here: ``layers.experts.ep_static_rows``) are
+        zeros."""
+        y = torch.zeros(xs.shape[0], xs.shape[1], dtype=torch.float32, device=xs.device)
         ids, counts = torch.unique_consecutive(e, return_counts=True)
         lo = 0
         for eid, n in zip(ids.tolist(), counts.tolist()):
-            y[lo:lo + n] = self._expert(eid, xs[lo:lo + n], w[lo:lo + n].unsqueeze(-1).float(), dtype)
+            if eid < len(self.w1):
+                y[lo:lo + n] = self._expert(eid, xs[lo:lo + n], w[lo:lo + n].unsqueeze(-1).float(), dtype)
             lo += n
         return y
 

@@ -25,7 +25,7 @@ from parallel.comm import all_reduce
 from parallel.groups import Group
 
 from ..errors import CheckpointError
-from ..layers.experts import ep_dispatch_combine, ep_local_rows
+from ..layers.experts import ep_dispatch_combine, ep_local_rows, ep_mode, ep_static_rows
 from ..layers.quantized import QuantLinearAdapter
 
 _PER_CHANNEL = ("weight_scale", "weight_offset", "weight_scale_second", "weight_offset_second", "deq_scale",
@@ -156,7 +156,9 @@ class ParallelQuantExperts(nn.Module):
     expert) row to the expert's rank and back (``layers.experts.ep_dispatch_combine``; complete rows; the only
     mode under data-parallel attention, whose replicas hold different tokens: ``split`` is then the replica's TP
     group), ``'allreduce'`` computes this rank's experts for all tokens and returns a partial sum that the MoE
-    reduces. TP: partial sums, reduced by the MoE. ``dim``: the model width, for :meth:`zero_token_step`."""
+    reduces; inside a captured step (``layers.experts.static_shape_moe``) the all-reduce form with static shapes
+    (``ep_static_rows``). TP: partial sums, reduced by the MoE. ``dim``: the model width, for
+    :meth:`zero_token_step`."""
 
     def __init__(self, local: nn.Module, n_local: int, first_expert: int, ep: Group, tp: Group,
                  ep_comm: str = "allreduce", split: Group | None = None, dim: int | None = None):
@@ -179,9 +181,11 @@ class ParallelQuantExperts(nn.Module):
              torch.empty(0, 1, dtype=torch.long, device=dev))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        if self.ep.size == 1:
+        mode = ep_mode(self)
+        if mode == "none":
             return self.local(x, weights, ids)
-        if self.ep_comm == "alltoall":
+        if mode == "alltoall":
             return ep_dispatch_combine(x, weights, ids, self.ep, self.split, self.n_local, self.first_expert,
                                        self.local._rows)
-        return ep_local_rows(x, weights, ids, self.n_local, self.first_expert, self.local._rows)  # partial sum
+        local_rows = ep_static_rows if mode == "static" else ep_local_rows
+        return local_rows(x, weights, ids, self.n_local, self.first_expert, self.local._rows)  # partial sums

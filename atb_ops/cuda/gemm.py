@@ -137,7 +137,7 @@ def _fp4_scaled(c, sc):
 
 @triton.jit
 def _gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, order_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr,
-                 M, N, K, stride_we, stride_se,
+                 M, N, K, NE, stride_we, stride_se,
                  FMT: tl.constexpr, SCALE_E8M0: tl.constexpr, GROUPED: tl.constexpr, FP4_SPLIT: tl.constexpr,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, CT: tl.constexpr, PREC: tl.constexpr):
     pid_m = tl.program_id(0)
@@ -159,7 +159,7 @@ def _gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, order_ptr, tile_e_ptr, tile_r0_pt
     w_base = w_ptr + e * stride_we
     s_base = s_ptr + e * stride_se
     acc = tl.zeros((BM, BN), tl.float32)
-    if tl.max(rm.to(tl.int32), 0) > 0:
+    if tl.max((rm & (e < NE)).to(tl.int32), 0) > 0:  # a tile of bucket NE (ids = E, no expert): zero rows
         for k0 in range(0, K, BK):
             k = k0 + tl.arange(0, BK)
             km = k < K
@@ -268,7 +268,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None = None
     s, e8 = _scale_arg(w_scale, w)
     xc = x.contiguous()
     _gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
-        xc, w.contiguous(), s, out, xc, xc, xc, xc, m, n, k, 0, 0, FMT=_FMT[fmt], SCALE_E8M0=e8, GROUPED=False, FP4_SPLIT=_fp4_split(),
+        xc, w.contiguous(), s, out, xc, xc, xc, xc, m, n, k, 1, 0, 0, FMT=_FMT[fmt], SCALE_E8M0=e8, GROUPED=False, FP4_SPLIT=_fp4_split(),
         BM=bm, BN=bn, BK=bk, CT=tl_dtype(ct), PREC=dot_precision(ct), num_warps=4, num_stages=3)
     return out
 
@@ -382,7 +382,7 @@ def _fp32_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     bn = 64 if triton.cdiv(m, bm) * triton.cdiv(n, 64) >= 264 else 32
     xc = x.contiguous()
     _gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
-        xc, w.contiguous(), xc, out, xc, xc, xc, xc, m, n, k, 0, 0, FMT=0, SCALE_E8M0=False, GROUPED=False,
+        xc, w.contiguous(), xc, out, xc, xc, xc, xc, m, n, k, 1, 0, 0, FMT=0, SCALE_E8M0=False, GROUPED=False,
         FP4_SPLIT=False, BM=bm, BN=bn, BK=32, CT=tl.float32, PREC="tf32x3", num_warps=4, num_stages=4)
     return out
 
@@ -390,28 +390,31 @@ def _fp32_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def expert_tiles(expert_ids: torch.Tensor, n_experts: int, bm: int):
     """Device-side tile table of rows grouped by expert (no host synchronisation).
 
-    Returns (order [M] rows sorted by expert (stable), tile_e, tile_r0, tile_r1 [ceil(M/bm) + min(E, M)]):
-    tile i covers sorted rows tile_r0[i] .. tile_r1[i] - 1 of expert tile_e[i]; unused tiles have r0 = r1.
+    ``expert_ids`` [M] in [0, E]; id E (no expert here, ``grouped_matmul``'s contract) is one more bucket, sorted
+    last. Returns (order [M] rows sorted by id (stable), tile_e, tile_r0, tile_r1 [ceil(M/bm) + min(E + 1, M)]):
+    tile i covers sorted rows tile_r0[i] .. tile_r1[i] - 1 of bucket tile_e[i] (E: rows the GEMM writes as zeros);
+    unused tiles have r0 = r1.
     """
     m = expert_ids.shape[0]
     dev = expert_ids.device
     ids = expert_ids.long()
+    nb = n_experts + 1
     # stable counting sort at decode sizes (routing.py; an outer-dimension cumsum over a one-hot [M, E] took
     # ~35 us a call on the H100), a radix sort above
-    order = stable_order(ids, n_experts)
-    n_tiles = triton.cdiv(m, bm) + min(n_experts, m)
+    order = stable_order(ids, nb)
+    n_tiles = triton.cdiv(m, bm) + min(nb, m)
     if ids.is_cuda or INTERPRET:  # the table below in one launch (group_rows.py)
-        te, r0, r1 = tile_table(ids, n_experts, bm, n_tiles)
+        te, r0, r1 = tile_table(ids, nb, bm, n_tiles)
         return order, te, r0, r1
-    counts = torch.zeros(n_experts, dtype=torch.long, device=dev).scatter_add_(0, ids, torch.ones_like(ids))
+    counts = torch.zeros(nb, dtype=torch.long, device=dev).scatter_add_(0, ids, torch.ones_like(ids))
     tiles = (counts + bm - 1) // bm
     tile_end = torch.cumsum(tiles, 0)
     tile_start = tile_end - tiles
     row_start = torch.cumsum(counts, 0) - counts
     t = torch.arange(n_tiles, device=dev)
     e = torch.searchsorted(tile_end, t, right=True)
-    valid = e < n_experts
-    ec = e.clamp(max=n_experts - 1)
+    valid = e < nb
+    ec = e.clamp(max=nb - 1)
     r0 = row_start[ec] + (t - tile_start[ec]) * bm
     r1 = torch.minimum(row_start[ec] + counts[ec], r0 + bm)
     r1 = torch.where(valid, r1, r0)
@@ -421,7 +424,8 @@ def expert_tiles(expert_ids: torch.Tensor, n_experts: int, bm: int):
 @register("grouped_matmul", "cuda")
 def grouped_matmul(x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor, w_scale: torch.Tensor | None = None,
                    fmt: str = "dense") -> torch.Tensor:
-    """out[m] = x[m] @ W[expert_ids[m]]^T; x [M, K], w [E, N, K] (fp4: [E, N, K/2]); float32 accumulation."""
+    """out[m] = x[m] @ W[expert_ids[m]]^T; x [M, K], w [E, N, K] (fp4: [E, N, K/2]); float32 accumulation.
+    Rows of id E (no expert here) come out as zeros, on every path."""
     m, k = x.shape
     _check(fmt, k)
     n_exp, n = w.shape[0], w.shape[1]
@@ -447,7 +451,7 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor, w
     s, e8 = _scale_arg(w_scale, w)
     wc = w.contiguous()
     _gemm_kernel[(te.shape[0], triton.cdiv(n, bn))](
-        x.contiguous(), wc, s, out, order, te, r0, r1, m, n, k, wc.stride(0), s.stride(0) if w_scale is not None else 0,
+        x.contiguous(), wc, s, out, order, te, r0, r1, m, n, k, n_exp, wc.stride(0), s.stride(0) if w_scale is not None else 0,
         FMT=_FMT[fmt], SCALE_E8M0=e8, GROUPED=True, FP4_SPLIT=_fp4_split(), BM=bm, BN=bn, BK=bk, CT=tl_dtype(ct), PREC=dot_precision(ct),
         num_warps=4, num_stages=3)
     return out

@@ -157,6 +157,8 @@ def quant_linear(x, weight, mode, scale, bias=None, offset=None, input_scale=Non
 def quant_grouped_matmul(x, weight, expert_ids, scale):
     out = torch.zeros(x.shape[0], weight.shape[2], dtype=x.dtype, device=x.device)
     for e in torch.unique(expert_ids).tolist():
+        if not 0 <= e < weight.shape[0]:  # id E: no expert here, a zero row
+            continue
         rows = (expert_ids == e).nonzero(as_tuple=True)[0]
         out[rows] = quant_linear(x[rows], weight[e], "dynamic", scale[e])
     return out
@@ -166,6 +168,8 @@ def quant_grouped_matmul(x, weight, expert_ids, scale):
 def grouped_matmul(x, w, expert_ids, w_scale=None, fmt="dense"):
     out = x.new_zeros((x.shape[0], w.shape[1]))
     for e in torch.unique(expert_ids).tolist():
+        if not 0 <= e < w.shape[0]:  # id E: no expert here, a zero row
+            continue
         rows = (expert_ids == e).nonzero(as_tuple=True)[0]
         we = dequant_weight(w[e], None if w_scale is None else w_scale[e], fmt)
         out[rows] = matmul(x[rows].float(), we).to(x.dtype)

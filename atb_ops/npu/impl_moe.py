@@ -80,15 +80,16 @@ def moe_gate(x, weight, bias, topk: int, route_scale: float, tid2eid=None, token
 def grouped_matmul(x, w, expert_ids, w_scale=None, fmt="dense"):
     """Rows sorted by expert (stable), one ``npu_grouped_matmul`` over ``x=[X (M, K)]``, ``weight=[W^T (E, K, N)]``
     (a transposed view of the [E, N, K] stack), ``group_list`` = per-expert row counts (group_list_type 1),
-    ``group_type=0``, ``split_item=3``; rows scattered back. FP8/FP4 stacks are dequantised first."""
+    ``group_type=0``, ``split_item=3``; rows scattered back, those of id E (past every group: undefined in the
+    op's output) set to zero. FP8/FP4 stacks are dequantised first."""
     m = x.shape[0]
     e, n = w.shape[0], w.shape[1]
     if m == 0:
         return x.new_zeros((0, n))
     if fmt != "dense":
         w = dense_weight(w, w_scale, fmt)
-    order = torch.argsort(expert_ids, stable=True)
-    counts = torch.bincount(expert_ids, minlength=e).to(torch.int64)
+    order = torch.argsort(expert_ids, stable=True)  # rows of id E (no expert here) last, past every group
+    counts = torch.bincount(expert_ids, minlength=e + 1)[:e].to(torch.int64)
     xs = x[order]
     wt = w.transpose(1, 2)
     if xs.dtype != wt.dtype:
@@ -97,7 +98,7 @@ def grouped_matmul(x, w, expert_ids, w_scale=None, fmt="dense"):
                                        group_list_type=1)[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     out[order] = y.to(x.dtype)
-    return out
+    return out.masked_fill_((expert_ids >= e).unsqueeze(-1), 0)  # rows past the last group are undefined
 
 
 @candidate("moe_permute", "torch_npu", "torch_npu.npu_moe_init_routing_v2 (dropless, row_idx_type 1)",

@@ -42,19 +42,19 @@ def quant_linear(x, weight, mode, scale, bias=None, offset=None, input_scale=Non
 def quant_grouped_matmul(x, weight, expert_ids, scale):
     """Rows sorted by expert (stable); ``npu_dynamic_quant`` per token; one ``npu_grouped_matmul`` over
     ``x=[q (M, K) int8]``, ``weight=[W (E, K, N) int8]``, ``scale=[(E, N) f32]``, ``per_token_scale=[(M,) f32]``,
-    ``group_list`` = per-expert counts (type 1), ``output_dtype`` = x's dtype; rows scattered back."""
+    ``group_list`` = per-expert counts (type 1), ``output_dtype`` = x's dtype; rows scattered back (id E: zeros)."""
     m, (e, _, n) = x.shape[0], weight.shape
     if m == 0:
         return x.new_zeros((0, n))
     tn = torch_npu()
-    order = torch.argsort(expert_ids, stable=True)
-    counts = torch.bincount(expert_ids, minlength=e).to(torch.int64)
+    order = torch.argsort(expert_ids, stable=True)  # rows of id E (no expert here) last, past every group
+    counts = torch.bincount(expert_ids, minlength=e + 1)[:e].to(torch.int64)
     q, s_t = tn.npu_dynamic_quant(x[order])
     y = tn.npu_grouped_matmul([q], [weight], scale=[scale.float()], per_token_scale=[s_t], group_list=counts,
                               split_item=3, group_type=0, group_list_type=1, output_dtype=x.dtype)[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     out[order] = y
-    return out
+    return out.masked_fill_((expert_ids >= e).unsqueeze(-1), 0)  # rows past the last group are undefined
 
 
 @candidate("kv_quant", "torch_npu", "torch_npu.npu_quantize (div_mode=False, per channel)",

@@ -37,6 +37,8 @@ def grouped_matmul(x, w, expert_ids, w_scale=None, fmt="dense"):
     n_out = w.shape[1]
     out = x.new_zeros((x.shape[0], n_out))
     for e in torch.unique(expert_ids).tolist():
+        if not 0 <= e < w.shape[0]:  # id E: no expert here, a zero row
+            continue
         rows = (expert_ids == e).nonzero(as_tuple=True)[0]
         we = dequant_weight(w[e], None if w_scale is None else w_scale[e], fmt)
         out[rows] = (x[rows].float() @ we.t()).to(x.dtype)

@@ -68,6 +68,8 @@ def quant_grouped_matmul(x, weight, expert_ids, scale):
     m = x.shape[0]
     out = torch.zeros(m, n, dtype=x.dtype, device=x.device)
     for e in torch.unique(expert_ids).tolist():
+        if not 0 <= e < weight.shape[0]:  # id E: no expert here, a zero row
+            continue
         rows = (expert_ids == e).nonzero(as_tuple=True)[0]
         out[rows] = quant_linear(x[rows], weight[e], "dynamic", scale[e])
     return out

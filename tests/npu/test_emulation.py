@@ -204,6 +204,7 @@ def test_grouped_matmul_group_list(group_list_type):
         for _ in range(c):
             assert torch.allclose(y[row], x[row] @ w[e], atol=1e-5)
             row += 1
+    assert torch.isnan(y[row:]).all()  # undefined on the device: poisoned, so that no caller can rely on it
 
 
 def test_fia_bsnd_mla_split_lengths_and_gqa():

@@ -93,12 +93,18 @@ def test_tile_table_equals_its_formula(monkeypatch, m, e, bm):
         want = _tiles_oracle(ids, e, bm, n_tiles)
         got = torch.stack(tile_table(ids.to(dev), e, bm, n_tiles)).cpu()
         assert torch.equal(got, want), (m, e, bm)
-        order, *rest = gemm.expert_tiles(ids.to(dev), e, bm)
-        assert torch.equal(torch.stack(rest).cpu(), want)
-        with monkeypatch.context() as mp:  # the torch formulation (CPU tensors outside the interpreter)
-            mp.setattr(gemm, "INTERPRET", False)
-            order, *rest = gemm.expert_tiles(ids, e, bm)
-            assert torch.equal(torch.stack(rest), want)
+        # expert_tiles: one more bucket, E (rows of no expert here, grouped_matmul's contract), sorted last
+        ids_e = torch.cat([ids, torch.full((m // 3,), e)])[torch.randperm(m + m // 3, generator=g)]
+        for x in (ids, ids_e):
+            n_x = triton.cdiv(x.numel(), bm) + min(e + 1, x.numel())
+            want_x = _tiles_oracle(x, e + 1, bm, n_x)
+            order, *rest = gemm.expert_tiles(x.to(dev), e, bm)
+            assert torch.equal(order.cpu(), torch.argsort(x, stable=True))
+            assert torch.equal(torch.stack(rest).cpu(), want_x)
+            with monkeypatch.context() as mp:  # the torch formulation (CPU tensors outside the interpreter)
+                mp.setattr(gemm, "INTERPRET", False)
+                order, *rest = gemm.expert_tiles(x, e, bm)
+                assert torch.equal(torch.stack(rest), want_x)
 
 
 @pytest.mark.parametrize("t,k,d,dtype", [(1, 6, 16, torch.float32), (32, 6, 4096, torch.float32),

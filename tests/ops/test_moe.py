@@ -195,6 +195,24 @@ def test_grouped_matmul_matches_loop_with_idle_experts():
     torch.testing.assert_close(out.double(), oracle_grouped_matmul(x, w, expert_ids), rtol=1e-5, atol=1e-5)
 
 
+def test_grouped_matmul_id_e_gives_zero_rows():
+    """Id E (one past the last expert: another rank's expert, marked so by the capture-safe expert-parallel
+    path) is a zero row; the other rows as if it were absent. Also the int8 dynamic form."""
+    g = torch.Generator().manual_seed(33)
+    x = torch.randn(9, 8, generator=g)
+    w = torch.randn(3, 5, 8, generator=g)
+    ids = torch.tensor([3, 0, 2, 3, 3, 1, 0, 3, 2])
+    out = atb_ops.grouped_matmul(x, w, ids)
+    keep = ids < 3
+    assert not out[~keep].any()
+    torch.testing.assert_close(out[keep], atb_ops.grouped_matmul(x[keep], w, ids[keep]), rtol=0, atol=0)
+    wq = torch.randint(-127, 128, (3, 8, 5), generator=g, dtype=torch.int8)
+    sc = torch.rand(3, 5, generator=g) / 100
+    q = atb_ops.quant_grouped_matmul(x, wq, ids, sc)
+    assert not q[~keep].any()
+    torch.testing.assert_close(q[keep], atb_ops.quant_grouped_matmul(x[keep], wq, ids[keep], sc), rtol=0, atol=0)
+
+
 def test_grouped_matmul_single_expert_and_single_row():
     g = torch.Generator().manual_seed(31)
     x = torch.randn(1, 4, generator=g)

@@ -27,11 +27,17 @@ def static_graphs(monkeypatch):
     monkeypatch.setattr(executor_mp.MPExecutor, "__init__", init)
 
 
-def test_tp2_graph_decode_equals_one_device(static_graphs):
+@pytest.mark.parametrize("ep", ["", "alltoall", "allreduce"])
+def test_tp2_graph_decode_equals_one_device(static_graphs, ep, monkeypatch):
+    """TP 2, and TP 2 + EP (either configured form; graph steps take the static-shape form,
+    layers/experts.py ep_static_rows, prefill the configured one)."""
+    if ep:
+        monkeypatch.setenv("ASCEND_DSV4_EP_COMM", ep)
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (14, 5, 20)]
     kw = dict(max_model_len=256, max_num_batched_tokens=64, enable_prefix_caching=True, max_num_seqs=4)
     want = [o.token_ids for o in LLM("toy-v4", **kw).generate(PROMPTS, params, use_tqdm=False)]
-    llm = LLM("toy-v4", tensor_parallel_size=2, distributed_executor_backend="mp", async_scheduling=True, **kw)
+    llm = LLM("toy-v4", tensor_parallel_size=2, distributed_executor_backend="mp", async_scheduling=True,
+              enable_expert_parallel=bool(ep), **kw)
     try:
         assert llm.runner.graphs is not None and llm.runner.mirrored
         got = [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]

@@ -84,8 +84,8 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiqua
     """Grouped matmul, MoE form (torch_npu doc ``npu_grouped_matmul``): ``x = [X (M, K)]``,
     ``weight = [W (E, K, N)]``, ``group_type=0`` (split M), ``split_item`` 2/3 (one output ``[M, N]``): rows
     ``[start_e, end_e)`` of X, from ``group_list`` (type 0 cumulative ends, type 1 counts), are multiplied by
-    W[e]. Optional ``bias=[(E, N)]``. Rows past the last group are left 0 (documented as undefined: never
-    compare them). Accumulates in float32; output in ``output_dtype`` or X's dtype. Quantised form (A2/A3): int8
+    W[e]. Optional ``bias=[(E, N)]``. Rows past the last group are NaN here (documented as undefined: a caller
+    must not read them). Accumulates in float32; output in ``output_dtype`` or X's dtype. Quantised form (A2/A3): int8
     X and W with ``scale=[(E, N)]`` and ``per_token_scale=[(M,)]``: ``y = (X @ W[e]) * scale[e] * pertoken[m]``."""
     for name, v in (("offset", offset), ("antiquant_scale", antiquant_scale), ("antiquant_offset", antiquant_offset),
                     ("activation_input", activation_input), ("x_dtype", x_dtype), ("weight_dtype", weight_dtype)):
@@ -106,8 +106,10 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiqua
     out_dtype = xm.dtype if output_dtype is None else enum_to_dtype(output_dtype, "npu_grouped_matmul", "output_dtype")
     if quant and out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
         refuse("npu_grouped_matmul", f"int8 output_dtype {out_dtype}")
+    bounds = _group_bounds(group_list, group_list_type, w.shape[0])
     y = torch.zeros(xm.shape[0], w.shape[2], dtype=torch.float32, device=xm.device)
-    for e, (a, b) in enumerate(_group_bounds(group_list, group_list_type, w.shape[0])):
+    y[max((b for _, b in bounds), default=0):] = float("nan")  # undefined on the device: poisoned here
+    for e, (a, b) in enumerate(bounds):
         if b > a:
             if quant:  # int32 accumulation (exact), then * scale[e][n] * per_token_scale[m]
                 acc = (xm[a:b].to(torch.int64) @ w[e].to(torch.int64)).float()
