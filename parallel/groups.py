@@ -197,7 +197,25 @@ def init_parallel(tensor_parallel_size: int, rank: int, init_method: str, *, dev
     return state
 
 
+_BEFORE_DESTROY: list = []  # callables run by destroy_parallel before the groups go
+
+
+def before_destroy(fn) -> None:
+    """Run ``fn()`` in :func:`destroy_parallel` before the process groups are destroyed (once per registration;
+    ``engine/cuda_graphs.py`` releases its captured graphs there)."""
+    if fn not in _BEFORE_DESTROY:
+        _BEFORE_DESTROY.append(fn)
+
+
 def destroy_parallel() -> None:
+    """Destroy this process's groups, after the :func:`before_destroy` hooks: a captured CUDA graph that holds NCCL
+    collectives makes ``ncclCommDestroy`` wait forever while the graph lives (pytorch/pytorch#115388; seen here
+    with the Ray executor's graph decode, scripts/bench_results/nccl_h200x4_session15.txt)."""
+    for fn in list(_BEFORE_DESTROY):
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - a failing hook must not keep the groups alive
+            log.warning("destroy_parallel: a before-destroy hook failed: %s: %s", type(e).__name__, e)
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 

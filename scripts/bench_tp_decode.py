@@ -14,7 +14,7 @@ non-routed weight slices (of the embedding, the batch's rows only), its slices /
 read: the KV is replicated, so every rank reads all of them) over the copy bandwidth measured in the same run.
 
 Usage (a host with N >= TP GPUs): python scripts/bench_tp_decode.py --tp 1,2,4 [--ep] [--batches 8,32,128]
-``--ep`` adds an EP layout (experts partitioned, TP attention) for every TP size > 1. ``--device cpu --toy``:
+``--ep`` adds an EP layout (experts partitioned, TP attention) for every TP size > 1. ``--device cpu --toy --backend reference``:
 a smoke run of this script on CPU processes (gloo) with the toy model.
 Keep NVLink multicast off where the host requires it (NCCL_NVLS_ENABLE=0 is set here for every rank).
 """
@@ -132,7 +132,10 @@ def rank_main(rank: int, world: int, ep: bool, args, port: int, out_path: str) -
                 comm = _nccl_ms(runner, seqs, cfg.vocab_size)
             byt = (other + embed_bytes(model, batch) + sum(per_expert[lid] * local.get(lid, 0) for lid in per_expert)
                    + batch * kv_bytes_per_seq(cfg, args.ctx, 2))
-            rows.append(dict(rank=rank, batch=batch, ms=ms, comm_ms=comm, bytes=byt, floor_ms=byt / bw * 1e3, bw=bw))
+            gr = runner.graphs  # did this batch's steps replay a captured graph (a failed capture runs eagerly)?
+            captured = gr is not None and any(v is not False and v.graph is not None for v in gr.graphs.values())
+            rows.append(dict(rank=rank, batch=batch, ms=ms, comm_ms=comm, bytes=byt, floor_ms=byt / bw * 1e3, bw=bw,
+                             captured=captured))
             del runner, seqs
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
@@ -174,8 +177,9 @@ def main() -> None:
             layouts.append((tp, True))
     mode = "eager" if a.enforce_eager else "CUDA-graph"
     print(f"# {name} x {n_dev}; Flash-shaped 3-layer decode, {a.format} weights, ctx {a.ctx}, {mode} steps")
-    print("| layout | GPUs | batch | ms/step | tok/s | NCCL ms (share) | per-GPU bytes GB | HBM floor ms | % of floor |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|", flush=True)
+    print("| layout | GPUs | batch | steps | ms/step | tok/s | NCCL ms (share) | per-GPU bytes GB | HBM floor ms | "
+          "% of floor |")
+    print("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|", flush=True)
     every = []
     for tp, ep in layouts:
         out = os.path.join("/tmp", f"bench_tp_{os.getpid()}_{tp}_{int(ep)}.json")
@@ -189,9 +193,10 @@ def main() -> None:
             busiest = max(rs, key=lambda r: r["bytes"])
             floor = busiest["floor_ms"]
             label = f"TP {tp}" + (" + EP" if ep else "")
-            print(f"| {label} | {tp} | {batch} | {ms:.2f} | {batch / ms * 1e3:.0f} | {comm:.2f} ({100 * comm / ms:.0f} %) | "
+            steps = "graph" if all(r.get("captured") for r in rs) else "eager"
+            print(f"| {label} | {tp} | {batch} | {steps} | {ms:.2f} | {batch / ms * 1e3:.0f} | {comm:.2f} ({100 * comm / ms:.0f} %) | "
                   f"{busiest['bytes'] / 1e9:.2f} | {floor:.2f} | {100 * floor / ms:.1f} |", flush=True)
-            every.append(dict(layout=label, gpus=tp, batch=batch, ms=ms, comm_ms=comm,
+            every.append(dict(layout=label, gpus=tp, batch=batch, steps=steps, ms=ms, comm_ms=comm,
                               comm_ms_ranks=[r["comm_ms"] for r in rs], bytes=busiest["bytes"],
                               floor_ms=floor, device=name))
     if a.out:

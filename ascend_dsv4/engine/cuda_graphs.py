@@ -29,12 +29,16 @@ tests check against the eager path).
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Sequence
 
 import torch
 
+from parallel.groups import before_destroy
+
 from ..kv.blocks import SeqBlocks
 from ..kv.decode_inputs import DecodeInputs, DecodeLayout, derive_decode_context
+from ..layers.experts import static_shape_moe
 
 log = logging.getLogger("ascend_dsv4.cuda_graphs")
 
@@ -62,8 +66,21 @@ def decode_forward(model: torch.nn.Module, inputs: DecodeInputs, pools, trash_to
     """What a captured decode graph runs: the step context derived on the device from ``inputs``' static buffer,
     the model, the logits of every row -> (streams [b, hc, dim], float32 logits [b, vocab])."""
     ctx = derive_decode_context(inputs, pools, trash_token, trash_entry)
-    streams = model(inputs.ids, ctx)
+    with static_shape_moe():  # expert parallelism in its capturable form (layers/experts.py)
+        streams = model(inputs.ids, ctx)
     return streams, model.logits(streams, ctx.logits_index)
+
+
+_LIVE: "weakref.WeakSet[CudaGraphDecoder]" = weakref.WeakSet()  # decoders that hold captured graphs
+
+
+def release_all() -> int:
+    """Release the graphs of every live decoder (:meth:`CudaGraphDecoder.release`); run by
+    ``parallel.groups.destroy_parallel`` before it destroys the process groups. Returns how many it released."""
+    n = 0
+    for d in list(_LIVE):
+        n += d.release()
+    return n
 
 
 class _Graph:
@@ -136,11 +153,25 @@ class CudaGraphDecoder:
         torch.cuda.current_stream(self.device).wait_stream(side)
         if self.mempool is None:
             self.mempool = torch.cuda.graph_pool_handle()
+            _LIVE.add(self)
+            before_destroy(release_all)
         g.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g.graph, pool=self.mempool):
             g.streams, g.logits = self._forward(g)
         log.info("captured a CUDA graph for decode bucket %s", key)
         return g
+
+    def release(self) -> int:
+        """Drop every captured graph and the memory pool (after the device finished them): the decoder captures
+        again on next use. A graph that holds NCCL collectives keeps ``ncclCommDestroy`` waiting, so the process
+        groups are destroyed only after this (``parallel.groups.before_destroy``). Returns the graphs dropped."""
+        n = sum(1 for g in self.graphs.values() if g is not False and g.graph is not None)
+        if n or self.mempool is not None:
+            torch.cuda.synchronize(self.device)
+        self.graphs.clear()
+        self.mempool = None
+        _LIVE.discard(self)
+        return n
 
     # ---- replay --------------------------------------------------------------------------------------
     def stage(self, seqs: Sequence[SeqBlocks], tokens: Sequence[Sequence[int]], key) -> _Graph | None:

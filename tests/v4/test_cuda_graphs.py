@@ -86,3 +86,22 @@ def test_captured_runner_decode_matches_eager_runner():
     the window / ratio boundaries, a shrinking batch, float32; the context derived by the one-launch kernel."""
     assert decode_context_path(torch.device("cuda")) == "triton"
     cpu_e2e.test_graph_path_decode_equals_eager_decode("cuda")
+
+
+def test_release_drops_the_graphs_and_decode_captures_again():
+    """``parallel.groups.destroy_parallel`` releases every captured graph first (a live graph holding NCCL
+    collectives keeps ncclCommDestroy waiting: the Ray executor's shutdown hung so); after a release the next
+    decode step captures again and still matches eager decode."""
+    from ascend_dsv4.engine import cuda_graphs
+    from parallel.groups import destroy_parallel
+
+    ids = torch.randint(0, 1024, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    g, e = _pair(dtype="float32")
+    a = g.logits(ids, prefill_len=30)
+    dec = g.runner.graphs
+    assert dec.graphs and any(v is not False and v.graph is not None for v in dec.graphs.values())
+    destroy_parallel()  # no process group here: only the hooks run
+    assert not dec.graphs and dec.mempool is None and dec not in cuda_graphs._LIVE
+    b = g.logits(ids, prefill_len=30)
+    assert dec.graphs and dec in cuda_graphs._LIVE
+    assert torch.equal(a, b) and rel_err(a, e.logits(ids, prefill_len=30)) < 1e-5
