@@ -30,7 +30,9 @@ order of summation.
 
 Built at first use with NVRTC (``torch.cuda._utils``: the CUDA runtime compiler torch loads; no CUDA toolkit
 needed) for the device's compute capability (sm_80+: ``mma.sync`` bf16; ``fma.rn.bf16x2``); unavailable builds
-fall back to :mod:`.gemm_fp4_moe` (``available``). ``ATB_CUDA_FP4_MOE=mma`` selects it in :mod:`.gemm`.
+fall back to :mod:`.gemm_fp4_moe` (``available``). :mod:`.gemm` routes fp4 MoE calls here by default (since session
+15: the decode step measured faster with it and its graph-vs-eager tests passed); ``ATB_CUDA_FP4_MOE=new`` keeps
+the Triton kernel.
 
 One module of ~550 lines on purpose: the CUDA source, its NVRTC build and the launcher that sizes its grid are one
 unit (the launch arguments follow the kernel's template parameters line by line); the build was measured and

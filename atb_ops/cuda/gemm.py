@@ -17,9 +17,10 @@ Decode-sized calls (bfloat16 activations, few rows per weight) over fp4 / fp8_bl
 :mod:`.gemm_decode` (one pass over the weight bytes, decoded with PTX bit operations, mma.sync on [rows, columns]
 tiles) or :mod:`.gemm_tc` (swap-AB wgmma: weight rows as the MMA's M side, decoded in the A-operand registers)
 instead, fp4 grouped (MoE) calls of up to :data:`FP4_MOE_MAX_ROWS` rows to :mod:`.gemm_fp4_moe`
-(``ATB_CUDA_FP4_MOE=old``: the previous rules; ``=mma``: the CUDA C kernel of :mod:`.fp4_moe_mma` where it
-builds, 1.14-1.36x faster at 8-64 tokens on a lent H200, not yet the default: not run inside the decode step on a
-GPU), and large grouped calls to :mod:`.gemm_tc_large` (the same
+(by default the CUDA C kernel of :mod:`.fp4_moe_mma` where it builds and applies, else the Triton kernel:
+1.14-1.36x faster at 8-64 tokens on a lent H200; the FP8 + FP4 decode step 7-10 % faster at batch 8 and 2-3 % at 32
+on an H200 and an H100, scripts/bench_results/nccl_h200x4_session15.txt; ``ATB_CUDA_FP4_MOE=new``: the Triton kernel
+only; ``=old``: the previous rules), and large grouped calls to :mod:`.gemm_tc_large` (the same
 swap-AB MMA over rows sorted by expert, any row count); ``ATB_CUDA_GEMM`` = ``decode`` / ``tc`` / ``tcl`` /
 ``fp4moe`` / ``fp4mma`` / ``tiled`` forces one path where it applies (benchmarks), ``auto`` (default) selects by shape
 (:data:`TCL_GROUPED_MIN_ROWS`, :data:`TCL_LINEAR_ROWS`, :data:`TC_LINEAR_ROWS`, :data:`TC_GROUPED_MIN_ROWS` /
@@ -65,8 +66,8 @@ TC_GROUPED_MAX_ROWS = 384
 TCL_GROUPED_MIN_ROWS = 1025
 TCL_LINEAR_ROWS = {"fp4": 64}
 
-# fp4 grouped (MoE) calls of up to this many rows go to gemm_fp4_moe.py unless ATB_CUDA_FP4_MOE=old (measured on
-# the H100: scripts/bench_results/fp4_moe_h100_session4.txt)
+# fp4 grouped (MoE) calls of up to this many rows go to fp4_moe_mma.py / gemm_fp4_moe.py unless ATB_CUDA_FP4_MOE=old
+# (measured on the H100: scripts/bench_results/fp4_moe_h100_session4.txt)
 FP4_MOE_MAX_ROWS = 384
 
 
@@ -87,7 +88,7 @@ def _path(x: torch.Tensor, fmt: str, w_scale, rows: int, rows_per_weight: float,
     small = gemm_decode.eligible(x, fmt, w_scale, rows)  # the decode / tc kernels' row limit
     if mode in ("tc", "decode"):
         return mode if small else "tiled"
-    moe_impl = os.environ.get("ATB_CUDA_FP4_MOE", "new")
+    moe_impl = os.environ.get("ATB_CUDA_FP4_MOE", "mma")
     if moe and rows <= FP4_MOE_MAX_ROWS and moe_impl != "old":
         return "fp4mma" if moe_impl == "mma" and _mma_ok(x, w_scale, rows) else "fp4moe"
     if grouped:

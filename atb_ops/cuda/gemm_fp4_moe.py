@@ -34,8 +34,8 @@ dequantised weight, float32 matmul) only in summation order. Rows: as in :mod:`.
 the j-th active expert (increasing id) and gathers its rows from ``expert_ids``; the slot after the last active
 expert writes zeros to rows whose id lies outside [0, E).
 
-``ATB_CUDA_FP4_MOE`` = ``new`` | ``old`` (old: :mod:`.gemm_tc` / :mod:`.gemm_decode` as before) selects the path in
-:mod:`.gemm`; ``ATB_CUDA_FP4_MOE_CFG="persist=1,nacc=4,stages=3,regs=128,ctas=3"`` overrides tunables (benchmarks).
+``ATB_CUDA_FP4_MOE`` = ``mma`` (default: :mod:`.fp4_moe_mma` where it builds and applies, else this kernel) | ``new``
+(this kernel) | ``old`` (:mod:`.gemm_tc` / :mod:`.gemm_decode` as before) selects the path in :mod:`.gemm`; ``ATB_CUDA_FP4_MOE_CFG="persist=1,nacc=4,stages=3,regs=128,ctas=3"`` overrides tunables (benchmarks).
 Under TRITON_INTERPRET the weights are decoded by plain Triton arithmetic (same values) and the dots run on float32
 copies of the operands.
 """

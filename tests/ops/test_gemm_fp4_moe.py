@@ -101,7 +101,8 @@ def test_fp4_moe_edge_cases():
 
 
 def test_dispatch_fp4_moe(monkeypatch):
-    """The default (ATB_CUDA_FP4_MOE unset or new) routes fp4 grouped calls of up to 384 rows here; old keeps the
+    """The default (ATB_CUDA_FP4_MOE unset = mma) routes fp4 grouped calls of up to 384 rows to the CUDA C kernel
+    where it applies (fp4_moe_mma.py: CUDA tensors, built) and here otherwise; new: here always; old keeps the
     previous rules; a forced ATB_CUDA_GEMM path wins."""
     from atb_ops.cuda import gemm
 
@@ -109,7 +110,13 @@ def test_dispatch_fp4_moe(monkeypatch):
     s = torch.zeros(8, 8, dtype=torch.uint8)
     monkeypatch.delenv("ATB_CUDA_GEMM", raising=False)
     monkeypatch.delenv("ATB_CUDA_FP4_MOE", raising=False)
-    assert gemm._path(x, "fp4", s, 48, 1.4) == "fp4moe"
+    with monkeypatch.context() as mp:  # where the CUDA C kernel applies
+        mp.setattr(gemm, "_mma_ok", lambda *a: True)
+        assert gemm._path(x, "fp4", s, 48, 1.4) == "fp4mma"
+        assert gemm._path(x, "fp4", s, 385, 6) != "fp4mma"  # above FP4_MOE_MAX_ROWS
+        mp.setenv("ATB_CUDA_FP4_MOE", "new")
+        assert gemm._path(x, "fp4", s, 48, 1.4) == "fp4moe"
+    assert gemm._path(x, "fp4", s, 48, 1.4) == "fp4moe"  # a CPU tensor: the CUDA C kernel does not apply
     assert gemm._path(x, "fp4", s, 384, 6) == "fp4moe"
     assert gemm._path(x, "fp8_block", s, 48, 1.4) == "tc"
     assert gemm._path(x, "fp4", s, 4, 4, grouped=False) == "tcl"  # linears: not this kernel (gemm_tc_large.py)
