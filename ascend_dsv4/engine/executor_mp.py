@@ -187,7 +187,9 @@ class MPExecutor:
         if self._closed:
             return
         self._closed = True
-        _release_graphs()  # rank 0's first: the ranks' NCCL teardown must not meet a live captured graph
+        from .cuda_graphs import release_all
+
+        release_all()  # rank 0's graphs first: the ranks' NCCL teardown must not meet a live captured graph
         for c in self.conns:
             try:
                 c.send_bytes(pickle.dumps(("stop", None, None)))
@@ -206,9 +208,3 @@ class MPExecutor:
     @property
     def worker_pids(self) -> list[int]:
         return [p.pid for p in self.procs]
-
-
-def _release_graphs() -> None:
-    from .cuda_graphs import release_all
-
-    release_all()

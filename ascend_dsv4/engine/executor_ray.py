@@ -127,14 +127,10 @@ class RayEngineExecutor:
         if self._closed:
             return
         self._closed = True
-        _release_graphs()  # rank 0's first: the ranks' NCCL teardown must not meet a live captured graph
+        from .cuda_graphs import release_all
+
+        release_all()  # rank 0's graphs first: the ranks' NCCL teardown must not meet a live captured graph
         self.ray.shutdown()
         from parallel.groups import destroy_parallel
 
         destroy_parallel()
-
-
-def _release_graphs() -> None:
-    from .cuda_graphs import release_all
-
-    release_all()
