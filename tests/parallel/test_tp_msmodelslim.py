@@ -35,20 +35,22 @@ def _logits(folder, parallel):
 
 def _worker(rank, world, init, result_dir, v4_folders):
     torch.set_num_threads(1)
+    from ascend_dsv4.layers.experts import static_shape_moe
     from parallel.groups import destroy_parallel, init_parallel
 
     lines = []
     folders = [os.path.join(FIX, c) for c in CASES] + v4_folders
     # EP: the all-to-all dispatch / combine (the default, and the path data parallelism needs) everywhere, the
-    # all-reduce fallback on the real tool's fixtures
-    layouts = ((False, "alltoall"), (True, "alltoall"), (True, "allreduce"))
+    # all-reduce fallback and the static-shape form of graph steps (layers/experts.py static_shape_moe, every step
+    # here) on the real tool's fixtures
+    layouts = ((False, "alltoall"), (True, "alltoall"), (True, "allreduce"), (True, "static"))
     modes = [(f, ep, comm) for f in folders for ep, comm in layouts if f.startswith(FIX) or comm == "alltoall"]
     for i, (folder, ep, comm) in enumerate(modes):
         case = os.path.basename(folder)
-        os.environ["ASCEND_DSV4_EP_COMM"] = comm
+        os.environ["ASCEND_DSV4_EP_COMM"] = "alltoall" if comm == "static" else comm
         state = init_parallel(world, rank, init + f"_{i}", enable_expert_parallel=ep, timeout_s=120)
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), static_shape_moe(comm == "static"):
                 got = _logits(folder, state)
                 if rank == 0:
                     want = _logits(folder, None)
