@@ -325,12 +325,11 @@ class RayExecutor:
         ``close_timeout_s``; skipped once a rank failed), then kill them, free the placement group, disconnect from
         Ray if this executor connected.
 
-        Why the close first: with its actors killed while their NCCL communicators were open, rank 0 (this
-        process) stayed blocked in ``destroy_process_group`` -- 75 s until a watchdog ended the run, and over 3
-        minutes in another -- once its CUDA graphs had captured collectives (lent H200 x 4, session 14: TP 2 greedy
-        outputs equal one GPU, then the hang; with eager decode the same shutdown finished). The ``mp`` executor,
-        whose workers destroy their groups before rank 0 does, shut down cleanly in those runs. That this order
-        removes the hang has not been run on GPUs yet (scripts/bench_results/nccl_h200x4_session14.txt)."""
+        Why the close first: each rank destroys its own NCCL communicators (``parallel.groups.destroy_parallel``,
+        which first releases the rank's captured CUDA graphs: a live graph holding NCCL collectives makes
+        ``ncclCommDestroy`` wait forever) before it is killed. Session 14 saw rank 0 hang in
+        ``destroy_process_group`` after graph decode; session 15 traced it to the live graphs and, with the release,
+        the Ray test at TP 2 shut down cleanly on an H200 x 2 (scripts/bench_results/nccl_h200x4_session15.txt)."""
         import ray
         from ray.util.placement_group import remove_placement_group
 
