@@ -211,6 +211,10 @@ def test_grouped_matmul_id_e_gives_zero_rows():
     q = atb_ops.quant_grouped_matmul(x, wq, ids, sc)
     assert not q[~keep].any()
     torch.testing.assert_close(q[keep], atb_ops.quant_grouped_matmul(x[keep], wq, ids[keep], sc), rtol=0, atol=0)
+    with atb_ops.batch_invariant():  # the batch-invariant variants keep the contract
+        assert not atb_ops.grouped_matmul(x, w, ids)[~keep].any()
+        assert not atb_ops.quant_grouped_matmul(x, wq, ids, sc)[~keep].any()
+        torch.testing.assert_close(atb_ops.grouped_matmul(x, w, ids)[keep], out[keep], rtol=1e-5, atol=1e-5)
 
 
 def test_grouped_matmul_single_expert_and_single_row():
