@@ -117,8 +117,12 @@ __device__ __forceinline__ u32 scale2(u32 s) {
     return b | (b << 16);
 }
 
+// (NT, MT) = (1, 2), the decode step's tile at <= 3 rows per expert, is held to 128 registers: 4 blocks per SM
+// instead of 3 (ptxas spills ~120 bytes). On an H200 (scripts/bench_results/h200_session16.txt) that tile then ran
+// 2-4 % faster at 8 tokens x top-6 and 6-8 % at 32; the same bound on the other tiles made them slower (1 token:
+// 12-14 %), so they keep theirs (a minimum of 0 blocks: no bound, as before)
 template <int NT, int MT, bool SPLIT, bool IDS64>
-__global__ void __launch_bounds__(128) fp4_moe_mma(
+__global__ void __launch_bounds__(128, (NT == 1 && MT == 2) ? 4 : 0) fp4_moe_mma(
         const u16* __restrict__ x, const u8* __restrict__ w, const u8* __restrict__ s, const void* __restrict__ ids,
         u16* __restrict__ out, float* __restrict__ part, int* __restrict__ ctr,
         int M, int N, int K, int E, int n_slots, int steps_per_split, int n_split, int max_pass) {
