@@ -117,92 +117,6 @@ __device__ __forceinline__ u32 scale2(u32 s) {
     return b | (b << 16);
 }
 
-// One K step (256 codes of each row) of a warp: wv / sv = its lane's weight words and scale bytes of the step,
-// xrow / xok = its tokens' activation rows (both kernels below)
-template <int NT, int MT>
-__device__ __forceinline__ void mma_step(float (&acc)[MT][NT][4], const U4 (&wv)[MT][2][2], const u32 (&sv)[MT][2],
-                                         const u16* const (&xrow)[NT], const bool (&xok)[NT], int ks) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {  // 32 codes = one scale group per row
-        u32 sc[MT][2];
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) sc[mt][h] = scale2((sv[mt][h] >> (8 * half)) & 0xFFu);
-#pragma unroll
-        for (int wd = 0; wd < 4; ++wd) {  // word: 8 codes of each row -> 2 MMAs per row tile
-            U4 xb[NT];
-#pragma unroll
-            for (int nt = 0; nt < NT; ++nt) {
-                if (xok[nt]) xb[nt] = ldg_cached(xrow[nt] + ks * 256 + half * 32 + wd * 8);
-                else xb[nt] = U4{0u, 0u, 0u, 0u};
-            }
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                u32 q0 = wd == 0 ? wv[mt][0][half].x : wd == 1 ? wv[mt][0][half].y
-                       : wd == 2 ? wv[mt][0][half].z : wv[mt][0][half].w;
-                u32 q1 = wd == 0 ? wv[mt][1][half].x : wd == 1 ? wv[mt][1][half].y
-                       : wd == 2 ? wv[mt][1][half].z : wv[mt][1][half].w;
-                u32 a0, a1, a2, a3, b0, b1, b2, b3;
-                decode8(q0, sc[mt][0], a0, a1, a2, a3);
-                decode8(q1, sc[mt][1], b0, b1, b2, b3);
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt) {
-                    mma16816(acc[mt][nt], a0, b0, a1, b1, xb[nt].x, xb[nt].y);
-                    mma16816(acc[mt][nt], a2, b2, a3, b3, xb[nt].z, xb[nt].w);
-                }
-            }
-        }
-    }
-}
-
-// K steps [k_lo, k_hi) of one warp tile into acc: wrow / srow = the lane's weight rows (g, g + 8 of each 16-row
-// tile, at its 32-byte column) and scale bytes; the next step's weights in flight while this one is decoded
-template <int NT, int MT>
-__device__ __forceinline__ void mma_steps(float (&acc)[MT][NT][4], const u8* const (&wrow)[MT][2],
-                                          const u8* const (&srow)[MT][2], const u16* const (&xrow)[NT],
-                                          const bool (&xok)[NT], int k_lo, int k_hi) {
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
-    U4 wv[MT][2][2], wn[MT][2][2];
-    u32 sv[MT][2], sn[MT][2];
-    if (k_lo < k_hi) {
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                wn[mt][h][0] = ldg_stream(wrow[mt][h] + k_lo * 128);
-                wn[mt][h][1] = ldg_stream(wrow[mt][h] + k_lo * 128 + 16);
-                sn[mt][h] = ldg_u16(srow[mt][h] + k_lo * 8);
-            }
-    }
-    for (int ks = k_lo; ks < k_hi; ++ks) {
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                wv[mt][h][0] = wn[mt][h][0];
-                wv[mt][h][1] = wn[mt][h][1];
-                sv[mt][h] = sn[mt][h];
-            }
-        if (ks + 1 < k_hi) {
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    wn[mt][h][0] = ldg_stream(wrow[mt][h] + (ks + 1) * 128);
-                    wn[mt][h][1] = ldg_stream(wrow[mt][h] + (ks + 1) * 128 + 16);
-                    sn[mt][h] = ldg_u16(srow[mt][h] + (ks + 1) * 8);
-                }
-        }
-        mma_step<NT, MT>(acc, wv, sv, xrow, xok, ks);
-    }
-}
-
 // (NT, MT) = (1, 2), the decode step's tile at <= 3 rows per expert, is held to 128 registers: 4 blocks per SM
 // instead of 3 (ptxas spills ~120 bytes). On an H200 (scripts/bench_results/h200_session16.txt) that tile then ran
 // 2-4 % faster at 8 tokens x top-6 and 6-8 % at 32; the same bound on the other tiles made them slower (1 token:
@@ -423,209 +337,6 @@ __global__ void __launch_bounds__(128, (NT == 1 && MT == 2) ? 4 : 0) fp4_moe_mma
         }
     }
 }
-
-// ---- stream-K form: persistent warps over the flattened (item, K step) space ------------------------------------
-// item = (slot, warp tile of 16 x MT rows, pass of 8 x NT rows), numbered slot-major; worker wid (a warp) takes the
-// global steps [wid * G / W, (wid + 1) * G / W) of G = items x steps, so every warp streams the same number of
-// weight bytes whatever the experts' count (no last wave of a few blocks). An item cut between workers: each
-// stores its float32 partial (slot 2 wid for its first item, 2 wid + 1 for its last), and the worker that arrives
-// last (counter per item) adds them in worker order -- K order -- and writes the bfloat16 output.
-template <int NT, int MT>
-__global__ void __launch_bounds__(128, (NT == 1 && MT == 2) ? 4 : 0) fp4_moe_mma_sk(
-        const u16* __restrict__ x, const u8* __restrict__ w, const u8* __restrict__ s, const void* __restrict__ ids,
-        u16* __restrict__ out, float* __restrict__ part, int* __restrict__ ctr,
-        int M, int N, int K, int E, int ids64, int min_steps) {
-    __shared__ int s_slot[1024];  // row -> slot of its expert (n_act: id outside [0, E))
-    __shared__ int s_rows[1024];  // rows by (slot, row)
-    __shared__ int s_act[1024];   // slot -> expert
-    __shared__ int s_cnt[1025];   // slot -> rows
-    __shared__ int s_off[1025];   // slot -> first position in s_rows
-    __shared__ int s_fill[1025];  // slot -> next position while placing
-    __shared__ int s_ioff[1025];  // slot -> passes of the slots before it ([n_act]: all)
-    __shared__ u32 s_bits[32];
-    __shared__ int s_wpre[32];
-    __shared__ int s_nact;
-    const unsigned FULL = 0xffffffffu;
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int g = lane >> 2, c = lane & 3;
-    const int words = (E + 31) >> 5;
-
-    // ---- the slot table (every block builds the same): active experts in increasing id, rows stable per slot
-    if (tid < 32) s_bits[tid] = 0u;
-    for (int j = tid; j < 1025; j += 128) s_cnt[j] = 0;
-    __syncthreads();
-    for (int m = tid; m < M; m += 128) {
-        int id = ids64 ? (int)((const long long*)ids)[m] : ((const int*)ids)[m];
-        if (id < 0 || id >= E) id = -1;
-        s_slot[m] = id;
-        if (id >= 0) atomicOr(&s_bits[id >> 5], 1u << (id & 31));
-    }
-    __syncthreads();
-    if (warp == 0) {
-        u32 word = lane < words ? s_bits[lane] : 0u;
-        int pc = __popc(word), incl = pc;
-        for (int o = 1; o < 32; o <<= 1) {
-            int v = __shfl_up_sync(FULL, incl, o);
-            if (lane >= o) incl += v;
-        }
-        int j = incl - pc;
-        s_wpre[lane] = j;
-        while (word) {
-            s_act[j++] = lane * 32 + __ffs(word) - 1;
-            word &= word - 1u;
-        }
-        if (lane == 31) s_nact = incl;
-    }
-    __syncthreads();
-    const int n_act = s_nact;
-    for (int m = tid; m < M; m += 128) {
-        int id = s_slot[m];
-        int j = id < 0 ? n_act : s_wpre[id >> 5] + __popc(s_bits[id >> 5] & ((1u << (id & 31)) - 1u));
-        s_slot[m] = j;
-        atomicAdd(&s_cnt[j], 1);
-    }
-    __syncthreads();
-    if (warp == 0) {
-        int carry = 0, pcarry = 0;  // exclusive prefixes of rows and passes over slots 0 .. n_act
-        for (int base = 0; base <= n_act; base += 32) {
-            int j = base + lane;
-            int cnt = j <= n_act ? s_cnt[j] : 0;
-            int ps = j < n_act ? (cnt + 8 * NT - 1) / (8 * NT) : 0;
-            int a = cnt, b = ps;
-            for (int o = 1; o < 32; o <<= 1) {
-                int va = __shfl_up_sync(FULL, a, o), vb = __shfl_up_sync(FULL, b, o);
-                if (lane >= o) {
-                    a += va;
-                    b += vb;
-                }
-            }
-            if (j <= n_act) {
-                s_off[j] = s_fill[j] = carry + a - cnt;
-                s_ioff[j] = pcarry + b - ps;
-            }
-            carry += __shfl_sync(FULL, a, 31);
-            pcarry += __shfl_sync(FULL, b, 31);
-        }
-        __syncwarp();
-        for (int base = 0; base < M; base += 32) {  // rows in increasing order within their slot
-            int m = base + lane;
-            int j = m < M ? s_slot[m] : -1 - lane;
-            u32 peers = __match_any_sync(FULL, j);
-            if (m < M) s_rows[s_fill[j] + __popc(peers & ((1u << lane) - 1u))] = m;
-            __syncwarp();
-            if (m < M && (peers >> lane) == 1u) s_fill[j] += __popc(peers);
-            __syncwarp();
-        }
-    }
-    __syncthreads();
-
-    // ---- rows whose id lies outside [0, E): zeros, spread over the grid
-    const int bad0 = s_off[n_act];
-    {
-        const long long total = (long long)(M - bad0) * N, stride = (long long)gridDim.x * 128;
-        for (long long q = (long long)blockIdx.x * 128 + tid; q < total; q += stride)
-            out[(long long)s_rows[bad0 + (int)(q / N)] * N + q % N] = 0;
-    }
-
-    // ---- this warp's steps
-    const int WT = N / (16 * MT), steps = K >> 8;
-    const long long G = (long long)WT * s_ioff[n_act] * steps;
-    const long long W = min((long long)gridDim.x * WARPS_, max(1LL, G / min_steps));
-    const long long wid = (long long)blockIdx.x * WARPS_ + warp;
-    if (G == 0 || wid >= W) return;
-    const long long g0 = wid * G / W, g1 = (wid + 1) * G / W;
-    const long long first = g0 / steps;
-    const int K2 = K >> 1, KS = K >> 5;
-    constexpr int FRAG = MT * NT * 4;  // accumulator floats per lane
-    for (long long gg = g0; gg < g1;) {
-        const long long i = gg / steps;
-        const int k_lo = (int)(gg - i * steps);
-        const int k_hi = (int)min((long long)steps, k_lo + (g1 - gg));
-        int lo = 0, hi = n_act - 1;  // the slot: the last with s_ioff[j] * WT <= i
-        while (lo < hi) {
-            int mid = (lo + hi + 1) >> 1;
-            if ((long long)s_ioff[mid] * WT <= i) lo = mid;
-            else hi = mid - 1;
-        }
-        const int j = lo, pj = s_ioff[j + 1] - s_ioff[j];
-        const int local = (int)(i - (long long)s_ioff[j] * WT);
-        const int tile = local / pj, t0 = (local - tile * pj) * 8 * NT;
-        const int cnt = s_cnt[j];
-        const int* rows = s_rows + s_off[j];
-        const u16* xrow[NT];
-        bool xok[NT];
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-            int t = t0 + nt * 8 + g;
-            xok[nt] = t < cnt;
-            xrow[nt] = x + (long long)(xok[nt] ? rows[t] : 0) * K + c * 64;
-        }
-        const int n0 = tile * 16 * MT;
-        const u8* wb = w + (long long)s_act[j] * N * K2;
-        const u8* sb = s + (long long)s_act[j] * N * KS;
-        const u8* wrow[MT][2];
-        const u8* srow[MT][2];
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                int r = n0 + mt * 16 + g + 8 * h;
-                wrow[mt][h] = wb + (long long)r * K2 + c * 32;
-                srow[mt][h] = sb + (long long)r * KS + c * 2;
-            }
-        float acc[MT][NT][4];
-        mma_steps<NT, MT>(acc, wrow, srow, xrow, xok, k_lo, k_hi);
-        bool write = k_lo == 0 && k_hi == steps;
-        if (!write) {
-            float* pw = part + (2 * wid + (i == first ? 0 : 1)) * (FRAG * 32);
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                    for (int q = 0; q < 4; ++q) pw[((mt * NT + nt) * 4 + q) * 32 + lane] = acc[mt][nt][q];
-            __threadfence();
-            __syncwarp();
-            int arrived = 0;
-            if (lane == 0) arrived = atomicAdd(ctr + i, 1);
-            arrived = __shfl_sync(FULL, arrived, 0);
-            const long long wf = ((i * steps + 1) * W - 1) / G, wl = ((i + 1) * steps * W - 1) / G;
-            if (arrived == (int)(wl - wf)) {  // the last contributor: add every one's partial in worker order
-                __threadfence();
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                        for (int q = 0; q < 4; ++q) acc[mt][nt][q] = 0.f;
-                for (long long wc = wf; wc <= wl; ++wc) {
-                    const float* pr = part + (2 * wc + (i == (wc * G / W) / steps ? 0 : 1)) * (FRAG * 32);
-#pragma unroll
-                    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                        for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                            for (int q = 0; q < 4; ++q) acc[mt][nt][q] += ld_cg(pr + ((mt * NT + nt) * 4 + q) * 32 + lane);
-                }
-                if (lane == 0) ctr[i] = 0;
-                write = true;
-            }
-        }
-        if (write) {  // C fragment: row g / g + 8, tokens 2c, 2c + 1
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                    for (int q = 0; q < 4; ++q) {
-                        int t = t0 + nt * 8 + 2 * c + (q & 1);
-                        int n = n0 + mt * 16 + g + 8 * (q >> 1);
-                        if (t < cnt) out[(long long)rows[t] * N + n] = to_bf16(acc[mt][nt][q]);
-                    }
-        }
-        gg += k_hi - k_lo;
-    }
-}
 """
 
 
@@ -658,13 +369,9 @@ def _nvrtc() -> ctypes.CDLL:
 
 VARIANTS = [(nt, mt, split, ids64) for nt in (1, 2, 4) for mt in (1, 2, 4) for split in (False, True)
             for ids64 in (False, True)]  # template instances, built together
-SK_VARIANTS = [("sk", nt, mt) for nt in (1, 2, 4) for mt in (1, 2)]  # the stream-K kernel's
 
 
-def _name(*v) -> str:
-    if v[0] == "sk":
-        return f"fp4_moe_mma_sk<{v[1]}, {v[2]}>"
-    nt, mt, split, ids64 = v
+def _name(nt: int, mt: int, split: bool, ids64: bool) -> str:
     return f"fp4_moe_mma<{nt}, {mt}, {str(split).lower()}, {str(ids64).lower()}>"
 
 
@@ -678,7 +385,7 @@ def _compile(arch: str) -> tuple[bytes, dict]:
         if res != 0:
             raise RuntimeError(f"NVRTC {what}: {lib.nvrtcGetErrorString(res)!r}")
 
-    names = [_name(*v) for v in VARIANTS + SK_VARIANTS]
+    names = [_name(*v) for v in VARIANTS]
     ok(lib.nvrtcCreateProgram(ctypes.byref(prog), _source().encode(), b"fp4_moe_mma.cu", 0, None, None), "create")
     for name in names:
         ok(lib.nvrtcAddNameExpression(prog, name.encode()), "name")
@@ -746,27 +453,8 @@ def _kernels(device: torch.device) -> dict:
         cubin, lowered = _build(f"sm_{major}{minor}")
         with torch.cuda.device(device):
             loaded = _cuda_load_module(cubin, list(lowered.values()))
-        _KERNELS[key] = {v: loaded[lowered[_name(*v)]] for v in VARIANTS + SK_VARIANTS}
+        _KERNELS[key] = {v: loaded[lowered[_name(*v)]] for v in VARIANTS}
     return _KERNELS[key]
-
-
-_OCC: dict = {}
-
-
-def _occupancy(kern, device: torch.device) -> int:
-    """Blocks of 128 threads of ``kern`` resident per SM (cuOccupancyMaxActiveBlocksPerMultiprocessor), cached."""
-    key = (str(device), id(kern))
-    if key not in _OCC:
-        from torch.cuda._utils import _get_gpu_runtime_library
-
-        n = ctypes.c_int(0)
-        with torch.cuda.device(device):
-            res = _get_gpu_runtime_library().cuOccupancyMaxActiveBlocksPerMultiprocessor(
-                ctypes.byref(n), kern.func, WARPS * 32, ctypes.c_size_t(0))
-        if res != 0 or n.value < 1:
-            raise RuntimeError(f"cuOccupancyMaxActiveBlocksPerMultiprocessor failed ({res})")
-        _OCC[key] = n.value
-    return _OCC[key]
 
 
 def available(device: torch.device) -> bool:
@@ -808,14 +496,14 @@ def _cfg(m: int, n: int, n_slots: int, device: torch.device) -> dict:
     every case there but w2 at 8 tokens (mt = 1: 0.0626 against 0.0651 ms).
     ATB_CUDA_FP4_MMA_CFG="mt=2,nt=1,ctas=4" overrides (benchmarks)."""
     per = m / n_slots
-    cfg = dict(mt=2, nt=1 if per <= 3 else 2 if per <= 8 else 4, ctas=4, sk=0, sk_min=4)
+    cfg = dict(mt=2, nt=1 if per <= 3 else 2 if per <= 8 else 4, ctas=4)
     if (n // (WARPS * ROWS_PER_WARP_TILE * 2)) * n_slots < cfg["ctas"] * sm_count(device):
         cfg["mt"] = 1
     cfg.update(_overrides())
     return cfg
 
 
-_ALLOWED = {"mt": (1, 2, 4), "nt": (1, 2, 4), "sk": (0, 1)}  # the built template instances (VARIANTS)
+_ALLOWED = {"mt": (1, 2, 4), "nt": (1, 2, 4)}  # the built template instances (VARIANTS)
 
 
 def _overrides() -> dict:
@@ -825,13 +513,12 @@ def _overrides() -> dict:
     for kv in filter(None, (t.strip() for t in os.environ.get("ATB_CUDA_FP4_MMA_CFG", "").split(","))):
         key, _, val = kv.partition("=")
         key = key.strip()
-        ok = val.strip().isdigit() and key in ("mt", "nt", "ctas", "sk", "sk_min")
+        ok = val.strip().isdigit() and key in ("mt", "nt", "ctas")
         if ok:
             v = int(val)
             ok = v in _ALLOWED[key] if key in _ALLOWED else v > 0
         if not ok:
-            raise ValueError(f"ATB_CUDA_FP4_MMA_CFG: {kv!r} is not one of mt=1|2|4, nt=1|2|4, sk=0|1, "
-                             "ctas=<positive integer>, sk_min=<positive integer>")
+            raise ValueError(f"ATB_CUDA_FP4_MMA_CFG: {kv!r} is not one of mt=1|2|4, nt=1|2|4, ctas=<positive integer>")
         out[key] = v
     return out
 
@@ -862,8 +549,6 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor, w
         ids, ids64 = ids.to(torch.int32), False
     # activations in the MMA's K order: within each 8 columns 0 4 1 5 2 6 3 7
     xp = x.contiguous().view(m, k // 8, 2, 4).transpose(2, 3).contiguous()
-    if cfg["sk"] and _stream_k(xp, m, k, w, w_scale, ids, ids64, out, min(mt, 2), nt, cfg["sk_min"]):
-        return out
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     kern = _kernels(x.device)[(nt, mt, split > 1, ids64)]
     kern(grid=(n_bx, n_slots + 1, split), block=(WARPS * 32, 1, 1),
@@ -871,63 +556,3 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor, w
                ctr if ctr is not None else out, m, n, k, n_exp, n_slots, sps, split, max_pass])
     return out
 
-
-def _stream_k(xp, m: int, k: int, w, w_scale, ids, ids64: bool, out, mt: int, nt: int, min_steps: int) -> bool:
-    """The stream-K kernel (``fp4_moe_mma_sk``): one resident wave of blocks, each warp a worker over an equal
-    share of the (item, K step) space (:func:`sk_schedule` models it). False (nothing launched) where its items
-    could outnumber the arrival counters. xp: the activations in the MMA's K order."""
-    n_exp, n = w.shape[0], w.shape[1]
-    items_max = (n // (ROWS_PER_WARP_TILE * mt)) * (min(n_exp, m) + -(-m // (8 * nt)))
-    ctr = tc._counters(xp.device) if items_max <= tc.CTR_SIZE else None
-    if ctr is None:
-        return False
-    kern = _kernels(xp.device)[("sk", nt, mt)]
-    grid = _occupancy(kern, xp.device) * sm_count(xp.device)
-    part = torch.empty(2 * grid * WARPS * 32 * mt * nt * 4, dtype=torch.float32, device=xp.device)
-    kern(grid=(grid, 1, 1), block=(WARPS * 32, 1, 1),
-         args=[xp, w.view(torch.uint8), w_scale.view(torch.uint8), ids, out, part, ctr, m, n, k, n_exp,
-               int(ids64), min_steps])
-    return True
-
-
-def sk_schedule(ids: list[int], n_exp: int, n: int, k: int, mt: int, nt: int, workers: int,
-                min_steps: int = 4) -> dict:
-    """The stream-K kernel's work split, in Python (the kernel's index arithmetic line by line, for the tests).
-
-    Items: for each active expert in increasing id (slot j), WT = n / (16 mt) warp tiles x ceil(rows_j / (8 nt))
-    passes, numbered slot-major (tile-major within a slot); G = items x K/256 steps; W = min(workers,
-    max(1, G // min_steps)); worker w takes the steps [w G / W, (w + 1) G / W). Returns the slots (expert, rows in
-    increasing order), the items (slot, tile, first token of the pass), each worker's segments (item, k_lo, k_hi,
-    partial slot or None where the worker covers the whole item) and each cut item's contributors in the order
-    their partials are added."""
-    steps = k // 256
-    act = sorted({e for e in ids if 0 <= e < n_exp})
-    slots = [(e, [r for r, i in enumerate(ids) if i == e]) for e in act]
-    wt = n // (16 * mt)
-    items = [(j, tile, p * 8 * nt) for j, (_, rows) in enumerate(slots) for tile in range(wt)
-             for p in range(-(-len(rows) // (8 * nt)))]
-    g_all = len(items) * steps
-    w_eff = min(workers, max(1, g_all // min_steps))
-    segs: dict = {}
-    contrib: dict = {}
-    for wid in range(w_eff if g_all else 0):
-        g0, g1 = wid * g_all // w_eff, (wid + 1) * g_all // w_eff
-        first = g0 // steps
-        gg = g0
-        while gg < g1:
-            i = gg // steps
-            k_lo = gg - i * steps
-            k_hi = min(steps, k_lo + (g1 - gg))
-            whole = k_lo == 0 and k_hi == steps
-            slot = None if whole else 2 * wid + (0 if i == first else 1)
-            segs.setdefault(wid, []).append((i, k_lo, k_hi, slot))
-            if not whole:
-                contrib.setdefault(i, []).append((wid, slot))
-            gg += k_hi - k_lo
-    # the kernel's closed forms: the first and last worker of a cut item, and a worker's partial slot
-    for i, lst in contrib.items():
-        wf = ((i * steps + 1) * w_eff - 1) // g_all
-        wl = ((i + 1) * steps * w_eff - 1) // g_all
-        lst.append(("closed form", [(wc, 2 * wc + (0 if i == (wc * g_all // w_eff) // steps else 1))
-                                    for wc in range(wf, wl + 1)]))
-    return dict(slots=slots, items=items, steps=steps, workers=w_eff, segments=segs, contributors=contrib)

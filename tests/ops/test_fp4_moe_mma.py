@@ -30,8 +30,7 @@ def _built():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("cfg", ["", "nt=2", "mt=1", "nt=4,mt=1", "sk=1", "sk=1,nt=2", "sk=1,nt=4,mt=1",
-                                 "sk=1,sk_min=1"])
+@pytest.mark.parametrize("cfg", ["", "nt=2", "mt=1", "nt=4,mt=1"])
 @pytest.mark.parametrize("m", [1, 5, 37])
 def test_fp4_moe_mma_random(m, cfg, monkeypatch):
     _built()
@@ -68,11 +67,9 @@ def test_fp4_moe_mma_split_k_and_passes(split, monkeypatch):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("sk", [0, 1])
-def test_fp4_moe_mma_edge_cases(sk, monkeypatch):
+def test_fp4_moe_mma_edge_cases():
     """M = 0, one row, ids outside [0, E) (zeros) as int32, every byte value, scales 0 .. 128, large activations."""
     _built()
-    monkeypatch.setenv("ATB_CUDA_FP4_MMA_CFG", f"sk={sk}")
     g = torch.Generator().manual_seed(63)
     e, n, k = 4, 128, 512
     w, s = _weights("fp4", e, n, k, g)
@@ -101,12 +98,10 @@ def test_fp4_moe_mma_edge_cases(sk, monkeypatch):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("sk", [0, 1])
 @pytest.mark.parametrize("t", [1, 8, 64])
-def test_fp4_moe_mma_real_shapes(t, sk, monkeypatch):
+def test_fp4_moe_mma_real_shapes(t):
     """DeepSeek-V4-Flash's expert shapes (w13: 2048 x 4096 here, w2: 4096 x 2048), 64 experts, a hot expert."""
     _built()
-    monkeypatch.setenv("ATB_CUDA_FP4_MMA_CFG", f"sk={sk}")
     g = torch.Generator().manual_seed(64)
     e, n, k = 64, 2048, 4096
     w, s = _weights_on_device("fp4", e, n, k, 64)
@@ -121,11 +116,9 @@ def test_fp4_moe_mma_real_shapes(t, sk, monkeypatch):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("sk", [0, 1])
-def test_fp4_moe_mma_graph_capture(sk, monkeypatch):
+def test_fp4_moe_mma_graph_capture():
     """Captured in a CUDA graph (the decode step's), replayed on new inputs: the eager results."""
     _built()
-    monkeypatch.setenv("ATB_CUDA_FP4_MMA_CFG", f"sk={sk}")
     g = torch.Generator().manual_seed(65)
     e, n, k = 8, 256, 1024
     w, s = _weights("fp4", e, n, k, g)
@@ -163,75 +156,9 @@ def test_dispatch_fp4_mma(monkeypatch):
 
 def test_cfg_overrides_validated(monkeypatch):
     """The benchmark knob takes the built tiles only, and says what it takes otherwise."""
-    monkeypatch.setenv("ATB_CUDA_FP4_MMA_CFG", " mt=1, nt=4,ctas=8,sk=1,sk_min=2")
-    assert fm._overrides() == {"mt": 1, "nt": 4, "ctas": 8, "sk": 1, "sk_min": 2}
-    for bad in ("mt=3", "nt=0", "ctas=-1", "ctas", "bw=128", "mt=two", "sk=2", "sk_min=0"):
+    monkeypatch.setenv("ATB_CUDA_FP4_MMA_CFG", " mt=1, nt=4,ctas=8")
+    assert fm._overrides() == {"mt": 1, "nt": 4, "ctas": 8}
+    for bad in ("mt=3", "nt=0", "ctas=-1", "ctas", "bw=128", "mt=two"):
         monkeypatch.setenv("ATB_CUDA_FP4_MMA_CFG", bad)
         with pytest.raises(ValueError, match="ATB_CUDA_FP4_MMA_CFG: .* is not one of mt=1|2|4"):
             fm._overrides()
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("min_steps", [1, 3])
-def test_fp4_moe_mma_stream_k_cuts(min_steps, monkeypatch):
-    """The stream-K form with items cut between many workers (every warp of the grid a few steps: partials added
-    by the last to arrive, in worker order), several passes on a hot expert, int64 ids with one outside [0, E);
-    run twice: the same bits (deterministic), the counters left at zero."""
-    _built()
-    monkeypatch.setenv("ATB_CUDA_FP4_MMA_CFG", f"sk=1,sk_min={min_steps}")
-    g = torch.Generator().manual_seed(66)
-    e, n, k = 6, 256, 256 * 7
-    w, s = _weights("fp4", e, n, k, g)
-    x = torch.randn(45, k, generator=g).to(DEV, torch.bfloat16)
-    ids = _ids(45, e, g)
-    ids[:30] = 4
-    ids[7] = e
-    ids = ids.long().to(DEV)
-    got = fm.grouped_matmul(x, w, ids, s)
-    bad = (ids < 0) | (ids >= e)
-    assert bool((got[bad] == 0).all())
-    check_close(got[~bad], x[~bad], w, s, "fp4", ids[~bad])
-    assert torch.equal(got, fm.grouped_matmul(x, w, ids, s))
-    assert int(tc._counters(x.device).abs().sum()) == 0
-
-
-@pytest.mark.parametrize("case", [
-    dict(ids=[3, 0, 3, 3, 1, 9, 3], n_exp=4, n=64, k=256 * 5, mt=2, nt=1, workers=7, min_steps=1),
-    dict(ids=[2] * 20 + [0, 1], n_exp=3, n=128, k=256 * 3, mt=1, nt=1, workers=64, min_steps=2),
-    dict(ids=list(range(8)) * 6, n_exp=64, n=512, k=256 * 16, mt=2, nt=1, workers=2112, min_steps=4),
-    dict(ids=[5], n_exp=8, n=256, k=256 * 2, mt=1, nt=4, workers=1000, min_steps=4),
-    dict(ids=[-1, 9], n_exp=8, n=256, k=256, mt=1, nt=1, workers=8, min_steps=4),
-])
-def test_stream_k_schedule(case):
-    """The stream-K split (the kernel's index arithmetic, modelled by ``sk_schedule``): every (item, K step) is
-    done exactly once; a worker's cut items are only its first and last, with distinct partial slots; the closed
-    forms the kernel uses for a cut item's contributors (first / last worker, each one's partial slot) are the
-    workers that actually cut it, in K order; items are the active experts' tiles x passes in increasing id."""
-    sch = fm.sk_schedule(**case)
-    steps, items = sch["steps"], sch["items"]
-    rows = {e: [r for r, i in enumerate(case["ids"]) if i == e] for e in set(case["ids"]) if 0 <= e < case["n_exp"]}
-    assert [e for e, _ in sch["slots"]] == sorted(rows) and all(sch["slots"][j][1] == rows[e]
-                                                                for j, e in enumerate(sorted(rows)))
-    wt = case["n"] // (16 * case["mt"])
-    assert len(items) == wt * sum(-(-len(r) // (8 * case["nt"])) for r in rows.values())
-    done = {}
-    slots_used = set()
-    for wid, segs in sch["segments"].items():
-        assert all(a[0] < b[0] for a, b in zip(segs, segs[1:]))  # increasing items
-        for pos, (i, k_lo, k_hi, slot) in enumerate(segs):
-            assert 0 <= k_lo < k_hi <= steps
-            for ks in range(k_lo, k_hi):
-                assert (i, ks) not in done
-                done[(i, ks)] = wid
-            whole = k_lo == 0 and k_hi == steps
-            assert whole == (slot is None)
-            if not whole:
-                assert pos in (0, len(segs) - 1) and slot not in slots_used
-                slots_used.add(slot)
-    assert set(done) == {(i, ks) for i in range(len(items)) for ks in range(steps)}
-    for i, lst in sch["contributors"].items():
-        (_, closed), actual = lst[-1], lst[:-1]
-        assert len(actual) >= 2 and closed == actual
-        assert [done[(i, ks)] for ks in range(steps)] == sorted(done[(i, ks)] for ks in range(steps))
-    if not items:
-        assert sch["segments"] == {}
