@@ -64,12 +64,14 @@ class QuantExperts(nn.Module):
         expert's output, weighted): what expert-parallel dispatch (``layers.experts.ep_dispatch_combine``) asks
         of the rank that holds the experts. Rows of id E (no expert here: ``layers.experts.ep_static_rows``) are
         zeros."""
-        y = torch.zeros(xs.shape[0], xs.shape[1], dtype=torch.float32, device=xs.device)
+        y = torch.empty(xs.shape[0], xs.shape[1], dtype=torch.float32, device=xs.device)
         ids, counts = torch.unique_consecutive(e, return_counts=True)
         lo = 0
         for eid, n in zip(ids.tolist(), counts.tolist()):
             if eid < len(self.w1):
                 y[lo:lo + n] = self._expert(eid, xs[lo:lo + n], w[lo:lo + n].unsqueeze(-1).float(), dtype)
+            else:  # only these rows need zeros: the others are all written above
+                y[lo:lo + n] = 0
             lo += n
         return y
 
