@@ -1,5 +1,5 @@
 """MoE decode over FP4 experts by a hand-written CUDA kernel (NVRTC): weights loaded straight into the registers
-that feed ``mma.sync``, no shared memory, no wgmma bookkeeping.
+that feed ``mma.sync`` (no shared memory for them, no wgmma bookkeeping), the activations staged in shared memory.
 
 Same op as :mod:`.gemm_fp4_moe` -- out[m, :] = x[m, :] @ W[e(m)]^T, bfloat16 x [M, K], FP4 experts W int8
 [E, N, K/2] (element 2c in the low nibble of byte c, e2m1) with E8M0 scales uint8 [E, N, K/32], W[n, k] =
@@ -11,12 +11,17 @@ weights need no layout change at load; the *K order* inside each MMA is chosen t
 - a warp owns 16 x MT weight rows; lane l = 4 g + c holds rows g and g + 8 of each 16-row tile (the A fragment
   rows of ``mma.m16n8k16``) and, per K step of 256 codes, the 64 codes [64 c, 64 c + 64) of those rows: two
   16-byte loads per row, a whole 128-byte line per row across the 4 lanes of a row;
-- a 32-bit word of 8 codes is decoded into 4 bfloat16 pairs P_j = (code j, code j + 4) (the decoder of
-  :mod:`.gemm_tc`, 14 integer operations and 4 bf16x2 multiplies per word, scales <= 2 only: one multiply by
-  2^(s - 1)), and the word feeds two MMAs: A = (P0 row g, P0 row g+8, P1 row g, P1 row g+8), then P2 / P3. The
-  MMA's k slots (2c, 2c+1, 2c+8, 2c+9) then hold codes (0, 4, 1, 5), resp. (2, 6, 3, 7), of the word;
+- a 32-bit word of 8 codes is decoded into 4 bfloat16 pairs P_j = (code j, code j + 4) (:mod:`.ptx_fp4`: 10
+  ALU-pipe operations, 5 shifts ptxas puts on the FMA pipe and 4 bf16x2 multiplies per word; E8M0 scale bytes
+  <= 128 only: one multiply by 2^(s - 1)), and the word feeds two MMAs: A = (P0 row g, P0 row g+8, P1 row g,
+  P1 row g+8), then P2 / P3. The MMA's k slots (2c, 2c+1, 2c+8, 2c+9) then hold codes (0, 4, 1, 5), resp.
+  (2, 6, 3, 7), of the word;
 - the activations are permuted to that order once per call (within each 8 columns: 0 4 1 5 2 6 3 7), so one
-  16-byte load gives the B fragments (token = lane / 4) of both MMAs of a word;
+  16-byte load gives the B fragments (token = lane / 4) of both MMAs of a word. The block's 4 warps share the
+  pass's 8 x NT tokens: the block copies each K step's activations into shared memory (``cp.async``, one step
+  ahead of use, zeros past the last row; one barrier per step), and the warps read them from there. (Each warp
+  had loaded its own from global memory just before use. Nsight Compute then showed a fifth of the stall samples
+  on the first MMA of each step, waiting for that load: scripts/bench_results/h200_session17.txt);
 - each 32-code group has one scale, and a lane's 64 codes are two whole groups: one 2-byte scale load per row
   and K step.
 
@@ -34,9 +39,15 @@ fall back to :mod:`.gemm_fp4_moe` (``available``). :mod:`.gemm` routes fp4 MoE c
 15: the decode step measured faster with it and its graph-vs-eager tests passed); ``ATB_CUDA_FP4_MOE=new`` keeps
 the Triton kernel.
 
-One module of ~550 lines on purpose: the CUDA source, its NVRTC build and the launcher that sizes its grid are one
-unit (the launch arguments follow the kernel's template parameters line by line); the build was measured and
-GPU-tested as it stands here, and no GPU was left this session to re-test a split.
+The K loop is unrolled twice (``#pragma unroll 2``; ptxas then spills nothing at the (1, 2) tile's 128-register
+bound). Session 17 made three changes: the activations in shared memory, the unrolled loop and the :mod:`.ptx_fp4`
+decoder. On a lent H200, with all three, the kernel ran 1.10-1.16x as fast as session 16's at 8-64 tokens x top-6
+(w13 at 8 / 32 tokens: 62 -> 68 / 65 -> 71 % of the copy bandwidth). At one token it was 4-6 % slower for w13 and as
+fast for w2 (scripts/bench_results/h200_session17.txt).
+
+One module of ~590 lines on purpose: the CUDA source, its NVRTC build and the launcher that sizes its grid are one
+unit (the launch arguments follow the kernel's template parameters line by line). The decoder PTX lives apart
+(:mod:`.ptx_fp4`) because it is tested apart, on the CPU.
 """
 
 from __future__ import annotations
@@ -52,32 +63,32 @@ import torch
 from . import gemm_decode as gd
 from . import gemm_tc as tc
 from ._util import sm_count
+from .ptx_fp4 import FP4X8_PTX
 
 K_STEP = 256  # codes per row per K step (4 lanes x 64)
 ROWS_PER_WARP_TILE = 16
 WARPS = 4
 MAX_ROWS = 1024  # rows of one call (the block keeps the ids and its expert's rows in shared memory)
 MAX_EXPERTS = 1024  # one bit per expert in a 32-word bitmap
+# K steps of activations in shared memory, copied X_STAGES - 1 steps ahead. 3 measured no faster on an H200; NT = 4
+# keeps 2 (48 KB of static shared memory)
+X_STAGES = 2
+X_SEG = 144  # bytes per (token, lane column) segment: 128 + 16 padding (bank spread)
+X_ROW = 4 * X_SEG  # bytes per token and K step
 
-_DECODE = tc.FP4X4_PTX_1MUL.replace("$", "%")
+_DECODE = gd.one_multiply(FP4X8_PTX).replace("$", "%")
 
 _SRC = r"""
 typedef unsigned int u32;
 typedef unsigned short u16;
 typedef unsigned char u8;
 
-struct U4 { u32 x, y, z, w; };
+struct __align__(16) U4 { u32 x, y, z, w; };
 
 __device__ __forceinline__ U4 ldg_stream(const void* p) {
     U4 r;
     asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
                  : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
-    return r;
-}
-
-__device__ __forceinline__ U4 ldg_cached(const void* p) {
-    U4 r;
-    asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
     return r;
 }
 
@@ -98,6 +109,17 @@ __device__ __forceinline__ void mma16816(float* d, u32 a0, u32 a1, u32 a2, u32 a
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                  : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
+
+// 16 bytes global -> shared, asynchronously; ok = false: 16 zero bytes (nothing read)
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool ok) {
+    unsigned d = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(d), "l"(gmem), "r"(ok ? 16 : 0) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
 
 __device__ __forceinline__ float ld_cg(const float* p) {
     float r;
@@ -130,6 +152,7 @@ __global__ void __launch_bounds__(128, (NT == 1 && MT == 2) ? 4 : 0) fp4_moe_mma
     __shared__ int s_rows[1024];
     __shared__ u32 s_bits[32];
     __shared__ int s_e, s_cnt, s_nact, s_last;
+    __shared__ __align__(16) u8 s_x[XSTAGES * NT * 8 * XROW];  // the pass's activations, XSTAGES K steps
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, c = lane & 3;
     const int slot = blockIdx.y, split = blockIdx.z;
@@ -207,14 +230,25 @@ __global__ void __launch_bounds__(128, (NT == 1 && MT == 2) ? 4 : 0) fp4_moe_mma
 
     for (int pass = 0; pass < max_pass && pass * 8 * NT < cnt; ++pass) {
         const int t0 = pass * 8 * NT;
-        const u16* xrow[NT];
-        bool xok[NT];
+        // activations of step ks -> stage st: token j's 256 codes as 4 segments (one per lane column c) of 8 chunks
+        // of 16 bytes, at j * XROW + c * XSEG + chunk * 16 (XSEG = 144, XROW = 576: the 8 lanes of a 16-byte load
+        // phase -- tokens g, g + 1, columns c = 0..3 -- fall in 8 different bank groups); tokens past cnt: zeros
+        auto stage_x = [&](int ks, int st) {
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-            int t = t0 + nt * 8 + g;
-            xok[nt] = t < cnt;
-            xrow[nt] = x + (long long)(xok[nt] ? s_rows[t] : 0) * K + c * 64;
+            for (int r = 0; r < 2 * NT; ++r) {
+                const int i = tid + 128 * r, j = i >> 5, ch = i & 31, t = t0 + j;
+                const bool ok = t < cnt;
+                cp_async16(s_x + (st * NT * 8 + j) * XROW + (ch >> 3) * XSEG + (ch & 7) * 16,
+                           x + (long long)(ok ? s_rows[t] : 0) * K + ks * 256 + ch * 8, ok);
+            }
+        };
+        __syncthreads();  // the previous pass's readers are done with the stages
+#pragma unroll
+        for (int p = 0; p < XSTAGES - 1; ++p) {
+            if (k_lo + p < k_hi) stage_x(k_lo + p, p);
+            cp_async_commit();
         }
+        const u8* xs = s_x + g * XROW + c * XSEG;  // this lane's token g, column c (+ nt * 8 tokens, + stage)
         float acc[MT][NT][4];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
@@ -235,7 +269,14 @@ __global__ void __launch_bounds__(128, (NT == 1 && MT == 2) ? 4 : 0) fp4_moe_mma
                     sn[mt][h] = ldg_u16(srow[mt][h] + k_lo * 8);
                 }
         }
+#pragma unroll 2
         for (int ks = k_lo; ks < k_hi; ++ks) {
+            const int st = (ks - k_lo) % XSTAGES;
+            cp_async_wait<XSTAGES - 2>();  // this thread's copies of step ks have landed ...
+            __syncthreads();               // ... and everyone's; stage (st - 1) is free again
+            if (ks + XSTAGES - 1 < k_hi) stage_x(ks + XSTAGES - 1, (st + XSTAGES - 1) % XSTAGES);
+            cp_async_commit();  // (an empty group past the end keeps the count per step uniform)
+            const u8* xst = xs + st * NT * 8 * XROW;
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -265,10 +306,8 @@ __global__ void __launch_bounds__(128, (NT == 1 && MT == 2) ? 4 : 0) fp4_moe_mma
                 for (int wd = 0; wd < 4; ++wd) {  // word: 8 codes of each row -> 2 MMAs per row tile
                     U4 xb[NT];
 #pragma unroll
-                    for (int nt = 0; nt < NT; ++nt) {
-                        if (xok[nt]) xb[nt] = ldg_cached(xrow[nt] + ks * 256 + half * 32 + wd * 8);
-                        else xb[nt] = U4{0u, 0u, 0u, 0u};
-                    }
+                    for (int nt = 0; nt < NT; ++nt)
+                        xb[nt] = *reinterpret_cast<const U4*>(xst + nt * 8 * XROW + half * 64 + wd * 16);
 #pragma unroll
                     for (int mt = 0; mt < MT; ++mt) {
                         u32 q0 = wd == 0 ? wv[mt][0][half].x : wd == 1 ? wv[mt][0][half].y
@@ -343,7 +382,8 @@ __global__ void __launch_bounds__(128, (NT == 1 && MT == 2) ? 4 : 0) fp4_moe_mma
 def _source() -> str:
     ptx = _DECODE.strip()
     body = "\\n\"\n\"".join(line.strip() for line in ptx.splitlines())
-    return (_SRC.replace("DECODE_PTX", '"' + body + '\\n"').replace("WARPS_", str(WARPS)))
+    return (_SRC.replace("DECODE_PTX", '"' + body + '\\n"').replace("WARPS_", str(WARPS))
+            .replace("XSTAGES", f"(NT >= 4 ? 2 : {X_STAGES})").replace("XROW", str(X_ROW)).replace("XSEG", str(X_SEG)))
 
 
 # ---- build (NVRTC through ctypes; the module is loaded by torch's own loader) --------------------------------
@@ -412,9 +452,10 @@ def _compile(arch: str) -> tuple[bytes, dict]:
 
 
 def _cache_path(arch: str) -> str:
-    """Built cubins are kept on disk (keyed by the source, the architecture and torch's CUDA version):
+    """Built cubins are kept on disk (keyed by the source, the architecture, torch's CUDA version and the list of
+    instances):
     ``$ATB_CUDA_CACHE_DIR`` or ``~/.cache/ascend_dsv4``."""
-    key = hashlib.sha256((_source() + arch + str(torch.version.cuda)).encode()).hexdigest()[:16]
+    key = hashlib.sha256((_source() + arch + str(torch.version.cuda) + repr(VARIANTS)).encode()).hexdigest()[:16]
     root = os.environ.get("ATB_CUDA_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "ascend_dsv4")
     return os.path.join(root, f"fp4_moe_mma_{arch}_{key}")
 
