@@ -28,31 +28,16 @@ tests/ops/test_gemm_decode.py (tests/ops/test_ptx_fp4.py).
 
 from __future__ import annotations
 
-FP4X8_PTX = """{
-.reg .b32 p, q, k, z;
-mov.b32 k, 0x7E807E80;
-mov.b32 z, 0x80008000;
-shl.b32 p, $4, 6;
-and.b32 q, $4, 0x00080008;
-shl.b32 q, q, 12;
-lop3.b32 $0, p, q, 0x01C001C0, 0xEC;
-shl.b32 p, $4, 2;
-and.b32 q, $4, 0x00800080;
-shl.b32 q, q, 8;
-lop3.b32 $1, p, q, 0x01C001C0, 0xEC;
-shr.u32 p, $4, 2;
-and.b32 q, $4, 0x08000800;
-shl.b32 q, q, 4;
-lop3.b32 $2, p, q, 0x01C001C0, 0xEC;
-shr.u32 p, $4, 6;
-and.b32 q, $4, 0x80008000;
-lop3.b32 $3, p, q, 0x01C001C0, 0xEC;
-fma.rn.bf16x2 $0, $0, k, z;
-fma.rn.bf16x2 $1, $1, k, z;
-fma.rn.bf16x2 $2, $2, k, z;
-fma.rn.bf16x2 $3, $3, k, z;
-fma.rn.bf16x2 $0, $0, $5, z;
-fma.rn.bf16x2 $1, $1, $5, z;
-fma.rn.bf16x2 $2, $2, $5, z;
-fma.rn.bf16x2 $3, $3, $5, z;
-}"""
+
+def _pair(j: int) -> str:
+    """The bfloat16 pair (code j, code j + 4) of word $4 into $j, unscaled (the steps above)."""
+    mag = f"shl.b32 p, $4, {6 - 4 * j};" if j < 2 else f"shr.u32 p, $4, {4 * j - 6};"
+    sign = f"and.b32 q, $4, {0x00080008 << (4 * j):#010x};\n" + (f"shl.b32 q, q, {12 - 4 * j};\n" if j < 3 else "")
+    return f"{mag}\n{sign}lop3.b32 ${j}, p, q, 0x01C001C0, 0xEC;\n"
+
+
+FP4X8_PTX = ("{\n.reg .b32 p, q, k, z;\nmov.b32 k, 0x7E807E80;\nmov.b32 z, 0x80008000;\n"
+             + "".join(_pair(j) for j in range(4))
+             + "".join(f"fma.rn.bf16x2 ${j}, ${j}, k, z;\n" for j in range(4))  # x 2^126
+             + "".join(f"fma.rn.bf16x2 ${j}, ${j}, $5, z;\n" for j in range(4))  # x scale
+             + "}")
