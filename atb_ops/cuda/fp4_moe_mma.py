@@ -45,7 +45,7 @@ decoder. On a lent H200, with all three, the kernel ran 1.10-1.16x as fast as se
 (w13 at 8 / 32 tokens: 62 -> 68 / 65 -> 71 % of the copy bandwidth). At one token it was 4-6 % slower for w13 and as
 fast for w2 (scripts/bench_results/h200_session17.txt).
 
-One module of ~590 lines on purpose: the CUDA source, its NVRTC build and the launcher that sizes its grid are one
+One module of ~600 lines on purpose: the CUDA source, its NVRTC build and the launcher that sizes its grid are one
 unit (the launch arguments follow the kernel's template parameters line by line). The decoder PTX lives apart
 (:mod:`.ptx_fp4`) because it is tested apart, on the CPU.
 """
