@@ -140,7 +140,8 @@ __device__ __forceinline__ u32 scale2(u32 s) {
 }
 
 // (NT, MT) = (1, 2), the decode step's tile at <= 3 rows per expert, is held to 128 registers: 4 blocks per SM
-// instead of 3 (ptxas spills ~120 bytes). On an H200 (scripts/bench_results/h200_session16.txt) that tile then ran
+// instead of 3 (session 16: ptxas spilled ~120 bytes under it; since session 17's shared-memory activations and
+// unrolled loop, nothing). On an H200 (scripts/bench_results/h200_session16.txt) that tile then ran
 // 2-4 % faster at 8 tokens x top-6 and 6-8 % at 32; the same bound on the other tiles made them slower (1 token:
 // 12-14 %), so they keep theirs (a minimum of 0 blocks: no bound, as before)
 template <int NT, int MT, bool SPLIT, bool IDS64>
