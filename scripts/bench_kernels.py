@@ -97,10 +97,10 @@ ROTATE_BYTES = 150e6  # rotated attention inputs: 3x the 50 MB L2
 # Session 4: the fused path (one launch) against the other paths and the score kernel fitted to one wave.
 # Session 4 measured the first rows (to N=65536 fused p=2); the rest are the next run's questions (fused's rank-slice
 # sort programs, the other paths on the one-wave score grid).
-INDEXER_VARIANTS = ("", " [indexer=fused]", " [indexer=fused q=4]", " [indexer=fused p=2]",
+INDEXER_VARIANTS = ["", " [indexer=fused]", " [indexer=fused q=4]", " [indexer=fused p=2]",
                     " [indexer=fused,128,4,1,4,1]", " [indexer=rank]", " [indexer=rank,128,4,1,2,1 fit=1]",
                     " [indexer=split]", " [indexer=bits]", " [indexer=fused frank=1]", " [indexer=rank fit=1]",
-                    " [indexer=split fit=1]")
+                    " [indexer=split fit=1]"]
 
 
 class Rotating:
@@ -373,6 +373,8 @@ def main() -> None:
     ap.add_argument("--gemm-paths", default=None,
                     help="','-separated subset of the GEMM paths to time (tiled,decode,tc,tcl,auto); default all "
                          "but auto")
+    ap.add_argument("--indexer-variants", default=None,
+                    help="';'-separated indexer variants, e.g. ';indexer=rank;indexer=split,128,4,1,3,1' ('' = default)")
     ap.add_argument("--attn-variants", default=None,
                     help="';'-separated attention variants, e.g. ';attn=old;attn2=64,32,2,4,3' ('' = default)")
     a = ap.parse_args()
@@ -382,6 +384,8 @@ def main() -> None:
                                                                                   else [])
     if a.attn_variants is not None:
         ATTN_VARIANTS[:] = [f" [{v}]" if v else "" for v in a.attn_variants.split(";")]
+    if a.indexer_variants is not None:
+        INDEXER_VARIANTS[:] = [f" [{v}]" if v else "" for v in a.indexer_variants.split(";")]
     GEMM_PATHS.extend(f"[gemm=decode cfg={v}]" for v in filter(None, a.decode_variants.split(";")))
     GEMM_PATHS.extend(f"[gemm=tc cfg={v}]" for v in filter(None, a.tc_variants.split(";")))
     GEMM_PATHS.extend(f"[gemm=tcl cfg={v}]" for v in filter(None, a.tcl_variants.split(";")))

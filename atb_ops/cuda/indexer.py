@@ -10,7 +10,10 @@ Kernels with no host synchronisation and no data-dependent shapes (CUDA-graph sa
 ``_score_keys_kernel`` (grid [T, S]: S programs per token, each looping over a contiguous range of blocks of BN
 candidates with q [Hi, Di] and w [Hi] loaded once) gathers the key rows through ``cand`` (each row read once
 from HBM; by default a register-prefetch loop requests block i + 1's rows and block i + 2's ids before block i's
-product, PRE=0 leaves the pipelining to Triton), runs the [Hi, Di] x [Di, BN] product on the tensor cores and writes one int32
+product, PRE=0 leaves the pipelining to Triton), runs the [BN, Di] x [Di, Hi] product keys @ q^T on the tensor
+cores (keys on the MMA's M side, so that each key's weighted sum over heads stays inside one warp: 1.2-1.3x the
+whole op at T=32, N >= 8192 on an H200, scripts/bench_results/h200_session18.txt; ATB_CUDA_INDEXER_SWAP=0 gives the
+previous q @ keys^T, whose warps split the heads and summed them through shared memory) and writes one int32
 order key per candidate: the score's order-preserving integer image (-0.0 folded into +0.0, NaN made the positive
 quiet NaN that the reference's descending sort puts first), ``ORD_NEG_INF`` for absent candidates.
 
@@ -100,19 +103,19 @@ def _indexer_topk_old(q, weights, k_cache, cand, topk):
 @triton.jit
 def _score_keys_kernel(q_ptr, w_ptr, k_ptr, cand_ptr, key_ptr, hist_ptr, HS, N, Hi, Di, stride_k, BPP,
                        BH: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr,
-                       F32: tl.constexpr, PRE: tl.constexpr, HB: tl.constexpr):
+                       F32: tl.constexpr, PRE: tl.constexpr, HB: tl.constexpr, SWAP: tl.constexpr = False):
     """key[t, n] (int32) for the BPP blocks of BN candidates starting at block program_id(1) * BPP; the product
     runs in float32 when F32 (either operand float32, or mixed 16-bit dtypes), else in k_cache's 16-bit dtype.
     HB > 0: also counts the finite keys per bin of their top HB bits into hist[t, :2^HB] (row stride HS)."""
     t = tl.program_id(0).to(tl.int64)
     score_program(t, tl.program_id(1) * BPP, q_ptr, w_ptr, k_ptr, cand_ptr, key_ptr, hist_ptr + t * HS, N, Hi, Di,
-                  stride_k, BPP, BH, BD, BN, PREC, STAGES, F32, PRE, HB)
+                  stride_k, BPP, BH, BD, BN, PREC, STAGES, F32, PRE, HB, SWAP)
 
 
 @triton.jit
 def score_program(t, blk0, q_ptr, w_ptr, k_ptr, cand_ptr, key_ptr, hist_row, N, Hi, Di, stride_k, BPP,
                   BH: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr,
-                  F32: tl.constexpr, PRE: tl.constexpr, HB: tl.constexpr):
+                  F32: tl.constexpr, PRE: tl.constexpr, HB: tl.constexpr, SWAP: tl.constexpr = False):
     """One score program: token t (int64), the BPP blocks of BN candidates from block blk0 (also used by
     ``indexer_fused``)."""
     h = tl.arange(0, BH)
@@ -141,7 +144,7 @@ def score_program(t, blk0, q_ptr, w_ptr, k_ptr, cand_ptr, key_ptr, hist_row, N, 
                              mask=(rows_n >= 0)[:, None] & dm[None, :], other=0.0)
             n_nn = n_n + BN
             rows_nn = tl.load(cand_ptr + t * N + n_nn, mask=n_nn < n_end, other=-1)
-            _score_block(q, w, keys_c.to(op_ty), rows_c, n_c, key_ptr + t * N, N, PREC, hist_row, HB)
+            _score_block(q, w, keys_c.to(op_ty), rows_c, n_c, key_ptr + t * N, N, PREC, hist_row, HB, SWAP)
             keys_c, rows_c, n_c = keys_n, rows_n, n_n
             rows_n, n_n = rows_nn, n_nn
     else:
@@ -150,16 +153,23 @@ def score_program(t, blk0, q_ptr, w_ptr, k_ptr, cand_ptr, key_ptr, hist_row, N, 
             rows = tl.load(cand_ptr + t * N + n, mask=n < N, other=-1)
             keys = tl.load(k_ptr + rows.to(tl.int64)[:, None] * stride_k + d[None, :],
                            mask=(rows >= 0)[:, None] & dm[None, :], other=0.0).to(op_ty)
-            _score_block(q, w, keys, rows, n, key_ptr + t * N, N, PREC, hist_row, HB)
+            _score_block(q, w, keys, rows, n, key_ptr + t * N, N, PREC, hist_row, HB, SWAP)
 
 
 @triton.jit
-def _score_block(q, w, keys, rows, n, key_row, N, PREC: tl.constexpr, hist_row, HB: tl.constexpr):
+def _score_block(q, w, keys, rows, n, key_row, N, PREC: tl.constexpr, hist_row, HB: tl.constexpr,
+                 SWAP: tl.constexpr = False):
     """Order keys of one block: keys [BN, BD] gathered rows, rows [BN] (-1 = absent), n [BN] positions; HB > 0:
-    histogram of their top HB bits (relaxed atomics: only the next kernel reads it)."""
-    dots = mma(q, tl.trans(keys), PREC)  # [BH, BN]
-    dots = tl.where(dots < 0.0, 0.0, dots)  # ReLU (NaN stays NaN, as in torch)
-    score = tl.sum(dots * w[:, None], 0)
+    histogram of their top HB bits (relaxed atomics: only the next kernel reads it). SWAP: the product as
+    keys @ q^T [BN, BH] (keys the MMA's M side), so that the sum over heads stays inside a warp."""
+    if SWAP:
+        dots = mma(keys, tl.trans(q), PREC)  # [BN, BH]
+        dots = tl.where(dots < 0.0, 0.0, dots)
+        score = tl.sum(dots * w[None, :], 1)
+    else:
+        dots = mma(q, tl.trans(keys), PREC)  # [BH, BN]
+        dots = tl.where(dots < 0.0, 0.0, dots)  # ReLU (NaN stays NaN, as in torch)
+        score = tl.sum(dots * w[:, None], 0)
     score = tl.where(score == 0.0, 0.0, score)  # -0.0 and +0.0 are one tie
     bits = score.to(tl.int32, bitcast=True)
     bits = tl.where(score != score, 0x7FC00000, bits)  # one NaN, above +inf
@@ -207,7 +217,10 @@ def _score_cfg(device, n, t_count, tiles=None, wave=False):
     ATB_CUDA_INDEXER_SPLITS the count itself."""
     fit = os.environ.get("ATB_CUDA_INDEXER_FIT")
     wave = wave if fit not in ("0", "1") else fit == "1"
-    bn, warps, stages, per_sm, pre = 128, 4, 1, 2 if wave else 4, 1  # best of the H100 sweeps
+    # best of the H100 sweeps; with the swapped product 8 warps (H200, session 18, score kernel alone at T=32: N=16384
+    # 48.3 -> 38.6 us and N=65536 179 -> 149 us on the wave grid, N=8192 27.8 -> 23.4 and N=2048 6.4 -> 6.5 us on the
+    # bits path's grid; the same keys as at 4 warps, whose warpgroups split the keys and not the heads)
+    bn, warps, stages, per_sm, pre = 128, 8 if score_swap() else 4, 1, 2 if wave else 4, 1
     if tiles:
         bn, warps, stages, per_sm = tiles[:4]
         pre = tiles[4] if len(tiles) > 4 else 0
@@ -223,6 +236,14 @@ def _score_cfg(device, n, t_count, tiles=None, wave=False):
     return bn, warps, stages, bpp, triton.cdiv(nblk, bpp), bool(pre)
 
 
+def score_swap() -> bool:
+    """Whether the score product runs as keys @ q^T (ATB_CUDA_INDEXER_SWAP, default 1) or as q @ keys^T (=0)."""
+    v = os.environ.get("ATB_CUDA_INDEXER_SWAP", "1")
+    if v not in ("0", "1"):
+        raise ValueError(f"ATB_CUDA_INDEXER_SWAP={v!r}: expected 0 or 1")
+    return v == "1"
+
+
 def score_keys(q, weights, kc, cand, hist=None, hb=0, tiles=None, wave=False):
     """[T, N] int32 order keys of the scores (see the module docstring); kc [P, Di] rows, unit stride. hist
     [T, >= 2^hb] int32 zeros (hb > 0): receives the per-token count of finite keys per top-hb-bit bin. wave: the
@@ -236,7 +257,7 @@ def score_keys(q, weights, kc, cand, hist=None, hb=0, tiles=None, wave=False):
     _score_keys_kernel[(t_count, splits)](q, weights, kc, cand, keys, hist_arg, hs, n, hi, di, kc.stride(0), bpp,
                                           BH=pow2(hi, 16), BD=pow2(di, 16), BN=bn, PREC=dot_precision(q.dtype, kc.dtype),
                                           STAGES=stages, F32=f32, PRE=pre, HB=hb if hist is not None else 0,
-                                          num_warps=warps)
+                                          SWAP=score_swap(), num_warps=warps)
     return keys
 
 

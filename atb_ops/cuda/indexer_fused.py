@@ -117,7 +117,8 @@ def _fused_kernel(q_ptr, w_ptr, k_ptr, cand_ptr, key_ptr, buf_ptr, BS, start_ptr
                   T, N, Hi, Di, stride_k, SPL, BPP, KW, P, RC, Q, CAP,
                   BH: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr, F32: tl.constexpr,
                   PRE: tl.constexpr, HB: tl.constexpr, CH: tl.constexpr, SEG: tl.constexpr, FCH: tl.constexpr,
-                  KP: tl.constexpr, FONE: tl.constexpr, RANK: tl.constexpr, R: tl.constexpr, C: tl.constexpr):
+                  KP: tl.constexpr, FONE: tl.constexpr, RANK: tl.constexpr, R: tl.constexpr, C: tl.constexpr,
+                  SWAP: tl.constexpr):
     NB: tl.constexpr = 1 << HB
     # dynamic ticket, not tl.program_id(0): every smaller ticket is held by a started program (module docstring)
     pid = tl.atomic_add(buf_ptr + 2 * NB + 2, 1, sem="relaxed")  # the role waits order the data
@@ -125,7 +126,7 @@ def _fused_kernel(q_ptr, w_ptr, k_ptr, cand_ptr, key_ptr, buf_ptr, BS, start_ptr
         t = (pid % T).to(tl.int64)
         row = buf_ptr + t * BS
         score_program(t, (pid // T) * BPP, q_ptr, w_ptr, k_ptr, cand_ptr, key_ptr, row, N, Hi, Di, stride_k, BPP,
-                      BH, BD, BN, PREC, 1, F32, PRE, HB)
+                      BH, BD, BN, PREC, 1, F32, PRE, HB, SWAP)
         _signal(row + 2 * NB)
     elif pid < T * (SPL + P):
         j = pid - T * SPL
@@ -197,6 +198,8 @@ def topk_fused(q, weights, kc, cand, k, hb, tiles=None):
     hi, di = q.shape[1], q.shape[2]
     # score programs: one resident wave (the kernel takes 255 registers x 128 threads: 2 programs per SM)
     bn, warps, _, bpp, spl, pre = ix._score_cfg(q.device, n, t_count, tiles, wave=True)
+    if not tiles:
+        warps = 4  # the whole launch runs at the score programs' warps; its other roles were tuned at 4
     kp = pow2(k, 16)
     caps = os.environ.get("ATB_CUDA_INDEXER_CAP")
     cap = max(int(caps.split(",")[-1]) if caps else 8 * kp, kp)
@@ -221,5 +224,5 @@ def topk_fused(q, weights, kc, cand, k, hb, tiles=None):
         q, weights, kc, cand, keys, buf, buf.stride(0), start, scratch, out, t_count, n, hi, di, kc.stride(0), spl, bpp,
         k, p, rc, nq, cap, BH=pow2(hi, 16), BD=pow2(di, 16), BN=bn, PREC=dot_precision(q.dtype, kc.dtype), F32=f32,
         PRE=pre, HB=hb, CH=ch, SEG=seg, FCH=fch, KP=kp, FONE=pow2(n, 16) <= fch, RANK=rank, R=16 if INTERPRET else 128,
-        C=8 if INTERPRET else 32, num_warps=warps)
+        C=8 if INTERPRET else 32, SWAP=ix.score_swap(), num_warps=warps)
     return out

@@ -251,9 +251,11 @@ def _indexer_inputs(g, t, n, p=50, hi=4, di=32, dtype=torch.float32, integer=Fal
     return q, w, keys, cand.to(DEV)
 
 
+@pytest.mark.parametrize("swap", ["1", "0"])  # the score product as keys @ q^T (default) or q @ keys^T
 @pytest.mark.parametrize("integer", [False, True])
 @pytest.mark.parametrize("t,n,topk", [(5, 70, 16), (3, 9, 16), (1, 1, 4), (0, 5, 3)])
-def test_indexer_topk(integer, t, n, topk):
+def test_indexer_topk(integer, t, n, topk, swap, monkeypatch):
+    monkeypatch.setenv("ATB_CUDA_INDEXER_SWAP", swap)
     cu, ref = impls("indexer_topk")
     q, w, keys, cand = _indexer_inputs(gen(7), t, n, integer=integer)
     if t > 1:
@@ -262,6 +264,14 @@ def test_indexer_topk(integer, t, n, topk):
     assert a.shape == b.shape and a.dtype == torch.int64
     assert torch.equal(a.cpu(), b.cpu())
 
+
+
+def test_indexer_swap_switch_names_its_values(monkeypatch):
+    from atb_ops.cuda import indexer as ix
+
+    monkeypatch.setenv("ATB_CUDA_INDEXER_SWAP", "yes")
+    with pytest.raises(ValueError, match="ATB_CUDA_INDEXER_SWAP='yes'"):
+        ix.score_swap()
 
 
 def _prefix_cand(t, n, p, g, lens=None):
