@@ -209,8 +209,10 @@ def _score_cfg(device, n, t_count, tiles=None, wave=False):
     """(BN, warps, stages, blocks per program, programs per token, register prefetch) of the score kernel.
 
     Programs per token: wave (the fused, rank and split paths): CTAS_PER_SM (2) * SMs / T rounded
-    down, one resident wave -- the default tiles take 255 registers x 128 threads (triton 3.6, sm_90), so 2
-    programs fit on an SM, and the previous rule's extra programs run as a short last wave (H100, T=32: score
+    down, one resident wave -- the 4-warp tiles take 255 registers x 128 threads (triton 3.6, sm_90), so 2
+    programs fit on an SM (the 8-warp ones of the swapped product take 255 x 256 by ptxas for sm_90a under Triton
+    3.9, so one fits: that grid is two waves, and it measured fastest all the same), and the previous rule's extra
+    programs run as a short last wave (H100, T=32: score
     kernel alone 210 vs 266 us at N=65536, 57 vs 61 us at N=16384; the rank op 258 vs 312 us at N=65536, the
     split op 80 vs 83 us at N=16384, scripts/bench_results/indexer_h100_session11.txt); else (bits, hist) the
     previous rule, 4 * SMs / T rounded up (not timed with the wave grid). ATB_CUDA_INDEXER_FIT=0/1 forces either rule,
