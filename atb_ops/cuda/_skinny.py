@@ -20,13 +20,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import mma, pow2, sm_count, tl_dtype
+from ._util import mma, pow2, sm_count, tl_dtype, pdl_wait, pdl
 
 
 @triton.jit
 def _skinny_kernel(x_ptr, w_ptr, part_ptr, ss_ptr, T, K, O, k_per_split,
                    BT: tl.constexpr, BO: tl.constexpr, BK: tl.constexpr, CT: tl.constexpr, PREC: tl.constexpr,
-                   WANT_SS: tl.constexpr):
+                   WANT_SS: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     sp = tl.program_id(1)
     o = tl.arange(0, BO)
@@ -85,7 +86,7 @@ def skinny_matmul(x: torch.Tensor, w: torch.Tensor, want_ss: bool = False, parti
     part = torch.empty(n_split, t_count, bo, dtype=torch.float32, device=x.device)
     ss = torch.empty(n_split, t_count, dtype=torch.float32, device=x.device) if want_ss else part
     _skinny_kernel[(t_tiles, n_split)](x, w, part, ss, t_count, k, n_out, kps, BT=bt, BO=bo, BK=bk,
-                                       CT=tl_dtype(ct), PREC=prec, WANT_SS=want_ss, num_warps=4)
+                                       CT=tl_dtype(ct), PREC=prec, WANT_SS=want_ss, num_warps=4, **pdl())
     if partials:
         return part, (ss if want_ss else None)
     out = part[0] if n_split == 1 else part.sum(0)

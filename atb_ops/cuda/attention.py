@@ -29,7 +29,7 @@ import triton.language as tl
 
 from .._registry import register
 from . import attention_v2
-from ._util import mma, dot_precision, pow2, sm_count
+from ._util import mma, dot_precision, pow2, sm_count, pdl_wait, pdl
 
 LOG2E = 1.4426950408889634
 
@@ -61,7 +61,9 @@ def _attn_chunk(q1, q2, row_ptr, stride_row, idx_ptr, n0, n_keys, m_i, l_i, acc,
 def _attn_kernel(q1_ptr, q2_ptr, kv_ptr, idx_ptr, kv2_ptr, idx2_ptr, sink_ptr, out_ptr, part_ptr, ml_ptr,
                  T, H, D1, D2, K1, K2, stride_kv, stride_kv2, scale2, chunks_per_split,
                  HAS_Q2: tl.constexpr, HAS_EXTRA: tl.constexpr, HAS_SINK: tl.constexpr, SPLIT: tl.constexpr,
-                 BH: tl.constexpr, BN: tl.constexpr, BD1: tl.constexpr, BD2: tl.constexpr, PREC: tl.constexpr):
+                 BH: tl.constexpr, BN: tl.constexpr, BD1: tl.constexpr, BD2: tl.constexpr, PREC: tl.constexpr,
+                 PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     sp = tl.program_id(2)
@@ -176,11 +178,11 @@ def _run(q1, q2, kv, idx, kv2, idx2, sink, scale, out_dtype):
         q1c, q2c, kvc, idxc, kv2c, idx2c, sinkc, out, part, ml, t_count, h_count, d1, d2, k1, k2,
         kvc.stride(0), kv2c.stride(0), float(scale) * LOG2E, cps,
         HAS_Q2=q2 is not None, HAS_EXTRA=has_extra, HAS_SINK=sink is not None, SPLIT=split,
-        BH=bh, BN=bn, BD1=bd1, BD2=bd2, PREC=prec, num_warps=warps, num_stages=2)
+        BH=bh, BN=bn, BD1=bd1, BD2=bd2, PREC=prec, num_warps=warps, num_stages=2, **pdl())
     if split:
         attention_v2.combine_splits_kernel[(t_count, h_count)](
             part, ml, sinkc, out, t_count, h_count, d1, bd1, n_split, HAS_SINK=sink is not None,
-            BS=pow2(n_split, 2), BD1=bd1, num_warps=4)
+            BS=pow2(n_split, 2), BD1=bd1, num_warps=4, **pdl())
     return out
 
 

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from . import gemm_tc as tc
-from ._util import dot_precision, mma, pow2, sm_count
+from ._util import dot_precision, mma, pow2, sm_count, pdl_wait, pdl
 
 LOG2E = 1.4426950408889634
 
@@ -65,7 +65,8 @@ def _attn2_kernel(q1_ptr, q2_ptr, kv_ptr, idx_ptr, kv2_ptr, idx2_ptr, sink_ptr, 
                   BH: tl.constexpr, BN: tl.constexpr, DV: tl.constexpr, ND: tl.constexpr, BD2: tl.constexpr,
                   PREC: tl.constexpr, STAGES: tl.constexpr,
                   TRIM: tl.constexpr, BK1: tl.constexpr, BK2: tl.constexpr, OFF32: tl.constexpr,
-                  EVEN_D: tl.constexpr, EVEN_HD: tl.constexpr):
+                  EVEN_D: tl.constexpr, EVEN_HD: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     # program id -> (token, split, head block, output-column group), the column group fastest: the ND
     # programs that read the same rows run side by side
     pid = tl.program_id(0)
@@ -223,9 +224,11 @@ def _merge_splits(part_ptr, ml_ptr, sink_ptr, out_ptr, t, h, hm, cv, cvm, T, H, 
 
 @triton.jit
 def _merge_splits_kernel(part_ptr, ml_ptr, sink_ptr, out_ptr, T, H, D1, n_split, n_hb, HAS_SINK: tl.constexpr,
-                         BH: tl.constexpr, DV: tl.constexpr, ND: tl.constexpr, SP: tl.constexpr):
+                         BH: tl.constexpr, DV: tl.constexpr, ND: tl.constexpr, SP: tl.constexpr,
+                         PDL: tl.constexpr = False):
     """:func:`_merge_splits` as a launch of its own (``ATB_CUDA_ATTN_MERGE=launch``), one program per (token, head
     block, column group) of the attention launch, in the same program-id order."""
+    pdl_wait(PDL)
     pid = tl.program_id(0)
     dh = pid % ND
     rest = pid // ND
@@ -239,10 +242,11 @@ def _merge_splits_kernel(part_ptr, ml_ptr, sink_ptr, out_ptr, T, H, D1, n_split,
 
 @triton.jit
 def combine_splits_kernel(part_ptr, ml_ptr, sink_ptr, out_ptr, T, H, D1, PS, n_split, HAS_SINK: tl.constexpr,
-                          BS: tl.constexpr, BD1: tl.constexpr):
+                          BS: tl.constexpr, BD1: tl.constexpr, PDL: tl.constexpr = False):
     """Merge attention.py's key-list splits of one (token, head), whose partials a_s [PS columns per row] are the
     un-normalised float32 accumulators: out = sum_s w_s a_s / (sum_s w_s l_s + 2^(sink - M)), w_s = 2^(m_s - M),
     M = max(m_s, sink). (This module's partials are normalised: :func:`_merge_splits`.)"""
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s = tl.arange(0, BS)
@@ -385,7 +389,7 @@ def run(q1, q2, kv, idx, kv2, idx2, sink, scale, out_dtype):
     key = (str(q1.dtype), str(kv.dtype), stages, tuple(meta.items()))
     for st in sorted({stages, min(stages, 3), 2}, reverse=True) if key not in _STAGES else [_STAGES[key]]:
         try:  # a tile whose pipeline buffers exceed shared memory: fewer stages (the smem need is compiler-made)
-            _attn2_kernel[(programs * n_split,)](*args, STAGES=st, **meta)
+            _attn2_kernel[(programs * n_split,)](*args, STAGES=st, **meta, **pdl())
             _STAGES[key] = st
             break
         except triton.runtime.errors.OutOfResources:
@@ -394,5 +398,5 @@ def run(q1, q2, kv, idx, kv2, idx2, sink, scale, out_dtype):
     if split and not merge:
         _merge_splits_kernel[(programs,)](part, ml, sinkc, out, t_count, h_count, d1, n_split, n_hb,
                                           HAS_SINK=sink is not None, BH=bh, DV=dv, ND=nd, SP=pow2(n_split),
-                                          num_warps=warps)
+                                          num_warps=warps, **pdl())
     return out

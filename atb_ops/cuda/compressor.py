@@ -27,12 +27,13 @@ import triton.language as tl
 from .._registry import register
 from ..reference.compressor import compressor_state_write as reference_state_write
 from . import gemm_tc as tc
-from ._util import pow2, sm_count, tl_dtype
+from ._util import pow2, sm_count, tl_dtype, pdl_wait, pdl
 
 
 @triton.jit
 def _pool_kernel(kv_ptr, sc_ptr, cand_ptr, out_ptr, K, W, C, R, OVERLAP: tl.constexpr, BK: tl.constexpr,
-                 BC: tl.constexpr):
+                 BC: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     m = tl.program_id(0).to(tl.int64)
     ch = tl.program_id(1) * BC + tl.arange(0, BC)
     k = tl.arange(0, BK)
@@ -64,7 +65,7 @@ def compressor_pool(kv_state: torch.Tensor, score_state: torch.Tensor, cand: tor
     bc = max(16, min(pow2(c), 8192 // bk))
     _pool_kernel[(m_count, triton.cdiv(c, bc))](kv_state.contiguous(), score_state.contiguous(), cand.contiguous(),
                                                 out, k, width, c, k // 2, OVERLAP=bool(overlap), BK=bk, BC=bc,
-                                                num_warps=4)
+                                                num_warps=4, **pdl())
     return out
 
 
@@ -128,10 +129,12 @@ def _entry_epilogue(acc, den, m, ch, cm, w_ptr, pos_ptr, f_ptr, out_ptr, rows_pt
 @triton.jit
 def _entries_kernel(kv_ptr, sc_ptr, cand_ptr, w_ptr, pos_ptr, f_ptr, out_ptr, rows_ptr, part_ptr, ctr_ptr, M, K, W,
                     C, RB, R, s_out, eps, k_split, n_split, OVERLAP: tl.constexpr, HAS_W: tl.constexpr,
-                    DT: tl.constexpr, CH: tl.constexpr, BC: tl.constexpr, SPLIT: tl.constexpr):
+                    DT: tl.constexpr, CH: tl.constexpr, BC: tl.constexpr, SPLIT: tl.constexpr,
+                    PDL: tl.constexpr = False):
     """Grid [M, n_split]: program (m, sp) pools entry m's candidates [sp * k_split, +k_split). SPLIT: it stores
     its (max, sum, weighted sum) [3, BC] at part[sp, m]; the program that arrives last at the entry (an arrival
     counter, reset by it) merges the n_split partials in split order and runs the epilogue."""
+    pdl_wait(PDL)
     m = tl.program_id(0).to(tl.int64)
     sp = tl.program_id(1)
     # register slot j holds channel j - SH: for an odd c the shift puts every rope pair (c-R+2i, c-R+2i+1) at the
@@ -217,7 +220,7 @@ def compressor_entries(kv_state: torch.Tensor, score_state: torch.Tensor, cand: 
                                         f if n_split == 1 else ctr, m_count, k, width, c, k // 2, 2 * f.numel(),
                                         out.stride(0), float(norm_eps), k_split, n_split, OVERLAP=bool(overlap),
                                         HAS_W=norm_weight is not None, DT=tl_dtype(dtype), CH=ch, BC=bc,
-                                        SPLIT=n_split > 1, num_warps=8 if bc >= 512 else 4)
+                                        SPLIT=n_split > 1, num_warps=8 if bc >= 512 else 4, **pdl())
     return None
 
 
@@ -226,7 +229,8 @@ compressor_pool.entries_epilogue = compressor_entries  # atb_ops.compressor_entr
 
 @triton.jit
 def _state_write_kernel(kv_ptr, sc_ptr, a_ptr, z_ptr, ape_ptr, pos_ptr, slot_ptr, W, R, s_kv, s_sc, s_a, s_z,
-                        BW: tl.constexpr):
+                        BW: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     col = tl.program_id(1) * BW + tl.arange(0, BW)
     m = col < W
@@ -255,5 +259,5 @@ def compressor_state_write(kv_state, score_state, a, z, ape, positions, slots) -
     _state_write_kernel[(t_count, triton.cdiv(w, bw))](kv_state, score_state, ac, zc, ape.float().contiguous(),
                                                       positions.contiguous(), slots.contiguous(), w, ape.shape[0],
                                                       kv_state.stride(0), score_state.stride(0), ac.stride(0),
-                                                      zc.stride(0), BW=bw, num_warps=4)
+                                                      zc.stride(0), BW=bw, num_warps=4, **pdl())
     return None

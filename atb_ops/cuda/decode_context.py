@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import pow2
+from ._util import pow2, pdl_wait, pdl
 
 BLOCK_V = 512
 
@@ -92,7 +92,8 @@ def _decode_context_kernel(
         S: tl.constexpr, B: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, NUM_R: tl.constexpr,
         R0: tl.constexpr, KAPPA0: tl.constexpr, BK0: tl.constexpr, P0: tl.constexpr,
         R1: tl.constexpr, KAPPA1: tl.constexpr, BK1: tl.constexpr, P1: tl.constexpr,
-        BLOCK: tl.constexpr):
+        BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     p = tl.load(pos_ptr + row)
@@ -171,5 +172,5 @@ def decode_context(positions: torch.Tensor, token_table: torch.Tensor, tables: S
         positions, token_table, token_table.stride(0), token_table.shape[1], t, rows, swa, win, int(trash_token),
         *rargs, S=token_span, B=block_size, W=window, BW=pow2(window), NUM_R=len(ratios),
         R0=cargs[0], KAPPA0=cargs[1], BK0=cargs[2], P0=cargs[3], R1=cargs[4], KAPPA1=cargs[5], BK1=cargs[6],
-        P1=cargs[7], BLOCK=BLOCK_V, num_warps=4)
+        P1=cargs[7], BLOCK=BLOCK_V, num_warps=4, **pdl())
     return t, rows, swa, win, per_ratio

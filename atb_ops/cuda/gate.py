@@ -14,7 +14,7 @@ import triton.language as tl
 
 from .._registry import register
 from ._skinny import skinny_matmul
-from ._util import pow2
+from ._util import pow2, pdl_wait, pdl
 
 _FUNCS = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
 
@@ -23,7 +23,8 @@ _FUNCS = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
 def _gate_kernel(logit_ptr, b_ptr, tid_ptr, tok_ptr, wout_ptr, iout_ptr, T, E, route_scale,
                  K: tl.constexpr, FUNC: tl.constexpr, HAS_BIAS: tl.constexpr, HASH: tl.constexpr,
                  G: tl.constexpr, TG: tl.constexpr, NORM: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr,
-                 BK: tl.constexpr):
+                 BK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     tm = t < T
     e = tl.arange(0, BE)
@@ -114,5 +115,5 @@ def moe_gate(x, weight, bias, topk: int, route_scale: float, tid2eid=None, token
         tid2eid.contiguous() if hashed else logits, token_ids.contiguous() if hashed else logits, w_out, i_out,
         t_count, n_exp, float(route_scale), K=topk, FUNC=_FUNCS[score_func], HAS_BIAS=bias is not None and not hashed,
         HASH=hashed, G=n_groups if not hashed else 1, TG=topk_groups, NORM=bool(normalize), BT=bt, BE=be,
-        BK=pow2(topk), num_warps=4 if be <= 64 else 8)
+        BK=pow2(topk), num_warps=4 if be <= 64 else 8, **pdl())
     return w_out, i_out

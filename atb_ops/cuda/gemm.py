@@ -39,7 +39,7 @@ from .._registry import register
 from . import fp4_moe_mma, gemm_decode, gemm_fp4_moe, gemm_tc, gemm_tc_large
 from .group_rows import tile_table
 from .routing import stable_order
-from ._util import INTERPRET, dot_precision, mma, pow2, tl_dtype
+from ._util import INTERPRET, dot_precision, mma, pow2, tl_dtype, pdl_wait, pdl
 
 _FMT = {"dense": 0, "fp8_block": 1, "fp4": 2}
 
@@ -140,7 +140,9 @@ def _fp4_scaled(c, sc):
 def _gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, order_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr,
                  M, N, K, NE, stride_we, stride_se,
                  FMT: tl.constexpr, SCALE_E8M0: tl.constexpr, GROUPED: tl.constexpr, FP4_SPLIT: tl.constexpr,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, CT: tl.constexpr, PREC: tl.constexpr):
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, CT: tl.constexpr, PREC: tl.constexpr,
+                 PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if GROUPED:
@@ -270,7 +272,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None = None
     xc = x.contiguous()
     _gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
         xc, w.contiguous(), s, out, xc, xc, xc, xc, m, n, k, 1, 0, 0, FMT=_FMT[fmt], SCALE_E8M0=e8, GROUPED=False, FP4_SPLIT=_fp4_split(),
-        BM=bm, BN=bn, BK=bk, CT=tl_dtype(ct), PREC=dot_precision(ct), num_warps=4, num_stages=3)
+        BM=bm, BN=bn, BK=bk, CT=tl_dtype(ct), PREC=dot_precision(ct), num_warps=4, num_stages=3, **pdl())
     return out
 
 
@@ -302,9 +304,10 @@ def _mm_f32() -> bool:
 
 
 @triton.jit
-def _split3_kernel(x_ptr, out_ptr, numel, BLOCK: tl.constexpr):
+def _split3_kernel(x_ptr, out_ptr, numel, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """out [3, numel] BF16: x1 = bf16(x), x2 = bf16(x - x1), x3 = bf16(x - x1 - x2) (x1 + x2 + x3 = x exactly for
     float32 x away from the subnormal range: 3 x 8 significant bits)."""
+    pdl_wait(PDL)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < numel
     x = tl.load(x_ptr + i, mask=m, other=0.0)
@@ -318,8 +321,9 @@ def _split3_kernel(x_ptr, out_ptr, numel, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _sum3_kernel(y_ptr, out_ptr, numel, BLOCK: tl.constexpr):
+def _sum3_kernel(y_ptr, out_ptr, numel, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """out = (y[2] + y[1]) + y[0] over y [3, numel] float32 (the small parts first)."""
+    pdl_wait(PDL)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = i < numel
     a = tl.load(y_ptr + i, mask=m, other=0.0)
@@ -334,7 +338,7 @@ def split3(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((3,) + tuple(x.shape), dtype=torch.bfloat16, device=x.device)
     n = xc.numel()
     if n:
-        _split3_kernel[(triton.cdiv(n, 1024),)](xc, out, n, BLOCK=1024)
+        _split3_kernel[(triton.cdiv(n, 1024),)](xc, out, n, BLOCK=1024, **pdl())
     return out
 
 
@@ -367,7 +371,7 @@ def _bf16x3(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     m, k = x.shape
     y = torch.mm(split3(x).view(3 * m, k), w.t(), out_dtype=torch.float32)
     out = torch.empty(m, w.shape[0], dtype=torch.float32, device=x.device)
-    _sum3_kernel[(triton.cdiv(out.numel(), 1024),)](y, out, out.numel(), BLOCK=1024)
+    _sum3_kernel[(triton.cdiv(out.numel(), 1024),)](y, out, out.numel(), BLOCK=1024, **pdl())
     return out
 
 
@@ -384,7 +388,7 @@ def _fp32_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     xc = x.contiguous()
     _gemm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
         xc, w.contiguous(), xc, out, xc, xc, xc, xc, m, n, k, 1, 0, 0, FMT=0, SCALE_E8M0=False, GROUPED=False,
-        FP4_SPLIT=False, BM=bm, BN=bn, BK=32, CT=tl.float32, PREC="tf32x3", num_warps=4, num_stages=4)
+        FP4_SPLIT=False, BM=bm, BN=bn, BK=32, CT=tl.float32, PREC="tf32x3", num_warps=4, num_stages=4, **pdl())
     return out
 
 
@@ -454,5 +458,5 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor, w
     _gemm_kernel[(te.shape[0], triton.cdiv(n, bn))](
         x.contiguous(), wc, s, out, order, te, r0, r1, m, n, k, n_exp, wc.stride(0), s.stride(0) if w_scale is not None else 0,
         FMT=_FMT[fmt], SCALE_E8M0=e8, GROUPED=True, FP4_SPLIT=_fp4_split(), BM=bm, BN=bn, BK=bk, CT=tl_dtype(ct), PREC=dot_precision(ct),
-        num_warps=4, num_stages=3)
+        num_warps=4, num_stages=3, **pdl())
     return out

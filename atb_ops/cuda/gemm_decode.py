@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import INTERPRET, sm_count
+from ._util import INTERPRET, sm_count, pdl_wait, pdl
 
 MAX_ROWS = 1024  # rows of one call (M) up to which the decode kernel is used (the rows are gathered in-kernel)
 FUSED_ACTIVE = 4096  # pow2(M) * pow2(E) up to which each program finds the active experts itself (no prologue)
@@ -209,8 +209,10 @@ def _e8m0_f32(b):
 
 
 @triton.jit
-def _active_experts_kernel(ids_ptr, act_ptr, M, E, n_slots, MP: tl.constexpr, EB: tl.constexpr):
+def _active_experts_kernel(ids_ptr, act_ptr, M, E, n_slots, MP: tl.constexpr, EB: tl.constexpr,
+                           PDL: tl.constexpr = False):
     """act[0 : n] = the expert ids in [0, E) that have rows, increasing; act[n_slots] = n (one program)."""
+    pdl_wait(PDL)
     m = tl.arange(0, MP)
     ids = tl.load(ids_ptr + m, mask=m < M, other=-1).to(tl.int32)
     base = 0
@@ -254,7 +256,9 @@ def _decode_gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, act_ptr,
                         FMT: tl.constexpr, SCALE_E8M0: tl.constexpr, GROUPED: tl.constexpr, ASM: tl.constexpr,
                         EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, S2D: tl.constexpr, MUL1: tl.constexpr,
                         XMASK: tl.constexpr, EP: tl.constexpr,
-                        MP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, S: tl.constexpr):
+                        MP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BS: tl.constexpr, S: tl.constexpr,
+                        PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     pid_n = tl.program_id(0)
     slot = tl.program_id(1)
     split = tl.program_id(2)
@@ -358,8 +362,9 @@ def _decode_gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, act_ptr,
 
 
 @triton.jit
-def _sum_splits_kernel(part_ptr, out_ptr, total, n_split, BLOCK: tl.constexpr):
+def _sum_splits_kernel(part_ptr, out_ptr, total, n_split, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """out[i] = sum_s part[s, i] in s order (deterministic), cast to out's dtype."""
+    pdl_wait(PDL)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     im = i < total
     acc = tl.zeros((BLOCK,), tl.float32)
@@ -456,10 +461,10 @@ def _launch(x, w, w_scale, fmt, ids, n_exp, n_slots, act, grouped, ep=0):
         k_end, k // 32, k // 2, k_split, n_slots, FMT=2 if fmt == "fp4" else 1, SCALE_E8M0=e8, GROUPED=grouped,
         ASM=not INTERPRET, EVEN_K=k_end % step == 0, EVEN_N=n % bn == 0, S2D=bool(cfg["s2d"]),
         MUL1=mul1, XMASK=bool(cfg["xmask"]), EP=ep, MP=mp, BM=bm, BN=bn, BS=bs, S=S, num_warps=S,
-        num_stages=cfg["stages"], **({} if INTERPRET else {"maxnreg": regs}))
+        num_stages=cfg["stages"], **({} if INTERPRET else {"maxnreg": regs}), **pdl())
     if split > 1:
         total = m * n
-        _sum_splits_kernel[(triton.cdiv(total, 1024),)](dst, out, total, split, BLOCK=1024, num_warps=4)
+        _sum_splits_kernel[(triton.cdiv(total, 1024),)](dst, out, total, split, BLOCK=1024, num_warps=4, **pdl())
     return out
 
 
@@ -476,7 +481,8 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor, w
     if mp * ep <= FUSED_ACTIVE:  # each program lists the active experts itself
         return _launch(x, w, w_scale, fmt, ids, n_exp, n_slots, ids, True, ep)
     act = torch.empty(n_slots + 1, dtype=torch.int32, device=x.device)
-    _active_experts_kernel[(1,)](ids, act, m, n_exp, n_slots, MP=mp, EB=max(1, min(32, 8192 // mp)), num_warps=8)
+    _active_experts_kernel[(1,)](ids, act, m, n_exp, n_slots, MP=mp, EB=max(1, min(32, 8192 // mp)),
+                                 num_warps=8, **pdl())
     return _launch(x, w, w_scale, fmt, ids, n_exp, n_slots, act, True, 0)
 
 

@@ -50,7 +50,7 @@ import triton.language as tl
 
 from . import gemm_decode as gd
 from . import gemm_tc as tc
-from ._util import INTERPRET, sm_count
+from ._util import INTERPRET, sm_count, pdl_wait, pdl
 
 MAX_ROWS = 1024  # rows of one call (rows are gathered in-kernel)
 
@@ -141,7 +141,7 @@ def _moe_fp4_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, ctr_ptr, ids_ptr, ac
                     M, N, K, E, stride_we, stride_se, k_split, n_slots, n_split, max_pass, max_chunks, overhead,
                     ASM: tl.constexpr, MUL1: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
                     EP: tl.constexpr, MP: tl.constexpr, PERSIST: tl.constexpr, NACC: tl.constexpr,
-                    BW: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+                    BW: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False):
     """x: [4, M, K/4] (column phases), w: int16 words [E, N, K/4], s: uint8 [E, N, K/32]; out bfloat16 [M, N];
     part float32 [n_split or max_chunks, M, N] (split-K partials).
 
@@ -152,6 +152,7 @@ def _moe_fp4_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, ctr_ptr, ids_ptr, ac
     ceil(units / P) * (K steps per unit + overhead)), in (slot, tile, chunk) order, then n_tiles units of the slot
     after the last active expert (rows with ids outside [0, E): zeros). Every unit is the same work whichever
     program runs it, and split sums are added in chunk order: results do not depend on the schedule."""
+    pdl_wait(PDL)
     KS: tl.constexpr = BK // 4
     if PERSIST:
         pid = tl.program_id(0)
@@ -232,7 +233,7 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor, w
     else:
         act, ep_arg = torch.empty(n_slots + 1, dtype=torch.int32, device=x.device), 0
         gd._active_experts_kernel[(1,)](ids, act, m, n_exp, n_slots, MP=mp, EB=max(1, min(32, 8192 // mp)),
-                                        num_warps=8)
+                                        num_warps=8, **pdl())
     cfg = _config(m / n_slots)
     bw, bt, bk = cfg["bw"], cfg["bt"], cfg["bk"]
     ks = bk // 4
@@ -266,5 +267,5 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor, w
         k_split, n_slots, split, max_pass, max_chunks, cfg["ov"], ASM=not INTERPRET, MUL1=mul1,
         EVEN_K=k_end % ks == 0, EVEN_N=n % bw == 0, EP=ep_arg, MP=mp, PERSIST=bool(cfg["persist"]),
         NACC=cfg["nacc"], BW=bw, BT=bt, BK=bk, num_warps=cfg["warps"], num_stages=cfg["stages"],
-        **({"maxnreg": cfg["regs"]} if cfg["regs"] and not INTERPRET else {}))
+        **({"maxnreg": cfg["regs"]} if cfg["regs"] and not INTERPRET else {}), **pdl())
     return out

@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 
 from . import gemm_decode as gd
-from ._util import INTERPRET, sm_count
+from ._util import INTERPRET, sm_count, pdl_wait, pdl
 
 MAX_ROWS = 1024  # rows of one call up to which this kernel may be used (rows are gathered in-kernel)
 
@@ -171,7 +171,8 @@ def _tc_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, ctr_ptr, ids_ptr, act_ptr
                FMT: tl.constexpr, SCALE_E8M0: tl.constexpr, GROUPED: tl.constexpr, ASM: tl.constexpr,
                MUL1: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, EP: tl.constexpr, MP: tl.constexpr,
                FIXUP: tl.constexpr, XSPLIT: tl.constexpr,
-               BW: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+               BW: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     pid_n = tl.program_id(0)
     slot = tl.program_id(1)
     split = tl.program_id(2)
@@ -325,10 +326,10 @@ def _launch(x, w, w_scale, fmt, ids, n_exp, n_slots, act, grouped, ep=0):
         EVEN_K=k_end % ks == 0, EVEN_N=n % bw == 0, EP=ep, MP=triton.next_power_of_2(m) if grouped else 1,
         FIXUP=fixup, XSPLIT=xsplit,
         BW=bw, BT=bt, BK=bk, num_warps=cfg["warps"], num_stages=cfg["stages"],
-        **({"maxnreg": cfg["regs"]} if cfg["regs"] and not INTERPRET else {}))
+        **({"maxnreg": cfg["regs"]} if cfg["regs"] and not INTERPRET else {}), **pdl())
     if split > 1 and not fixup:
         total = m * n
-        gd._sum_splits_kernel[(triton.cdiv(total, 1024),)](dst, out, total, split, BLOCK=1024, num_warps=4)
+        gd._sum_splits_kernel[(triton.cdiv(total, 1024),)](dst, out, total, split, BLOCK=1024, num_warps=4, **pdl())
     return out
 
 
@@ -382,7 +383,8 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor, w
     if mp * ep <= gd.FUSED_ACTIVE:  # each program lists the active experts itself
         return _launch(x, w, w_scale, fmt, ids, n_exp, n_slots, ids, True, ep)
     act = torch.empty(n_slots + 1, dtype=torch.int32, device=x.device)
-    gd._active_experts_kernel[(1,)](ids, act, m, n_exp, n_slots, MP=mp, EB=max(1, min(32, 8192 // mp)), num_warps=8)
+    gd._active_experts_kernel[(1,)](ids, act, m, n_exp, n_slots, MP=mp, EB=max(1, min(32, 8192 // mp)),
+                                    num_warps=8, **pdl())
     return _launch(x, w, w_scale, fmt, ids, n_exp, n_slots, act, True, 0)
 
 

@@ -48,7 +48,7 @@ import triton.language as tl
 
 from . import gemm_decode as gd
 from . import gemm_tc as tc
-from ._util import INTERPRET, sm_count
+from ._util import INTERPRET, sm_count, pdl_wait, pdl
 
 # e4m3 bytes with their E8M0 block scale folded in, 4 at a time: $2 = bytes b0..b3, $3 / $4 = the scales of
 # (b0, b1) / (b2, b3) as bfloat16 2^(s - 7); the bit placement of gemm_decode's FP8 decoder (e4m3 * 2^-120), whose
@@ -108,8 +108,9 @@ def _fp8s_decode(b, s16, ASM: tl.constexpr):
 
 
 @triton.jit
-def _hist_kernel(ids_ptr, cnt_ptr, M, E, RB: tl.constexpr):
+def _hist_kernel(ids_ptr, cnt_ptr, M, E, RB: tl.constexpr, PDL: tl.constexpr = False):
     """cnt[b] += rows of bucket b (b = id for ids in [0, E), else E) over this program's RB rows."""
+    pdl_wait(PDL)
     m = tl.program_id(0) * RB + tl.arange(0, RB)
     mm = m < M
     ids = tl.load(ids_ptr + m, mask=mm, other=0).to(tl.int32)
@@ -119,9 +120,10 @@ def _hist_kernel(ids_ptr, cnt_ptr, M, E, RB: tl.constexpr):
 
 @triton.jit
 def _scatter_kernel(ids_ptr, cnt_ptr, order_ptr, tile_ptr, M, E, n_tiles, BT: tl.constexpr, EP: tl.constexpr,
-                    RB: tl.constexpr, TB: tl.constexpr):
+                    RB: tl.constexpr, TB: tl.constexpr, PDL: tl.constexpr = False):
     """order[row_start[b] + slot] = m (slot: an atomic cursor per bucket, cnt[EP + b]); program 0 also writes the
     tile table [3, n_tiles] (bucket, first sorted row, end row; unused tiles r0 = r1 = 0)."""
+    pdl_wait(PDL)
     ev = tl.arange(0, EP)
     cnt = tl.load(cnt_ptr + ev, mask=ev <= E, other=0)
     row_start = tl.cumsum(cnt, 0) - cnt
@@ -164,9 +166,9 @@ def sort_rows(expert_ids: torch.Tensor, n_exp: int, bt: int):
     tiles = torch.empty(3, n_tiles, dtype=torch.int32, device=dev)
     ids = expert_ids.contiguous()
     rb = max(16, min(256, 8192 // ep))
-    _hist_kernel[(triton.cdiv(m, 256),)](ids, cnt, m, n_exp, RB=256, num_warps=4)
+    _hist_kernel[(triton.cdiv(m, 256),)](ids, cnt, m, n_exp, RB=256, num_warps=4, **pdl())
     _scatter_kernel[(triton.cdiv(m, rb),)](ids, cnt, order, tiles, m, n_exp, n_tiles, BT=bt, EP=ep, RB=rb, TB=256,
-                                           num_warps=4)
+                                           num_warps=4, **pdl())
     return order, tiles
 
 
@@ -211,7 +213,8 @@ def _tcl_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, ctr_ptr, order_ptr, tile
                 FMT: tl.constexpr, SCALE_E8M0: tl.constexpr, GROUPED: tl.constexpr, ASM: tl.constexpr,
                 MUL1: tl.constexpr, FOLD: tl.constexpr, WORDS: tl.constexpr, SPF: tl.constexpr, EVEN_K: tl.constexpr,
                 EVEN_N: tl.constexpr, FIXUP: tl.constexpr, XSPLIT: tl.constexpr,
-                BW: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr):
+                BW: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
     split = tl.program_id(2)
@@ -417,10 +420,10 @@ def _launch(x, w, w_scale, fmt, order, tiles, grouped):
         WORDS=words and fmt == "fp8_block", SPF=bool(cfg["spf"]), EVEN_K=k_end % ks == 0, EVEN_N=n % bw == 0,
         FIXUP=fixup, XSPLIT=xsplit, BW=bw, BT=bt, BK=bk,
         num_warps=cfg["warps"], num_stages=cfg["stages"],
-        **({"maxnreg": cfg["regs"]} if cfg["regs"] and not INTERPRET else {}))
+        **({"maxnreg": cfg["regs"]} if cfg["regs"] and not INTERPRET else {}), **pdl())
     if split > 1 and not fixup:
         total = m * n
-        gd._sum_splits_kernel[(triton.cdiv(total, 1024),)](dst, out, total, split, BLOCK=1024, num_warps=4)
+        gd._sum_splits_kernel[(triton.cdiv(total, 1024),)](dst, out, total, split, BLOCK=1024, num_warps=4, **pdl())
     return out
 
 

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._util import pdl, pdl_wait
+
 BI = 64  # rows per program of the position kernel
 BJ = 64  # rows compared per step
 
@@ -40,7 +42,8 @@ def _stable_pos(ids_ptr, i, e_i, M, BI: tl.constexpr, BJ: tl.constexpr):
 
 
 @triton.jit
-def _positions_kernel(ids_ptr, order_ptr, M, BI: tl.constexpr, BJ: tl.constexpr):
+def _positions_kernel(ids_ptr, order_ptr, M, BI: tl.constexpr, BJ: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     i = tl.program_id(0) * BI + tl.arange(0, BI)
     mi = i < M
     pos = _stable_pos(ids_ptr, i, tl.load(ids_ptr + i, mask=mi, other=0).to(tl.int64), M, BI, BJ)
@@ -54,16 +57,17 @@ def stable_positions(ids: torch.Tensor) -> torch.Tensor:
     m = ids.numel()
     order = torch.empty(m, dtype=torch.int64, device=ids.device)
     if m:
-        _positions_kernel[(triton.cdiv(m, BI),)](ids, order, m, BI=BI, BJ=BJ)
+        _positions_kernel[(triton.cdiv(m, BI),)](ids, order, m, BI=BI, BJ=BJ, **pdl())
     return order
 
 
 @triton.jit
 def _permute_kernel(ids_ptr, x_ptr, xs_ptr, e_ptr, order_ptr, M, k, d, BI: tl.constexpr, BJ: tl.constexpr,
-                    BD: tl.constexpr):
+                    BD: tl.constexpr, PDL: tl.constexpr = False):
     """moe_permute in one launch: rows i of a block get their stable position pos[i] (as _positions_kernel) and
     write xs[pos, cols] = x[i // k, cols] for their column block (program axis 1); the first column block also
     writes order[pos] = i and e[pos] = ids[i]."""
+    pdl_wait(PDL)
     i = tl.program_id(0) * BI + tl.arange(0, BI)
     mi = i < M
     e_i = tl.load(ids_ptr + i, mask=mi, other=0).to(tl.int64)
@@ -90,13 +94,14 @@ def permute_rows(x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torc
     if m:
         bi, bd = 16, min(512, triton.next_power_of_2(max(d, 1)))
         grid = (triton.cdiv(m, bi), max(1, triton.cdiv(d, bd)))  # column block 0 also writes order and ids
-        _permute_kernel[grid](flat, x.contiguous(), xs, e, order, m, k, d, BI=bi, BJ=BJ, BD=bd)
+        _permute_kernel[grid](flat, x.contiguous(), xs, e, order, m, k, d, BI=bi, BJ=BJ, BD=bd, **pdl())
     return xs, e, order
 
 
 @triton.jit
 def _tiles_kernel(ids_ptr, te_ptr, r0_ptr, r1_ptr, M, E, bm, n_tiles, BE: tl.constexpr, BJ: tl.constexpr,
-                  BT: tl.constexpr):
+                  BT: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     e = tl.arange(0, BE)
     me = e < E
     counts = tl.zeros([BE], dtype=tl.int64)
@@ -133,5 +138,5 @@ def tile_table(ids: torch.Tensor, n_experts: int, bm: int, n_tiles: int):
     if n_tiles:
         be = max(16, triton.next_power_of_2(n_experts))
         _tiles_kernel[(1,)](ids, out[0], out[1], out[2], ids.numel(), n_experts, bm, n_tiles, BE=be, BJ=32,
-                            BT=max(8, 4096 // be), num_warps=8)
+                            BT=max(8, 4096 // be), num_warps=8, **pdl())
     return out[0], out[1], out[2]

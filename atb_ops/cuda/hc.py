@@ -25,7 +25,7 @@ import triton.language as tl
 
 from .._registry import register
 from ._skinny import skinny_matmul
-from ._util import pow2
+from ._util import pow2, pdl_wait, pdl
 
 
 def _mixes(x: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int]:
@@ -52,10 +52,12 @@ def _pick2(v, idx, BO: tl.constexpr):
 
 @triton.jit
 def _split_kernel(m_ptr, ss_ptr, x_ptr, scale_ptr, base_ptr, u_ptr, post_ptr, comb_ptr, d, iters, hc_eps, norm_eps,
-                  T, S, N: tl.constexpr, BO: tl.constexpr, SP: tl.constexpr, FULL: tl.constexpr, BD: tl.constexpr):
+                  T, S, N: tl.constexpr, BO: tl.constexpr, SP: tl.constexpr, FULL: tl.constexpr, BD: tl.constexpr,
+                  PDL: tl.constexpr = False):
     """Program (t, c): c < cdiv(d, BD) writes u[t, c BD:(c + 1) BD]; c == cdiv(d, BD) (launched only when FULL)
     writes post[t] and comb[t]. Every program re-derives the token's mixes from the partials (the same load and
     fixed reduction tree in each, so all programs see the same bits)."""
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     c_id = tl.program_id(1)
     j = tl.arange(0, N)
@@ -169,7 +171,7 @@ def hc_pre(x, fn, base, scale, sinkhorn_iters: int, hc_eps: float, norm_eps: flo
     _split_kernel[(t_count, triton.cdiv(d, bd) + 1)](mixes, ss, xc, scale.float().contiguous(),
                                                      base.float().contiguous(), u, post, comb, d, int(sinkhorn_iters),
                                                      float(hc_eps), float(norm_eps), t_count, splits, N=n, BO=bo,
-                                                     SP=pow2(splits), FULL=True, BD=bd)
+                                                     SP=pow2(splits), FULL=True, BD=bd, **pdl())
     return u, post, comb
 
 
@@ -186,12 +188,14 @@ def hc_head(x, fn, base, scale, hc_eps: float, norm_eps: float):
     bd = _split_bd(d)
     _split_kernel[(t_count, triton.cdiv(d, bd))](mixes, ss, xc, scale.float().contiguous(), base.float().contiguous(),
                                                  u, u, u, d, 0, float(hc_eps), float(norm_eps), t_count, splits, N=n,
-                                                 BO=bo, SP=pow2(splits), FULL=False, BD=bd)
+                                                 BO=bo, SP=pow2(splits), FULL=False, BD=bd, **pdl())
     return u
 
 
 @triton.jit
-def _post_kernel(y_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, d, N: tl.constexpr, BD: tl.constexpr):
+def _post_kernel(y_ptr, x_ptr, post_ptr, comb_ptr, out_ptr, d, N: tl.constexpr, BD: tl.constexpr,
+                 PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     dd = tl.program_id(1) * BD + tl.arange(0, BD)
     dm = dd < d
@@ -216,5 +220,5 @@ def hc_post(y, x, post, comb):
         return out
     bd = min(pow2(d), 512)
     _post_kernel[(t_count, triton.cdiv(d, bd))](y.contiguous(), xc, post.float().contiguous(),
-                                                comb.float().contiguous(), out, d, N=n, BD=bd, num_warps=4)
+                                                comb.float().contiguous(), out, d, N=n, BD=bd, num_warps=4, **pdl())
     return out

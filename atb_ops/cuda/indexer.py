@@ -21,17 +21,19 @@ With HB > 0 the score kernel also counts, per token, the finite keys per bin of 
 adds into a zeroed [T, 2^HB] buffer). The selections of ``indexer_select`` take the threshold bin from that
 histogram and handle only the keys at or above it: ``rank`` buckets them by bin over many programs per token and
 places each by its rank inside its bin (no sort); ``hist`` compacts and sorts them in one program per token;
-``split`` spreads that compaction over many programs. All fall back to the exact bit search when the threshold
+``split`` spreads that compaction over many programs; ``place`` compacts as split, then writes each key at its
+rank among them, counted by many programs a token (no sort). All fall back to the exact bit search when the threshold
 bin holds too many keys (thousands of exact ties).
 
 ATB_CUDA_INDEXER = "PATH[,BN,WARPS,STAGES,CTAS_PER_SM[,PRE]]" or just the tiles: PATH ``auto`` (default: bits,
-split or rank by the candidate count N, see ``_AUTO_BITS_MAX``), ``fused`` (``indexer_fused``: score, bucket and
-sort programs in one launch), ``rank``, ``hist``, ``split``, ``bits`` (the
+split or place by the candidate count N, see ``_AUTO_BITS_MAX``), ``fused`` (``indexer_fused``: score, bucket and
+sort programs in one launch), ``rank``, ``hist``, ``split``, ``place``, ``bits`` (the
 previous selection: ``_select_kernel``, one program per token finding the k-th largest key by a 32-step MSB-first
 bit search of counts; rows over 16384 keys through torch.topk) or ``old`` (the first path: int64 keys +
 torch.topk); the tiles override the score kernel's (PRE=1: the register prefetch loop instead of Triton's
 pipeliner). ATB_CUDA_INDEXER_HB: histogram bits (12); ATB_CUDA_INDEXER_CAP="CAP1,CAP2": the sort sizes;
 ATB_CUDA_INDEXER_SEL_WARPS: the selection kernel's warps; ATB_CUDA_INDEXER_CH: keys per compaction chunk;
+ATB_CUDA_INDEXER_R / _C: keys a place program writes / compares per load (64 / 64: the best of 9 pairs, H200);
 ATB_CUDA_INDEXER_FIT / _SPLITS: the score kernel's grid (``_score_cfg``).
 """
 
@@ -45,7 +47,7 @@ import triton.language as tl
 
 from .._registry import register
 from . import indexer_select as sel
-from ._util import INTERPRET, mma, dot_precision, pow2, sm_count
+from ._util import INTERPRET, mma, dot_precision, pow2, sm_count, pdl_wait, pdl
 from .indexer_select import key_bin
 
 KEY_ABSENT = -(2**63)
@@ -56,7 +58,8 @@ ORD_NEG_INF = tl.constexpr(ORD_NEG_INF_INT)
 # ----------------------------------------------------------------------------------------------- previous path
 @triton.jit
 def _score_kernel(q_ptr, w_ptr, k_ptr, cand_ptr, key_ptr, N, Hi, Di, stride_k, BH: tl.constexpr, BD: tl.constexpr,
-                  BN: tl.constexpr, PREC: tl.constexpr):
+                  BN: tl.constexpr, PREC: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     h = tl.arange(0, BH)
@@ -92,7 +95,7 @@ def _indexer_topk_old(q, weights, k_cache, cand, topk):
     bn = 64
     _score_kernel[(t_count, triton.cdiv(n, bn))](q.contiguous(), weights.contiguous(), kc, cand.contiguous(), keys, n,
                                                  hi, di, kc.stride(0), BH=pow2(hi, 16), BD=pow2(di, 16), BN=bn,
-                                                 PREC=dot_precision(kc.dtype), num_warps=4)
+                                                 PREC=dot_precision(kc.dtype), num_warps=4, **pdl())
     vals = torch.topk(keys, k, dim=-1, sorted=True).values
     pos = (4294967295 - (vals & 0xFFFFFFFF)).clamp(0, n - 1)
     picked = cand.gather(1, pos)
@@ -103,10 +106,12 @@ def _indexer_topk_old(q, weights, k_cache, cand, topk):
 @triton.jit
 def _score_keys_kernel(q_ptr, w_ptr, k_ptr, cand_ptr, key_ptr, hist_ptr, HS, N, Hi, Di, stride_k, BPP,
                        BH: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr,
-                       F32: tl.constexpr, PRE: tl.constexpr, HB: tl.constexpr, SWAP: tl.constexpr = False):
+                       F32: tl.constexpr, PRE: tl.constexpr, HB: tl.constexpr, SWAP: tl.constexpr = False,
+                       PDL: tl.constexpr = False):
     """key[t, n] (int32) for the BPP blocks of BN candidates starting at block program_id(1) * BPP; the product
     runs in float32 when F32 (either operand float32, or mixed 16-bit dtypes), else in k_cache's 16-bit dtype.
     HB > 0: also counts the finite keys per bin of their top HB bits into hist[t, :2^HB] (row stride HS)."""
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     score_program(t, tl.program_id(1) * BPP, q_ptr, w_ptr, k_ptr, cand_ptr, key_ptr, hist_ptr + t * HS, N, Hi, Di,
                   stride_k, BPP, BH, BD, BN, PREC, STAGES, F32, PRE, HB, SWAP)
@@ -181,14 +186,16 @@ def _score_block(q, w, keys, rows, n, key_row, N, PREC: tl.constexpr, hist_row, 
 
 
 # ----------------------------------------------------------------------------------------------------- wrapper
-PATHS = ("auto", "fused", "rank", "hist", "split", "bits", "old")
+PATHS = ("auto", "fused", "rank", "hist", "split", "place", "bits", "old")
 DEFAULT_PATH = "auto"
 # auto: the fastest path per candidate count N in H100 runs at T = 32 (graph replays): N <= 8192 bits (N = 2048:
 # 20.7 us vs rank 24.1; N = 8192: 55.9 vs 57.6, hist 55.6; scripts/bench_results/indexer_select_h100.txt),
 # N <= 16384 split, longer rows rank, both on the one-wave score grid (session 11, one run: N = 16384 split 80.0 us
 # vs 82.6 on the previous grid, fused 104.7, rank 84.7; N = 65536 rank 258.1 us vs fused 274.3 (the previous
-# default), split 339.2; scripts/bench_results/indexer_h100_session11.txt). The interpreter switches at small N
-# so that CPU tests cover every path.
+# default), split 339.2; scripts/bench_results/indexer_h100_session11.txt). Since session 19 longer rows take place
+# (H200, T = 32, N = 65536, two calls: 183.5 / 181.9 us vs rank 189.0 / 187.9, split 266.7 / 264.6; at N = 16384
+# split stays the fastest: 59.5-60.5 us vs place 62.2-63.3; scripts/bench_results/h200_session19.txt). The
+# interpreter switches at small N so that CPU tests cover every path.
 _AUTO_BITS_MAX, _AUTO_SPLIT_MAX = (64, 128) if INTERPRET else (8192, 16384)
 
 
@@ -201,7 +208,7 @@ def _mode(n):
         if path not in PATHS:
             raise ValueError(f"ATB_CUDA_INDEXER path {path!r} not in {PATHS}")
     if path == "auto":
-        path = "bits" if n <= _AUTO_BITS_MAX else "split" if n <= _AUTO_SPLIT_MAX else "rank"
+        path = "bits" if n <= _AUTO_BITS_MAX else "split" if n <= _AUTO_SPLIT_MAX else "place"
     return path, ([int(v) for v in parts] or None)
 
 
@@ -259,7 +266,7 @@ def score_keys(q, weights, kc, cand, hist=None, hb=0, tiles=None, wave=False):
     _score_keys_kernel[(t_count, splits)](q, weights, kc, cand, keys, hist_arg, hs, n, hi, di, kc.stride(0), bpp,
                                           BH=pow2(hi, 16), BD=pow2(di, 16), BN=bn, PREC=dot_precision(q.dtype, kc.dtype),
                                           STAGES=stages, F32=f32, PRE=pre, HB=hb if hist is not None else 0,
-                                          SWAP=score_swap(), num_warps=warps)
+                                          SWAP=score_swap(), num_warps=warps, **pdl())
     return keys
 
 
@@ -275,7 +282,7 @@ def select_topk(keys, cand, k):
     ch = pow2(n, 16) if one else ch_max // 2
     warps = 8 if ch >= 2048 else 4  # H100, N = 2048 / 16384: 8 warps beat 4 and 16
     warps = int(os.environ.get("ATB_CUDA_INDEXER_SEL_WARPS", warps))
-    sel._select_kernel[(t_count,)](keys, cand, scratch, out, n, k, CH=ch, KP=kp, ONE=one, num_warps=warps)
+    sel._select_kernel[(t_count,)](keys, cand, scratch, out, n, k, CH=ch, KP=kp, ONE=one, num_warps=warps, **pdl())
     return out
 
 
@@ -285,7 +292,8 @@ def hist_bits():
 
 
 def select_hist(keys, hist, cand, k, hb, split=False):
-    """hist / split paths (``indexer_select``): [T, k] int64 rows from the keys and their histogram."""
+    """hist / split / place paths (``indexer_select``; split False / True / "place"): [T, k] int64 rows from the
+    keys and their histogram."""
     t_count, n = keys.shape
     kp = pow2(k, 16)
     caps = os.environ.get("ATB_CUDA_INDEXER_CAP")  # "CAP1,CAP2": sort sizes of S (powers of two)
@@ -299,14 +307,23 @@ def select_hist(keys, hist, cand, k, hb, split=False):
     ch_env = os.environ.get("ATB_CUDA_INDEXER_CH")  # keys per compaction chunk (a power of two)
     if split:
         ch = min(pow2(n, 16), 32 if INTERPRET else int(ch_env or 2048))
-        sel._compact_kernel[(t_count, triton.cdiv(n, ch))](keys, hist, hist.stride(0), hist[:, 1 << hb:], scratch, n,
-                                                           k, cap2, HB=hb, CH=ch, CAP2=cap2, num_warps=4)
-        sel._sort_kernel[(t_count,)](keys, hist, hist.stride(0), cand, scratch, out, n, k, cap2, HB=hb, **common,
-                                     num_warps=warps)
+        ctr = hist[:, 1 << hb:]  # [T, 0]: the slot counter, [T, 1]: |S| (written by the compaction)
+        sel._compact_kernel[(t_count, triton.cdiv(n, ch))](keys, hist, hist.stride(0), ctr, scratch, n,
+                                                           k, cap2, HB=hb, CH=ch, CAP2=cap2, num_warps=4, **pdl())
+        if split == "place":
+            r = 16 if INTERPRET else int(os.environ.get("ATB_CUDA_INDEXER_R", 64))  # S entries a program places
+            c = int(os.environ.get("ATB_CUDA_INDEXER_C", 64))  # S entries compared with them per load
+            sel._place_kernel[(t_count, triton.cdiv(cap2, r))](keys, ctr, hist.stride(0), cand, scratch, out, n, k,
+                                                               cap2, R=r, C=16 if INTERPRET else c, CAP2=cap2,
+                                                               FCH=fch, KP=kp, FONE=common["FONE"],
+                                                               num_warps=4, **pdl())
+        else:
+            sel._sort_kernel[(t_count,)](keys, hist, hist.stride(0), cand, scratch, out, n, k, cap2, HB=hb, **common,
+                                         num_warps=warps, **pdl())
     else:
         ch = min(pow2(n, 16), 64 if INTERPRET else int(ch_env or 4096))
         sel._hist_select_kernel[(t_count,)](keys, hist, hist.stride(0), cand, scratch, out, n, k, cap2, HB=hb, CH=ch,
-                                            **common, num_warps=warps)
+                                            **common, num_warps=warps, **pdl())
     return out
 
 
@@ -325,10 +342,10 @@ def select_rank(keys, buf, cand, k, hb):
     r = min(cap, 16 if INTERPRET else int(os.environ.get("ATB_CUDA_INDEXER_R", 128)))
     fch = min(pow2(n, 16), 64 if INTERPRET else 2048)
     sel._bucket_kernel[(t_count, triton.cdiv(n, ch))](keys, buf, buf.stride(0), start, scratch, n, k, cap, HB=hb,
-                                                      CH=ch, CAP=cap, num_warps=4)
+                                                      CH=ch, CAP=cap, num_warps=4, **pdl())
     sel._rank_kernel[(t_count, triton.cdiv(cap, r))](keys, buf, buf.stride(0), start, cand, scratch, out, n, k, cap,
                                                      HB=hb, R=r, C=16 if INTERPRET else 32, CAP=cap, FCH=fch, KP=kp,
-                                                     FONE=pow2(n, 16) <= fch, num_warps=4)
+                                                     FONE=pow2(n, 16) <= fch, num_warps=4, **pdl())
     return out
 
 
@@ -365,8 +382,8 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, 
         return select_rank(keys, buf, cand, k, hb)
     # per-token bins + the split path's slot counter (column 2^hb); rows padded to 128 bytes
     hist = torch.zeros(t_count, (1 << hb) + 32, dtype=torch.int32, device=q.device)
-    keys = score_keys(q, weights, kc, cand, hist, hb, tiles, wave=path == "split")
-    return select_hist(keys, hist, cand, k, hb, split=path == "split")
+    keys = score_keys(q, weights, kc, cand, hist, hb, tiles, wave=path in ("split", "place"))
+    return select_hist(keys, hist, cand, k, hb, split={"split": True, "place": "place"}.get(path, False))
 
 
 # bits path: longest candidate row that the one-program selection keeps in registers. Longer rows (contexts beyond

@@ -40,6 +40,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._util import pdl, pdl_wait
 from .indexer import score_program
 from .indexer_select import I64_MIN, ORD_NEG_INF, _bits_select, _composite, _in_s, key_bin
 
@@ -118,7 +119,8 @@ def _fused_kernel(q_ptr, w_ptr, k_ptr, cand_ptr, key_ptr, buf_ptr, BS, start_ptr
                   BH: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr, PREC: tl.constexpr, F32: tl.constexpr,
                   PRE: tl.constexpr, HB: tl.constexpr, CH: tl.constexpr, SEG: tl.constexpr, FCH: tl.constexpr,
                   KP: tl.constexpr, FONE: tl.constexpr, RANK: tl.constexpr, R: tl.constexpr, C: tl.constexpr,
-                  SWAP: tl.constexpr):
+                  SWAP: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     NB: tl.constexpr = 1 << HB
     # dynamic ticket, not tl.program_id(0): every smaller ticket is held by a started program (module docstring)
     pid = tl.atomic_add(buf_ptr + 2 * NB + 2, 1, sem="relaxed")  # the role waits order the data
@@ -224,5 +226,5 @@ def topk_fused(q, weights, kc, cand, k, hb, tiles=None):
         q, weights, kc, cand, keys, buf, buf.stride(0), start, scratch, out, t_count, n, hi, di, kc.stride(0), spl, bpp,
         k, p, rc, nq, cap, BH=pow2(hi, 16), BD=pow2(di, 16), BN=bn, PREC=dot_precision(q.dtype, kc.dtype), F32=f32,
         PRE=pre, HB=hb, CH=ch, SEG=seg, FCH=fch, KP=kp, FONE=pow2(n, 16) <= fch, RANK=rank, R=16 if INTERPRET else 128,
-        C=8 if INTERPRET else 32, SWAP=ix.score_swap(), num_warps=warps)
+        C=8 if INTERPRET else 32, SWAP=ix.score_swap(), num_warps=warps, **pdl())
     return out

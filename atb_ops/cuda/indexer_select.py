@@ -13,18 +13,22 @@ composite order = the reference's order), sorted in one program per token (biton
 entries) and the first KW are mapped to cand rows. |S| > CAP2 (e.g. thousands of equal scores) falls back to the
 exact bit search of ``_bits_select`` (slow, correct).
 
-Two variants (no host synchronisation, static shapes: CUDA-graph safe):
+Three variants (no host synchronisation, static shapes: CUDA-graph safe):
   fused  (``_hist_select_kernel``, grid [T]): one program per token computes b*, compacts S in candidate order
          (prefix sums over chunks of CH keys), sorts and writes.
   split  (``_compact_kernel`` grid [T, ceil(N / CH)] + ``_sort_kernel`` grid [T]): the compaction spread over many
          programs, each reserving its slots with one atomic add on a per-token counter (slot order is
          nondeterministic; the sort makes the result deterministic).
+  place  (``_compact_kernel`` as split + ``_place_kernel`` grid [T, CAP2 / R]): no sort; each entry of S is
+         written at its rank in S (the number of larger composites), counted by |S| / R programs a token.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from ._util import pdl_wait
 
 ORD_NEG_INF_INT = -2139095041  # order key of -inf: bits 0xFF800000 ^ 0x7FFFFFFF as int32
 ORD_NEG_INF = tl.constexpr(ORD_NEG_INF_INT)
@@ -132,8 +136,9 @@ def _bits_select(t, key_ptr, cand_ptr, scratch_ptr, out_ptr, N, KW, SS, CH: tl.c
 
 @triton.jit
 def _select_kernel(key_ptr, cand_ptr, scratch_ptr, out_ptr, N, KW, CH: tl.constexpr, KP: tl.constexpr,
-                   ONE: tl.constexpr):
+                   ONE: tl.constexpr, PDL: tl.constexpr = False):
     """The bit-search selection alone (one program per token): out[t, :KW] (ATB_CUDA_INDEXER=bits)."""
+    pdl_wait(PDL)
     _bits_select(tl.program_id(0).to(tl.int64), key_ptr, cand_ptr, scratch_ptr, out_ptr, N, KW, KP, CH, KP, ONE)
 
 
@@ -153,8 +158,9 @@ def _sort_tiers(t, key_ptr, cand_ptr, scratch_ptr, out_ptr, N, KW, SS, bstar, cn
 @triton.jit
 def _hist_select_kernel(key_ptr, hist_ptr, HS, cand_ptr, scratch_ptr, out_ptr, N, KW, SS, HB: tl.constexpr,
                         CH: tl.constexpr, CAP1: tl.constexpr, CAP2: tl.constexpr, FCH: tl.constexpr,
-                        KP: tl.constexpr, FONE: tl.constexpr):
+                        KP: tl.constexpr, FONE: tl.constexpr, PDL: tl.constexpr = False):
     """fused: one program per token (module docstring)."""
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     bstar, cnt = _threshold(hist_ptr + t * HS, KW, HB)
     if cnt <= CAP2:
@@ -176,10 +182,14 @@ def _hist_select_kernel(key_ptr, hist_ptr, HS, cand_ptr, scratch_ptr, out_ptr, N
 
 @triton.jit
 def _compact_kernel(key_ptr, hist_ptr, HS, ctr_ptr, scratch_ptr, N, KW, SS, HB: tl.constexpr, CH: tl.constexpr,
-                    CAP2: tl.constexpr):
-    """split, step 1: program (t, p) appends the S keys of candidates [p * CH, (p + 1) * CH) to scratch row t."""
+                    CAP2: tl.constexpr, PDL: tl.constexpr = False):
+    """split / place, step 1: program (t, p) appends the S keys of candidates [p * CH, (p + 1) * CH) to scratch
+    row t; program (t, 0) also stores |S| at ctr[t, 1] (read by :func:`_place_kernel`)."""
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     bstar, cnt = _threshold(hist_ptr + t * HS, KW, HB)
+    if tl.program_id(1) == 0:
+        tl.store(ctr_ptr + t * HS + 1, cnt)
     if cnt <= CAP2:
         n = tl.program_id(1) * CH + tl.arange(0, CH)
         x = tl.load(key_ptr + t * N + n, mask=n < N, other=ORD_NEG_INF)
@@ -193,23 +203,77 @@ def _compact_kernel(key_ptr, hist_ptr, HS, ctr_ptr, scratch_ptr, N, KW, SS, HB: 
 
 @triton.jit
 def _sort_kernel(key_ptr, hist_ptr, HS, cand_ptr, scratch_ptr, out_ptr, N, KW, SS, HB: tl.constexpr,
-                 CAP1: tl.constexpr, CAP2: tl.constexpr, FCH: tl.constexpr, KP: tl.constexpr, FONE: tl.constexpr):
+                 CAP1: tl.constexpr, CAP2: tl.constexpr, FCH: tl.constexpr, KP: tl.constexpr, FONE: tl.constexpr,
+                 PDL: tl.constexpr = False):
     """split, step 2: one program per token sorts its compacted S (or runs the exact fallback)."""
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     bstar, cnt = _threshold(hist_ptr + t * HS, KW, HB)
     _sort_tiers(t, key_ptr, cand_ptr, scratch_ptr, out_ptr, N, KW, SS, bstar, cnt, CAP1, CAP2, FCH, KP,
                 FONE)
 
 
+@triton.jit
+def _program_slots(out_row, p, cnt, KW, R: tl.constexpr):
+    """Output positions [p * R, (p + 1) * R) of a placing program (place / rank): -1 written to those in [cnt, KW)
+    (past the |S| = cnt keys); returns them and the mask of those < cnt (the program's keys of S)."""
+    i = p * R + tl.arange(0, R)
+    tl.store(out_row + i, tl.full([R], -1, tl.int64), mask=(i >= cnt) & (i < KW))
+    return i, i < cnt
+
+
+@triton.jit
+def _emit_ranked(out_row, cand_row, c, pos, im, KW):
+    """out_row[pos] = the cand row of each composite c (mask im) whose output position pos is < KW."""
+    keep = im & (pos < KW)
+    row = tl.load(cand_row + (4294967295 - (c & 4294967295)), mask=keep, other=-1)
+    tl.store(out_row + pos, row, mask=keep)
+
+
+@triton.jit
+def _place_kernel(key_ptr, ctr_ptr, HS, cand_ptr, scratch_ptr, out_ptr, N, KW, SS, R: tl.constexpr,
+                  C: tl.constexpr, CAP2: tl.constexpr, FCH: tl.constexpr, KP: tl.constexpr, FONE: tl.constexpr,
+                  PDL: tl.constexpr = False):
+    """place, step 2 (grid [T, CAP2 / R]): program p writes the compacted S entries scratch[t, p * R : (p + 1) * R]
+    at their rank in S, the count of larger composites (all distinct: the rank is the position in the descending
+    composite order, which is the reference's), if it is < KW; output positions [|S|, KW) in its range get -1.
+    Replaces the split path's one-program sort by R x |S| comparisons spread over |S| / R programs a token.
+    |S| > CAP2: the exact bit-search fallback (program 0)."""
+    pdl_wait(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    p = tl.program_id(1)
+    cnt = tl.load(ctr_ptr + t * HS + 1)
+    out_row = out_ptr + t * KW
+    if cnt <= CAP2:
+        i, im = _program_slots(out_row, p, cnt, KW, R)
+        if p * R < cnt:
+            srow = scratch_ptr + t * SS
+            c = tl.load(srow + i, mask=im, other=I64_MIN, cache_modifier=".cg")
+            r = tl.zeros([R], dtype=tl.int32)
+            jc = tl.arange(0, C)
+            # chunk j + 1 is requested before chunk j is compared (each load is an L2 round trip; the last,
+            # past |S|, is fully masked and reads nothing)
+            o = tl.load(srow + jc, mask=jc < cnt, other=I64_MIN, cache_modifier=".cg")
+            for j0 in range(C, cnt + C, C):
+                jj = j0 + jc
+                o_next = tl.load(srow + jj, mask=jj < cnt, other=I64_MIN, cache_modifier=".cg")
+                r += tl.sum((o[None, :] > c[:, None]).to(tl.int32), 1)
+                o = o_next
+            _emit_ranked(out_row, cand_ptr + t * N, c, r, im, KW)
+    elif p == 0:
+        _bits_select(t, key_ptr, cand_ptr, scratch_ptr, out_ptr, N, KW, SS, FCH, KP, FONE)
+
+
 # ------------------------------------------------------------------------------- rank path: no sort at all
 @triton.jit
 def _bucket_kernel(key_ptr, buf_ptr, BS, start_ptr, scratch_ptr, N, KW, SS, HB: tl.constexpr, CH: tl.constexpr,
-                   CAP: tl.constexpr):
+                   CAP: tl.constexpr, PDL: tl.constexpr = False):
     """rank, step 1 (grid [T, ceil(N / CH)]): bucket the S keys of candidates [p * CH, (p + 1) * CH) by bin.
 
     buf row t (stride BS, zeroed): [0, 2^HB) the histogram, [2^HB, 2^(HB+1)) per-bin slot counters, then
     (|S|, b*). start[t, b] = keys of S in bins > b (b >= b*), written by every program of the token (identical
     values) and read back after a barrier; a key of bin b goes to scratch[t, start[b] + its slot in the bin]."""
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1)
     NB: tl.constexpr = 1 << HB
@@ -237,12 +301,13 @@ def _bucket_kernel(key_ptr, buf_ptr, BS, start_ptr, scratch_ptr, N, KW, SS, HB: 
 @triton.jit
 def _rank_kernel(key_ptr, buf_ptr, BS, start_ptr, cand_ptr, scratch_ptr, out_ptr, N, KW, SS, HB: tl.constexpr,
                  R: tl.constexpr, C: tl.constexpr, CAP: tl.constexpr, FCH: tl.constexpr, KP: tl.constexpr,
-                 FONE: tl.constexpr):
+                 FONE: tl.constexpr, PDL: tl.constexpr = False):
     """rank, step 2 (grid [T, CAP / R]): program p places the S keys at scratch[t, p * R : (p + 1) * R].
 
     The output position of a key of bin b is start[b] + (keys of its own bin with a larger composite): a
     comparison with its bin's segment only (bins order the rest). Positions past |S| get -1; |S| > CAP: the exact
     bit-search fallback (program 0)."""
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     p = tl.program_id(1)
     NB: tl.constexpr = 1 << HB
@@ -250,10 +315,8 @@ def _rank_kernel(key_ptr, buf_ptr, BS, start_ptr, cand_ptr, scratch_ptr, out_ptr
     cnt = tl.load(hist_row + 2 * NB)
     out_row = out_ptr + t * KW
     if cnt <= CAP:
-        i = p * R + tl.arange(0, R)
-        tl.store(out_row + i, tl.full([R], -1, tl.int64), mask=(i >= cnt) & (i < KW))
+        i, im = _program_slots(out_row, p, cnt, KW, R)
         if p * R < cnt:
-            im = i < cnt
             srow = scratch_ptr + t * SS
             c = tl.load(srow + i, mask=im, other=I64_MIN)
             bx = tl.where(im, key_bin((c >> 32).to(tl.int32), HB), 0)
@@ -265,9 +328,6 @@ def _rank_kernel(key_ptr, buf_ptr, BS, start_ptr, cand_ptr, scratch_ptr, out_ptr
                 jj = j0 + jc
                 o = tl.load(srow + st[:, None] + jj[None, :], mask=jj[None, :] < ln[:, None], other=I64_MIN)
                 r += tl.sum((o > c[:, None]).to(tl.int32), 1)
-            pos = st + r
-            keep = im & (pos < KW)
-            row = tl.load(cand_ptr + t * N + (4294967295 - (c & 4294967295)), mask=keep, other=-1)
-            tl.store(out_row + pos, row, mask=keep)
+            _emit_ranked(out_row, cand_ptr + t * N, c, st + r, im, KW)
     elif p == 0:
         _bits_select(t, key_ptr, cand_ptr, scratch_ptr, out_ptr, N, KW, SS, FCH, KP, FONE)

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from ..invariant.kernel_table import register_primitive
+from ._util import pdl, pdl_wait
 
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32
 SUM_BLOCK = 256
@@ -33,7 +34,8 @@ _INTS = ["M", "N", "K", "n_m", "n_n", "sab", "sam", "sak", "sbb", "sbn", "sbk", 
 
 @triton.jit(do_not_specialize=_INTS)
 def _bmm_kernel(a, b, c, M, N, K, n_m, n_n, sab, sam, sak, sbb, sbn, sbk, scb, scm, scn,
-                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, F32DOT: tl.constexpr):
+                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, F32DOT: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     pid = tl.program_id(0).to(tl.int64)
     bid = pid // (n_m * n_n)
     rest = pid % (n_m * n_n)
@@ -58,7 +60,8 @@ def _bmm_kernel(a, b, c, M, N, K, n_m, n_n, sab, sam, sak, sbb, sbn, sbk, scb, s
 
 
 @triton.jit(do_not_specialize=["N", "stride"])
-def _row_sum_kernel(x, out, N, stride, BLOCK: tl.constexpr):
+def _row_sum_kernel(x, out, N, stride, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -78,7 +81,7 @@ def _launch_bmm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, batch_strides
     sab, sbb, scb = batch_strides
     _bmm_kernel[(bsz * n_m * n_n,)](
         a, b, c, m, n, k, n_m, n_n, sab, a.stride(1), a.stride(2), sbb, b.stride(1), b.stride(2),
-        scb, c.stride(1), c.stride(2), BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, F32DOT=f32dot, num_warps=4)
+        scb, c.stride(1), c.stride(2), BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, F32DOT=f32dot, num_warps=4, **pdl())
 
 
 @register_primitive("matmul", "cuda")
@@ -110,5 +113,5 @@ def row_sum(x: torch.Tensor) -> torch.Tensor:
     if r == 0 or n == 0:
         return out
     x = x.contiguous()
-    _row_sum_kernel[(r,)](x, out, n, x.stride(0), BLOCK=SUM_BLOCK, num_warps=4)
+    _row_sum_kernel[(r,)](x, out, n, x.stride(0), BLOCK=SUM_BLOCK, num_warps=4, **pdl())
     return out

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from .._registry import register
-from ._util import pow2, sm_count
+from ._util import pow2, sm_count, pdl_wait, pdl
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -23,7 +23,9 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, n, sx, eps, HAS_W: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, n, sx, eps, HAS_W: tl.constexpr, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     m = offs < n
@@ -46,13 +48,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     xr = _rows(x)
     w = weight.contiguous() if weight is not None else xr
     _rms_norm_kernel[(rows,)](xr, w, y, n, xr.stride(0), float(eps), HAS_W=weight is not None, BLOCK=pow2(n),
-                              num_warps=4 if n <= 4096 else 8)
+                              num_warps=4 if n <= 4096 else 8, **pdl())
     return y
 
 
 @triton.jit
 def _rope_kernel(x_ptr, pos_ptr, f_ptr, y_ptr, G, D, R, sin_sign, BG: tl.constexpr, BP: tl.constexpr,
-                 BH: tl.constexpr):
+                 BH: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1) * BG + tl.arange(0, BG)
     gm = g < G
@@ -97,13 +100,14 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
     while bg > 4 and t_count * triton.cdiv(g, bg) < 2 * sm_count(x.device):
         bg //= 2
     _rope_kernel[(t_count, triton.cdiv(g, bg))](xc, pos, f, y, g, d, r, -1.0 if inverse else 1.0,
-                                                 BG=bg, BP=bp, BH=pow2(r // 2), num_warps=4)
+                                                 BG=bg, BP=bp, BH=pow2(r // 2), num_warps=4, **pdl())
     return y
 
 
 @triton.jit
 def _norm_rope_kernel(x_ptr, w_ptr, pos_ptr, f_ptr, y_ptr, rows_ptr, G, n, R, sx, s_tok, eps, HAS_W: tl.constexpr,
-                      TO_ROWS: tl.constexpr, BLOCK: tl.constexpr):
+                      TO_ROWS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)  # (token, row of the token) = (row // G, row % G)
     t = row // G
     offs = tl.arange(0, BLOCK)
@@ -150,7 +154,7 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, posi
     dst = out_rows.contiguous() if out is not None else positions
     _norm_rope_kernel[(rows,)](xr, w, positions.to(x.device).contiguous(), f, y, dst, g, n, r, xr.stride(0),
                                y.stride(0), float(eps), HAS_W=weight is not None, TO_ROWS=out is not None,
-                               BLOCK=pow2(n), num_warps=4 if n <= 4096 else 8)
+                               BLOCK=pow2(n), num_warps=4 if n <= 4096 else 8, **pdl())
     return y if out is None else None
 
 
@@ -159,7 +163,8 @@ rms_norm.rope_epilogue = rms_norm_rope  # atb_ops.rms_norm_rope runs the fused k
 
 @triton.jit
 def _swiglu_kernel(g_ptr, u_ptr, s_ptr, y_ptr, c, sg, su, limit, CLAMP: tl.constexpr, SCALE: tl.constexpr,
-                   BLOCK: tl.constexpr):
+                   BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     r = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < c
@@ -191,7 +196,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float, row_scale: torch.
         block = min(1024, pow2(c))
         _swiglu_kernel[(g.shape[0], triton.cdiv(c, block))](g, u, s, y, c, g.stride(0), u.stride(0), float(limit),
                                                               CLAMP=limit > 0, SCALE=row_scale is not None,
-                                                              BLOCK=block)
+                                                              BLOCK=block, **pdl())
     return y
 
 

@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from .._registry import register
+from ._util import pdl, pdl_wait
 
 FP8_MAX = 448.0
 FP4_MAX = 6.0
@@ -52,7 +53,8 @@ def _round_fp4(v):
 
 @triton.jit
 def _act_round_kernel(x_ptr, y_ptr, n_blocks, amax_min, inv_max, FMT: tl.constexpr, BLOCK: tl.constexpr,
-                      BR: tl.constexpr):
+                      BR: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_wait(PDL)
     b = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     offs = b[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     m = (b < n_blocks)[:, None]
@@ -78,7 +80,7 @@ def _act_round(x: torch.Tensor, block: int, fmt: int) -> torch.Tensor:
         br = max(1, 2048 // block)
         amax_min, inv_max = (1e-4, 1.0 / FP8_MAX) if fmt == 8 else (FP4_MAX * 2.0**-126, 1.0 / FP4_MAX)
         _act_round_kernel[(triton.cdiv(n_blocks, br),)](xc, y, n_blocks, amax_min, inv_max, FMT=fmt, BLOCK=block,
-                                                        BR=br, num_warps=4)
+                                                        BR=br, num_warps=4, **pdl())
     return y
 
 

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .._registry import register
-from ._util import INTERPRET
+from ._util import INTERPRET, pdl_wait, pdl
 from .group_rows import permute_rows, stable_positions
 
 SMALL = 1024  # rows up to which the [M, M] comparison (1 M booleans) is cheaper than a radix sort
@@ -58,10 +58,11 @@ def moe_permute(x: torch.Tensor, ids: torch.Tensor, num_experts: int):
 
 @triton.jit
 def _unpermute_kernel(y_ptr, inv_ptr, skip_ptr, out_ptr, k, d, M, BK: tl.constexpr, BD: tl.constexpr,
-                      FIND: tl.constexpr, BM: tl.constexpr, SKIP: tl.constexpr):
+                      FIND: tl.constexpr, BM: tl.constexpr, SKIP: tl.constexpr, PDL: tl.constexpr = False):
     """out[t, cols] = ((0 + y[p_0]) + y[p_1]) + ... over token t's rows p_0 < p_1 < ... (ascending, as the
     reference's index_add_ visits them on the CPU), + skip[t, cols] (SKIP), rounded once to out's dtype. FIND: ``inv_ptr`` is the order itself (M <= BM entries) and
     token t's positions are found in it (p with order[p] = t k + j), instead of read from its inverse."""
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     dd = tl.program_id(1) * BD + tl.arange(0, BD)
     dm = dd < d
@@ -106,5 +107,5 @@ def moe_unpermute(y: torch.Tensor, order: torch.Tensor, num_tokens: int, skip: t
     _unpermute_kernel[(num_tokens, triton.cdiv(d, bd))](y.contiguous(), inv, skc, out, k, d, m,
                                                        BK=max(2, triton.next_power_of_2(k)), BD=bd, FIND=find,
                                                        BM=max(2, triton.next_power_of_2(m)) if find else 2,
-                                                       SKIP=skip is not None)
+                                                       SKIP=skip is not None, **pdl())
     return out

@@ -1,6 +1,6 @@
 """indexer_topk's histogram selection (atb_ops/cuda/indexer_select.py) against a stable descending sort.
 
-Every selection path (ATB_CUDA_INDEXER = fused / rank / hist / split / bits) on random and adversarial key distributions: all keys
+Every selection path (ATB_CUDA_INDEXER = fused / rank / hist / split / place / bits) on random and adversarial key distributions: all keys
 equal (one bin, the exact fallback), few distinct values, coarse bins (ATB_CUDA_INDEXER_HB small) and small sort
 sizes (ATB_CUDA_INDEXER_CAP) that push |S| into each sort tier and past it, N < k, all -1, T = 0 / 1, ragged -1
 tails. Without a GPU the kernels run through TRITON_INTERPRET=1 at small shapes (tests/conftest.py).
@@ -18,7 +18,7 @@ from atb_ops.cuda import indexer as ix  # noqa: E402
 from atb_ops.cuda.indexer_select import ORD_NEG_INF_INT  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-PATHS = ("fused", "rank", "hist", "split", "bits")
+PATHS = ("fused", "rank", "hist", "split", "place", "bits")
 NAN_KEY, INF_KEY = 0x7FC00000, 0x7F800000  # order keys of NaN and +inf (keys lie in [ORD_NEG_INF, NAN_KEY])
 
 
@@ -66,7 +66,7 @@ def _keys_case(name, t, n, g):
     return keys
 
 
-@pytest.mark.parametrize("mode", ["rank", "hist", "split"])
+@pytest.mark.parametrize("mode", ["rank", "hist", "split", "place"])
 @pytest.mark.parametrize("case", ["random", "dups", "equal", "narrow"])
 @pytest.mark.parametrize("t,n,k,hb,caps", [(4, 150, 16, 12, None), (4, 150, 16, 4, None), (3, 200, 24, 8, "32,64"),
                                            (1, 37, 37, 6, None), (2, 9, 9, 12, None), (4, 300, 5, 3, "16,16")])
@@ -82,7 +82,7 @@ def test_select_hist_matches_stable_sort(monkeypatch, mode, case, t, n, k, hb, c
         buf[:, : 1 << hb] = hist[:, : 1 << hb]
         got = ix.select_rank(keys.to(DEV), buf.to(DEV), cand.to(DEV), k, hb)
     else:
-        got = ix.select_hist(keys.to(DEV), hist.to(DEV), cand.to(DEV), k, hb, split=mode == "split")
+        got = ix.select_hist(keys.to(DEV), hist.to(DEV), cand.to(DEV), k, hb, split={"split": True, "place": "place"}.get(mode, False))
     assert torch.equal(got.cpu(), want_from_keys(keys, cand, k))
 
 
@@ -145,7 +145,7 @@ def test_indexer_topk_paths_edge_cases(monkeypatch, path, hb):
     _check(q, -w.abs(), kc, cand, 25)
 
 
-@pytest.mark.parametrize("path", ["fused", "rank", "hist", "split"])
+@pytest.mark.parametrize("path", ["fused", "rank", "hist", "split", "place"])
 def test_indexer_topk_small_caps_fallback(monkeypatch, path):
     # sort sizes at their minimum: most rows take the exact fallback, the others the small tier
     monkeypatch.setenv("ATB_CUDA_INDEXER", path)
@@ -179,7 +179,7 @@ def test_indexer_topk_fused_program_counts(monkeypatch, p, q, hb, cap, frank):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("path", ["fused", "rank", "hist", "split"])
+@pytest.mark.parametrize("path", ["fused", "rank", "hist", "split", "place"])
 @pytest.mark.parametrize("t,n", [(1, 2048), (32, 2048), (32, 16384), (4, 65536), (32, 65536), (5, 300), (64, 8192)])
 def test_indexer_topk_paths_real_shapes(monkeypatch, path, t, n):
     # 64 heads x 128 dims bf16; integer inputs: exact scores with many ties, so the selection must equal the
@@ -208,7 +208,7 @@ def test_indexer_topk_paths_real_shapes(monkeypatch, path, t, n):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("path", ["fused", "rank", "hist", "split"])
+@pytest.mark.parametrize("path", ["fused", "rank", "hist", "split", "place"])
 def test_indexer_topk_cuda_graph_replay(monkeypatch, path):
     # decode runs under CUDA graphs: capture once, replay on new inputs copied into the static buffers (the zeroed
     # histogram and the slot counter must be rebuilt on every replay), compare each replay with the reference
