@@ -100,7 +100,7 @@ ROTATE_BYTES = 150e6  # rotated attention inputs: 3x the 50 MB L2
 INDEXER_VARIANTS = ["", " [indexer=fused]", " [indexer=fused q=4]", " [indexer=fused p=2]",
                     " [indexer=fused,128,4,1,4,1]", " [indexer=rank]", " [indexer=rank,128,4,1,2,1 fit=1]",
                     " [indexer=split]", " [indexer=bits]", " [indexer=fused frank=1]", " [indexer=rank fit=1]",
-                    " [indexer=split fit=1]"]
+                    " [indexer=split fit=1]", " [indexer=place]"]
 
 
 class Rotating:
