@@ -33,7 +33,8 @@ bit search of counts; rows over 16384 keys through torch.topk) or ``old`` (the f
 torch.topk); the tiles override the score kernel's (PRE=1: the register prefetch loop instead of Triton's
 pipeliner). ATB_CUDA_INDEXER_HB: histogram bits (12); ATB_CUDA_INDEXER_CAP="CAP1,CAP2": the sort sizes;
 ATB_CUDA_INDEXER_SEL_WARPS: the selection kernel's warps; ATB_CUDA_INDEXER_CH: keys per compaction chunk;
-ATB_CUDA_INDEXER_R / _C: keys a place program writes / compares per load (64 / 64: the best of 9 pairs, H200);
+ATB_CUDA_INDEXER_R / _C: keys a place program writes / compares per load (powers of two; 64 / 64: the best of 9
+pairs, H200; R also sizes the rank path's programs, 128 there);
 ATB_CUDA_INDEXER_FIT / _SPLITS: the score kernel's grid (``_score_cfg``).
 """
 
@@ -286,6 +287,17 @@ def select_topk(keys, cand, k):
     return out
 
 
+def env_pow2(name: str, default: int) -> int:
+    """A tile size from environment variable ``name`` (default when unset): a power of two >= 1, else a ValueError
+    naming the variable (Triton's ranges need powers of two)."""
+    v = os.environ.get(name)
+    if v is None:
+        return default
+    if not v.isdigit() or int(v) < 1 or int(v) & (int(v) - 1):
+        raise ValueError(f"{name}={v!r}: expected a power of two >= 1")
+    return int(v)
+
+
 def hist_bits():
     """Top bits per histogram bin (ATB_CUDA_INDEXER_HB; 12 = sign, exponent and 3 mantissa bits of the score)."""
     return int(os.environ.get("ATB_CUDA_INDEXER_HB", 12))
@@ -311,10 +323,11 @@ def select_hist(keys, hist, cand, k, hb, split=False):
         sel._compact_kernel[(t_count, triton.cdiv(n, ch))](keys, hist, hist.stride(0), ctr, scratch, n,
                                                            k, cap2, HB=hb, CH=ch, CAP2=cap2, num_warps=4, **pdl())
         if split == "place":
-            r = 16 if INTERPRET else int(os.environ.get("ATB_CUDA_INDEXER_R", 64))  # S entries a program places
-            c = int(os.environ.get("ATB_CUDA_INDEXER_C", 64))  # S entries compared with them per load
+            r = env_pow2("ATB_CUDA_INDEXER_R", 64)  # S entries a program places
+            c = env_pow2("ATB_CUDA_INDEXER_C", 64)  # S entries compared with them per load
+            r, c = (16, 16) if INTERPRET else (r, c)
             sel._place_kernel[(t_count, triton.cdiv(cap2, r))](keys, ctr, hist.stride(0), cand, scratch, out, n, k,
-                                                               cap2, R=r, C=16 if INTERPRET else c, CAP2=cap2,
+                                                               cap2, R=r, C=c, CAP2=cap2,
                                                                FCH=fch, KP=kp, FONE=common["FONE"],
                                                                num_warps=4, **pdl())
         else:
@@ -339,7 +352,8 @@ def select_rank(keys, buf, cand, k, hb):
     start = torch.empty(t_count, 1 << hb, dtype=torch.int32, device=keys.device)
     out = torch.empty(t_count, k, dtype=torch.int64, device=keys.device)
     ch = min(pow2(n, 16), 32 if INTERPRET else int(os.environ.get("ATB_CUDA_INDEXER_CH", 2048)))
-    r = min(cap, 16 if INTERPRET else int(os.environ.get("ATB_CUDA_INDEXER_R", 128)))
+    r = env_pow2("ATB_CUDA_INDEXER_R", 128)
+    r = min(cap, 16 if INTERPRET else r)
     fch = min(pow2(n, 16), 64 if INTERPRET else 2048)
     sel._bucket_kernel[(t_count, triton.cdiv(n, ch))](keys, buf, buf.stride(0), start, scratch, n, k, cap, HB=hb,
                                                       CH=ch, CAP=cap, num_warps=4, **pdl())

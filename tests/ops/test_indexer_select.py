@@ -281,3 +281,13 @@ def test_bench_graph_timing_sees_complete_inputs(monkeypatch):
     bi.g_ms(lambda: first.append(cu(q, w, kc, cand, 512)) if not first else cu(q, w, kc, cand, 512))
     torch.cuda.synchronize()
     assert torch.equal(first[0], want)
+
+
+@pytest.mark.parametrize("var,value", [("ATB_CUDA_INDEXER_R", "48"), ("ATB_CUDA_INDEXER_C", "x"),
+                                       ("ATB_CUDA_INDEXER_R", "0")])
+def test_place_tile_env_errors_name_the_variable(monkeypatch, var, value):
+    monkeypatch.setenv("ATB_CUDA_INDEXER", "place")
+    monkeypatch.setenv(var, value)
+    q, w, kc, cand = _inputs(gen(14), 2, 40, 50)
+    with pytest.raises(ValueError, match=var):
+        atb_ops.implementations("indexer_topk")["cuda"](q.to(DEV), w.to(DEV), kc.to(DEV), cand.to(DEV), 8)
