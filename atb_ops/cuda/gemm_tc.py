@@ -14,15 +14,21 @@ beyond the rounding of the token count up to 16. Per K step of BK elements:
 
 - the weight tile is copied to shared memory by cp.async (software-pipelined, ``num_stages`` deep) and read back
   straight into the wgmma A-operand register layout undecoded (Triton hoists the layout change above the
-  decode), then decoded in registers: fp8 bytes by Triton's e4m3 -> bfloat16 conversion (exact); fp4 as int16
+  decode), then decoded in registers: fp8 bytes by Triton's e4m3 -> bfloat16 conversion (exact) or, up to 32 rows,
+  as int16 words of 2 codes by a PTX bit decoder (:data:`FP8X2_PTX`, exact; the even and odd codes meet the
+  activations' even and odd columns, split in registers from int32 loads: two MMAs per step); fp4 as int16
   words of 4 codes by a PTX bit decoder (:data:`FP4X4_PTX`: bf16 bits ``s << 15 | (e, m) << 6`` = e2m1 * 2^-126,
   times 2^126 and the E8M0 scale, a power of two; exact), giving 4 operands q_i [BW, BK/4] with code i of each
   word (weight column 4h + i). The weight never exists in bfloat16 in memory;
 - the activation tile x[rows, k-range]^T is the B operand (shared memory); for fp4 it is split into the 4 column
   phases x[:, 4h + i] that meet q_i (4 MMAs per step): in registers from int64 loads of 4 columns, or by a copy
   of x to [4, M, K/4] before the kernel (``xsplit``), whose tiles then go to shared memory directly;
-- fp8 block scales (one per 128 x 128 block: BW divides 128 and BK = 128) multiply each step's product; the fp4
-  scale tile of the next step is loaded one step ahead.
+- fp8 block scales (one per 128 x 128 block: BW divides 128 and BK = 128) multiply each step's product; a program
+  loads all the scales of its K range (a vector of NSC >= its steps) before its loop and takes each step's from
+  registers (session 20, H200: the same time at 4096 x 4096 and M = 1 / 8 / 64, 3 % less at M = 32, 7.5 % less at
+  M = 64 over a 32768 x 1024 weight, against loading the next step's scale one step ahead:
+  scripts/bench_results/h200_session20.txt); the fp4 scale tile of the next step is loaded one step ahead (two
+  steps ahead measured 10-20 % slower there).
 
 Accumulation is float32 in registers; the products are exact (bfloat16 x bfloat16), so results differ from the
 reference op (float32 dequantised weight, float32 matmul) only in summation order. When the tiles alone cannot
@@ -57,8 +63,10 @@ def _config(fmt: str, rows_per_weight: float, grouped: bool) -> dict:
     the rows per weight), BK elements per K step (fp8: 128, one scale block), warps, pipeline stages, programs per
     SM aimed at by split-K (ctas), a register cap (regs, 0: none), split-K partial sums added by the last program
     of each tile (fixup=1) or by a second kernel (fixup=0), fp4 activations split into their 4 column phases by a
-    copy before the kernel (xsplit=1) or in registers each step (xsplit=0). ATB_CUDA_TC_CFG="ctas=1,fixup=0"
-    overrides some (benchmarks: the variants are timed side by side).
+    copy before the kernel (xsplit=1) or in registers each step (xsplit=0), fp8 weights decoded by the PTX of
+    :data:`FP8X2_PTX` as int16 words against the even / odd activation columns (d8=1) or by Triton's e4m3
+    conversion (d8=0). ATB_CUDA_TC_CFG="ctas=1,fixup=0" overrides some (benchmarks: the variants are timed side by
+    side).
 
     Defaults from the variants timed on the H100 (scripts/bench_results/gemm_tc_h100.txt): grouped calls cap the
     registers at 128 at 16 rows per pass (four programs per SM; 5-10 % faster than uncapped), pre-split fp4
@@ -66,13 +74,21 @@ def _config(fmt: str, rows_per_weight: float, grouped: bool) -> dict:
     (fp4: 0.3-3 % faster than 4; fp8: the same); linears aim at 2 programs per SM up to 32 rows; at 64 rows fp8
     adds the splits in a second kernel and aims at 2 programs per SM (session 4: 0.0157 vs 0.0163 ms at 3 programs per
     SM, whose 448 programs overran one wave; scripts/bench_results/gemm_h100_session4.txt) and fp4 aims at one
-    program per SM."""
+    program per SM.
+
+    fp8 linears of up to 32 rows use the PTX decoder and add split-K partials in a second kernel (session 20, H200,
+    scripts/bench_results/h200_session20.txt; Nsight Compute had shown the kernel bound by its instruction stream,
+    Triton's conversion taking three conversion-pipe instructions per pair of weights): 4096 x 4096 at M = 1 / 8 /
+    32 11.7 / 11.9 / 13.5 -> 10.4 / 10.4 / 12.1 us, N x K = 32768 x 1024 at M = 8 15.4 -> 12.9 us, 1024 x 4096 at M = 8
+    6.7 -> 6.0 us. At 64 rows it measured 3-12 % slower (the activations' even / odd split passes through
+    registers), so 64-row and grouped calls keep Triton's conversion."""
     bt = 16 if rows_per_weight <= 16 else (32 if rows_per_weight <= 32 else 64)
-    cfg = dict(bw=64, bt=bt, bk=128, warps=4, stages=3 if fmt == "fp8_block" else 4, ctas=3, regs=0, fixup=1, xsplit=0)
+    cfg = dict(bw=64, bt=bt, bk=128, warps=4, stages=3 if fmt == "fp8_block" else 4, ctas=3, regs=0, fixup=1, xsplit=0,
+               d8=0)
     if grouped:
         cfg.update(regs=128 if bt == 16 else 0, xsplit=int(fmt == "fp4"), stages=3)
     elif bt <= 32:
-        cfg.update(ctas=2)
+        cfg.update(ctas=2, **(dict(d8=1, fixup=0) if fmt == "fp8_block" else {}))
     elif fmt == "fp8_block":
         cfg.update(fixup=0, ctas=2)
     else:
@@ -124,6 +140,52 @@ _FP4X4_PTX_1MUL = tl.constexpr(gd.one_multiply(_FP4X4_PTX.value))
 FP4X4_PTX = _FP4X4_PTX.value  # for the PTX emulation test (tests/ops/test_gemm_tc.py)
 FP4X4_PTX_1MUL = _FP4X4_PTX_1MUL.value
 
+# fp8 e4m3 bytes, one int16 word (2 codes, element 2c in the low byte) per element, 2 words per register:
+# $2 = bytes b0 b1 (word 0) b2 b3 (word 1). Output $0 = (b0, b2), the words' even codes, $1 = (b1, b3), the odd ones,
+# as bfloat16 pairs. t = [0, b0, 0, b2] (prmt) puts each byte in the high half of a 16-bit lane: its magnitude bits
+# (e3..e0 m2..m0) >> 4 land on bfloat16 bits 4..10 and its sign stays on bit 15, so the bits read as e4m3 * 2^-120
+# (bias 127 against 7; e = 0 subnormals included); one multiply by 2^120 (0x7B80) makes it exact. All on the ALU /
+# FMA pipes: Triton's e4m3 -> bfloat16 conversion goes through cvt.rn.f16x2.e4m3x2 and two cvt.bf16.f16, three
+# conversion-pipe instructions per pair. The NaN codes (0x7F, 0xFF) decode as +-480 (checkpoints hold none).
+_FP8X2_PTX = tl.constexpr("""{
+.reg .b32 t, a, g, k, z;
+mov.b32 k, 0x7B807B80;
+mov.b32 z, 0x80008000;
+prmt.b32 t, $2, 0, 0x2404;
+shr.u32 a, t, 4;
+and.b32 g, t, 0x80008000;
+lop3.b32 $0, a, g, 0x07F007F0, 0xEC;
+fma.rn.bf16x2 $0, $0, k, z;
+prmt.b32 t, $2, 0, 0x3414;
+shr.u32 a, t, 4;
+and.b32 g, t, 0x80008000;
+lop3.b32 $1, a, g, 0x07F007F0, 0xEC;
+fma.rn.bf16x2 $1, $1, k, z;
+}""")
+FP8X2_PTX = _FP8X2_PTX.value  # for the PTX emulation test (tests/ops/test_gemm_tc.py)
+
+
+@triton.jit
+def _e4m3_f32(v):
+    """float32 value of e4m3 bytes v (int32 0..255; interpreter path of :func:`_fp8x2_decode`)."""
+    e = (v >> 3) & 0xF
+    m = (v & 7).to(tl.float32)
+    mag = tl.where(e == 0, m * 0.001953125, (8.0 + m) * tl.exp2((e - 10).to(tl.float32)))
+    return tl.where((v & 0x80) != 0, -mag, mag)
+
+
+@triton.jit
+def _fp8x2_decode(b, ASM: tl.constexpr):
+    """b int16 [...] words of 2 e4m3 codes -> bfloat16 (even code, odd code) of each word (exact)."""
+    if ASM:
+        qe, qo = tl.inline_asm_elementwise(_FP8X2_PTX, "=r,=r,r", [b], dtype=(tl.bfloat16, tl.bfloat16),
+                                           is_pure=True, pack=2)
+    else:
+        c = b.to(tl.int32) & 0xFFFF
+        qe = _e4m3_f32(c & 0xFF).to(tl.bfloat16)
+        qo = _e4m3_f32(c >> 8).to(tl.bfloat16)
+    return qe, qo
+
 
 @triton.jit
 def _fp4x4_decode(b, s, ASM: tl.constexpr, MUL1: tl.constexpr):
@@ -170,7 +232,7 @@ def _tc_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, ctr_ptr, ids_ptr, act_ptr
                M, N, K, E, stride_we, stride_se, stride_sn, k_split, n_slots, n_split, max_pass,
                FMT: tl.constexpr, SCALE_E8M0: tl.constexpr, GROUPED: tl.constexpr, ASM: tl.constexpr,
                MUL1: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, EP: tl.constexpr, MP: tl.constexpr,
-               FIXUP: tl.constexpr, XSPLIT: tl.constexpr,
+               FIXUP: tl.constexpr, XSPLIT: tl.constexpr, NSC: tl.constexpr, D8: tl.constexpr,
                BW: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False):
     pdl_wait(PDL)
     pid_n = tl.program_id(0)
@@ -200,8 +262,17 @@ def _tc_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, ctr_ptr, ids_ptr, act_ptr
     if GROUPED:
         k_hi = tl.where(slot >= n_act, k_lo, k_hi)  # rows with an id outside [0, E): zeros
     c = tl.arange(0, KS)
+    c2 = tl.arange(0, KS // 2)
     part_base = part_ptr + split.to(tl.int64) * M * N
     ctr_base = ctr_ptr + (pid_n * tl.num_programs(1) + slot) * max_pass
+    if FMT == 1:  # fp8: the NSC >= steps block scales of this program's K range, loaded once before its loops
+        jsc = tl.arange(0, NSC)
+        s_row = s_base + (pid_n * BW // 128) * tl.cdiv(K, 128)
+        svec = tl.load(s_row + k_lo // 128 + jsc, mask=k_lo + jsc * 128 < k_hi, other=0)
+        if SCALE_E8M0:
+            svf = gd._e8m0_f32(svec)
+        else:
+            svf = svec.to(tl.float32)
     for r0 in range(0, cnt, BT):
         r = r0 + tl.arange(0, BT)
         rm = r < cnt
@@ -216,9 +287,6 @@ def _tc_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, ctr_ptr, ids_ptr, act_ptr
             g = tl.arange(0, BK // 32)
             s_ptrs = s_base + n[:, None].to(tl.int64) * stride_sn + k_lo // 8 + g[None, :]
             sc_next = tl.load(s_ptrs, mask=nm[:, None] & ((k_lo // 8 + g) * 8 < k_hi)[None, :], other=127)
-        else:
-            s_row = s_base + (pid_n * BW // 128) * tl.cdiv(K, 128)
-            sc_next = tl.load(s_row + k_lo // 128, mask=k_lo < k_hi, other=0)
         for k0 in range(k_lo, k_hi, KS):
             k0 = tl.multiple_of(k0, KS)
             kk = k0 + c
@@ -255,15 +323,28 @@ def _tc_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, ctr_ptr, ids_ptr, act_ptr
                     acc = tl.dot(q1.to(tl.float32), x1.to(tl.float32), acc, input_precision="ieee")
                     acc = tl.dot(q2.to(tl.float32), x2.to(tl.float32), acc, input_precision="ieee")
                     acc = tl.dot(q3.to(tl.float32), x3.to(tl.float32), acc, input_precision="ieee")
+            elif D8:  # weights as int16 words of 2 codes, x as int32 pairs: even / odd columns, two dots
+                kw = k0 // 2 + c2
+                kwm = kw < K // 2
+                b = gd._ld(w_base + n[:, None].to(tl.int64) * (K // 2) + kw[None, :], nm[:, None] & kwm[None, :], 0,
+                           not (EVEN_K and EVEN_N))
+                xq = tl.load(x_ptr + rows64[None, :] * (K // 2) + kw[:, None], mask=kwm[:, None] & rm[None, :],
+                             other=0)
+                sv = tl.sum(tl.where(jsc == (k0 - k_lo) // KS, svf, 0.0), 0)
+                qe, qo = _fp8x2_decode(b, ASM)
+                xe = xq.to(tl.int16).to(tl.bfloat16, bitcast=True)
+                xo = (xq >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
+                if ASM:
+                    d = tl.dot(qo, xo, tl.dot(qe, xe))
+                else:
+                    d = tl.dot(qo.to(tl.float32), xo.to(tl.float32),
+                               tl.dot(qe.to(tl.float32), xe.to(tl.float32), input_precision="ieee"),
+                               input_precision="ieee")
+                acc += d * sv
             else:
-                sc = sc_next
-                sc_next = tl.load(s_row + (k0 + KS) // 128, mask=k0 + KS < k_hi, other=0)
                 b = gd._ld(w_base + n[:, None].to(tl.int64) * K + kk[None, :], wm, 0.0, not (EVEN_K and EVEN_N))
                 xv = tl.load(x_ptr + rows64[None, :] * K + kk[:, None], mask=xm, other=0.0)
-                if SCALE_E8M0:
-                    sv = gd._e8m0_f32(sc)
-                else:
-                    sv = sc.to(tl.float32)
+                sv = tl.sum(tl.where(jsc == (k0 - k_lo) // KS, svf, 0.0), 0)  # this step's scale, from registers
                 if ASM:
                     d = tl.dot(b.to(tl.bfloat16), xv)
                 else:
@@ -307,8 +388,11 @@ def _launch(x, w, w_scale, fmt, ids, n_exp, n_slots, act, grouped, ep=0):
     xsplit = fmt == "fp4" and bool(cfg["xsplit"])
     xk = xc.view(m, k // 4, 4).permute(2, 0, 1).contiguous() if xsplit else xc
     wc = w.contiguous()
-    if fmt == "fp4":
+    d8 = fmt == "fp8_block" and bool(cfg["d8"])
+    if fmt == "fp4" or d8:
         wc = wc.view(torch.int16)
+    if d8:
+        xk = xk.view(torch.int32)
     if fmt == "fp4" or w_scale.dtype == torch.uint8 or "e8m0" in str(w_scale.dtype):
         s, e8 = w_scale.contiguous().view(torch.uint8), True
     else:
@@ -324,7 +408,7 @@ def _launch(x, w, w_scale, fmt, ids, n_exp, n_slots, act, grouped, ep=0):
         wc.stride(0) if grouped else 0, s.stride(0) if grouped else 0, k // 32, k_split, n_slots, split, max_pass,
         FMT=2 if fmt == "fp4" else 1, SCALE_E8M0=e8, GROUPED=grouped, ASM=not INTERPRET, MUL1=mul1,
         EVEN_K=k_end % ks == 0, EVEN_N=n % bw == 0, EP=ep, MP=triton.next_power_of_2(m) if grouped else 1,
-        FIXUP=fixup, XSPLIT=xsplit,
+        FIXUP=fixup, XSPLIT=xsplit, NSC=triton.next_power_of_2(k_split // ks) if fmt == "fp8_block" else 1, D8=d8,
         BW=bw, BT=bt, BK=bk, num_warps=cfg["warps"], num_stages=cfg["stages"],
         **({"maxnreg": cfg["regs"]} if cfg["regs"] and not INTERPRET else {}), **pdl())
     if split > 1 and not fixup:

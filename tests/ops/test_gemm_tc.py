@@ -42,6 +42,24 @@ def test_fp4x4_ptx_decodes_every_word(sc, one_mul):
     assert torch.equal(got.flatten(), want[0])
 
 
+
+def test_fp8x2_ptx_decodes_every_word():
+    """Every int16 word (2 e4m3 codes) through the fp8 decoder's PTX: output 0 = the even (low) code, output 1 the
+    odd one, bit-exact against torch's e4m3 -> bfloat16 for every code but the NaNs (0x7F, 0xFF: +-480)."""
+    words16 = np.arange(65536, dtype=np.uint32)
+    regs = words16[0::2] | (words16[1::2] << 16)  # two words per register, word 2j in the low half
+    outs = run_ptx(tc.FP8X2_PTX, [regs], 2)
+    # output $0 = (even code of word 2j, even code of word 2j+1), $1 the odd codes
+    even = torch.stack([_bf16_bits_to_f32(outs[0] & 0xFFFF), _bf16_bits_to_f32(outs[0] >> 16)], 1).flatten()
+    odd = torch.stack([_bf16_bits_to_f32(outs[1] & 0xFFFF), _bf16_bits_to_f32(outs[1] >> 16)], 1).flatten()
+    codes = torch.from_numpy(words16.astype(np.int64))
+    lut = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    lut[0x7F], lut[0xFF] = 480.0, -480.0
+    assert torch.equal(even, lut[codes & 0xFF]) and torch.equal(odd, lut[codes >> 8])
+    sign = lambda t: torch.signbit(t)
+    assert torch.equal(sign(even), sign(lut[codes & 0xFF])) and torch.equal(sign(odd), sign(lut[codes >> 8]))
+
+
 @pytest.mark.parametrize("cfg", ["", "xsplit=1,regs=168"])
 @pytest.mark.parametrize("fmt", ["fp4", "fp8_block"])
 @pytest.mark.parametrize("m", [1, 5, 37])
@@ -178,3 +196,29 @@ def test_linear_tc_real_shapes(fmt, m):
     x = torch.randn(m, 4096, generator=g).to(DEV, torch.bfloat16)
     check_close(tc.linear(x, w[0], s[0], fmt), x, w[0], s[0], fmt)
     check_close(atb_ops.linear(x, w[0], s[0], fmt), x, w[0], s[0], fmt)  # whichever path the default picks
+
+
+
+@pytest.mark.parametrize("d8", [0, 1])  # d8=1: the default up to 32 rows
+@pytest.mark.parametrize("fixup", [1, 0])
+@pytest.mark.parametrize("float_scale", [False, True])
+def test_linear_tc_fp8_scales_before_loop(fixup, float_scale, d8, monkeypatch):
+    """fp8: each program loads the block scales of its K range once, before its loops, and picks each step's
+    from registers; with Triton's e4m3 conversion and with the PTX decoder (d8: even / odd columns). K ranges of
+    19 steps (1 split: 32 slots, the last 13 masked), 7 / 6 (3 splits), and of the grouped op's 2 splits x several
+    row passes; E8M0 and float32 scales."""
+    monkeypatch.setenv("ATB_CUDA_TC_CFG", f"fixup={fixup},d8={d8}")
+    g = torch.Generator().manual_seed(35)
+    n, k = 200, 2048 + 384
+    w, s = _weights("fp8_block", 1, n, k, g, float_scale=float_scale)
+    for m in (1, 3, 40):
+        x = torch.randn(m, k, generator=g).to(DEV, torch.bfloat16)
+        for split in (1, 3):
+            monkeypatch.setattr(tc, "_splits", lambda *a, _s=split: _s)
+            check_close(tc.linear(x, w[0], s[0], "fp8_block"), x, w[0], s[0], "fp8_block")
+    monkeypatch.setattr(tc, "_splits", lambda *a: 2)
+    e = 4
+    w, s = _weights("fp8_block", e, n, k, g, float_scale=float_scale)
+    x = torch.randn(37, k, generator=g).to(DEV, torch.bfloat16)
+    ids = _ids(37, e, g, hot=3).to(DEV)
+    check_close(tc.grouped_matmul(x, w, ids, s, "fp8_block"), x, w, s, "fp8_block", ids)
