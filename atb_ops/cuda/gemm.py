@@ -21,8 +21,10 @@ instead, fp4 grouped (MoE) calls of up to :data:`FP4_MOE_MAX_ROWS` rows to :mod:
 1.14-1.36x faster at 8-64 tokens on a lent H200; the FP8 + FP4 decode step 7-10 % faster at batch 8 and 2-3 % at 32
 on an H200 and an H100, scripts/bench_results/nccl_h200x4_session15.txt; ``ATB_CUDA_FP4_MOE=new``: the Triton kernel
 only; ``=old``: the previous rules), and large grouped calls to :mod:`.gemm_tc_large` (the same
-swap-AB MMA over rows sorted by expert, any row count); ``ATB_CUDA_GEMM`` = ``decode`` / ``tc`` / ``tcl`` /
-``fp4moe`` / ``fp4mma`` / ``tiled`` forces one path where it applies (benchmarks), ``auto`` (default) selects by shape
+swap-AB MMA over rows sorted by expert, any row count). fp8_block linears with E8M0 scales of at least
+:data:`DQ_LINEAR_ROWS` rows that would go to the tiled kernel dequantise the weight to bfloat16 (exact,
+:mod:`.dequant_bf16`) and call cuBLAS. ``ATB_CUDA_GEMM`` = ``decode`` / ``tc`` / ``tcl`` / ``fp4moe`` /
+``fp4mma`` / ``dq`` / ``tiled`` forces one path where it applies (benchmarks), ``auto`` (default) selects by shape
 (:data:`TCL_GROUPED_MIN_ROWS`, :data:`TCL_LINEAR_ROWS`, :data:`TC_LINEAR_ROWS`, :data:`TC_GROUPED_MIN_ROWS` /
 ``_MAX_ROWS``, :data:`DECODE_ROWS`).
 """
@@ -36,7 +38,7 @@ import triton
 import triton.language as tl
 
 from .._registry import register
-from . import fp4_moe_mma, gemm_decode, gemm_fp4_moe, gemm_tc, gemm_tc_large
+from . import dequant_bf16, fp4_moe_mma, gemm_decode, gemm_fp4_moe, gemm_tc, gemm_tc_large
 from .group_rows import tile_table
 from .routing import stable_order
 from ._util import INTERPRET, dot_precision, mma, pow2, tl_dtype, pdl_wait, pdl
@@ -66,9 +68,17 @@ TC_GROUPED_MAX_ROWS = 384
 TCL_GROUPED_MIN_ROWS = 1025
 TCL_LINEAR_ROWS = {"fp4": 64}
 
+# fp8_block linears (E8M0 scales, bfloat16 activations) of at least this many rows: the weight dequantised to
+# bfloat16 in one pass (dequant_bf16.py), then cuBLAS (measured on an H200: scripts/bench_results/h200_session20.txt)
+DQ_LINEAR_ROWS = int(os.environ.get("ATB_CUDA_DQ_ROWS", "256"))
+
 # fp4 grouped (MoE) calls of up to this many rows go to fp4_moe_mma.py / gemm_fp4_moe.py unless ATB_CUDA_FP4_MOE=old
 # (measured on the H100: scripts/bench_results/fp4_moe_h100_session4.txt)
 FP4_MOE_MAX_ROWS = 384
+
+
+def _mode() -> str:
+    return os.environ.get("ATB_CUDA_GEMM", "auto")
 
 
 def _path(x: torch.Tensor, fmt: str, w_scale, rows: int, rows_per_weight: float, grouped: bool = True) -> str:
@@ -256,6 +266,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None = None
         return (x.float() @ w.float().t()).to(x.dtype)
     _check(fmt, k)
     path = _path(x, fmt, w_scale, m, m, grouped=False)
+    if fmt == "fp8_block" and x.dtype == torch.bfloat16 and dequant_bf16.eligible(w, w_scale) and (
+            _mode() == "dq" or (_mode() == "auto" and path == "tiled" and m >= DQ_LINEAR_ROWS)):
+        return x @ dequant_bf16.dequant_fp8_bf16(w, w_scale).t()
     if path == "tcl":
         return gemm_tc_large.linear(x, w, w_scale, fmt)
     if path == "tc":
