@@ -69,8 +69,9 @@ TCL_GROUPED_MIN_ROWS = 1025
 TCL_LINEAR_ROWS = {"fp4": 64}
 
 # fp8_block linears (E8M0 scales, bfloat16 activations) of at least this many rows: the weight dequantised to
-# bfloat16 in one pass (dequant_bf16.py), then cuBLAS (measured on an H200: scripts/bench_results/h200_session20.txt)
-DQ_LINEAR_ROWS = int(os.environ.get("ATB_CUDA_DQ_ROWS", "256"))
+# bfloat16 in one pass (dequant_bf16.py), then cuBLAS (measured on an H200: scripts/bench_results/h200_session20.txt;
+# ATB_CUDA_DQ_ROWS overrides, read at each call)
+DQ_LINEAR_ROWS = 256
 
 # fp4 grouped (MoE) calls of up to this many rows go to fp4_moe_mma.py / gemm_fp4_moe.py unless ATB_CUDA_FP4_MOE=old
 # (measured on the H100: scripts/bench_results/fp4_moe_h100_session4.txt)
@@ -78,12 +79,24 @@ FP4_MOE_MAX_ROWS = 384
 
 
 def _mode() -> str:
+    """ATB_CUDA_GEMM (see the module docstring)."""
     return os.environ.get("ATB_CUDA_GEMM", "auto")
+
+
+def dq_rows() -> int:
+    """Rows from which auto sends fp8_block linears to dequantise + cuBLAS: ATB_CUDA_DQ_ROWS (an integer >= 1),
+    else :data:`DQ_LINEAR_ROWS`; a bad value is a ValueError naming the variable."""
+    v = os.environ.get("ATB_CUDA_DQ_ROWS")
+    if v is None:
+        return DQ_LINEAR_ROWS
+    if not v.strip().isdigit() or int(v) < 1:
+        raise ValueError(f"ATB_CUDA_DQ_ROWS={v!r}: expected an integer >= 1 (rows)")
+    return int(v)
 
 
 def _path(x: torch.Tensor, fmt: str, w_scale, rows: int, rows_per_weight: float, grouped: bool = True) -> str:
     """Which kernel serves this fp4 / fp8_block call: "tcl" | "fp4moe" | "tc" | "decode" | "tiled" (ATB_CUDA_GEMM =
-    auto | tcl | fp4moe | tc | decode | tiled; a forced path that does not apply to the call falls back to the
+    auto | tcl | fp4moe | tc | decode | tiled; ``dq`` is decided in :func:`linear`; a forced path that does not apply to the call falls back to the
     tiled kernel)."""
     mode = os.environ.get("ATB_CUDA_GEMM", "auto")
     if mode == "tiled" or rows == 0 or not gemm_tc_large.eligible(x, fmt, w_scale):
@@ -267,7 +280,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None = None
     _check(fmt, k)
     path = _path(x, fmt, w_scale, m, m, grouped=False)
     if fmt == "fp8_block" and x.dtype == torch.bfloat16 and dequant_bf16.eligible(w, w_scale) and (
-            _mode() == "dq" or (_mode() == "auto" and path == "tiled" and m >= DQ_LINEAR_ROWS)):
+            _mode() == "dq" or (_mode() == "auto" and path == "tiled" and m >= dq_rows())):
         return x @ dequant_bf16.dequant_fp8_bf16(w, w_scale).t()
     if path == "tcl":
         return gemm_tc_large.linear(x, w, w_scale, fmt)

@@ -66,3 +66,15 @@ def test_linear_dq_path(scale_fmt, monkeypatch):
     monkeypatch.setattr(gemm, "DQ_LINEAR_ROWS", 1024)  # below the threshold: the tiled kernel
     atb_ops.implementations("linear")["cuda"](x, q, s, "fp8_block")
     assert not calls
+
+
+def test_dq_rows_env(monkeypatch):
+    """ATB_CUDA_DQ_ROWS sets the threshold at each call; a bad value names the variable."""
+    monkeypatch.delenv("ATB_CUDA_DQ_ROWS", raising=False)
+    assert gemm.dq_rows() == gemm.DQ_LINEAR_ROWS
+    monkeypatch.setenv("ATB_CUDA_DQ_ROWS", "512")
+    assert gemm.dq_rows() == 512
+    for bad in ("0", "-3", "many", "1.5"):
+        monkeypatch.setenv("ATB_CUDA_DQ_ROWS", bad)
+        with pytest.raises(ValueError, match="ATB_CUDA_DQ_ROWS"):
+            gemm.dq_rows()
