@@ -28,7 +28,7 @@ beyond the rounding of the token count up to 16. Per K step of BK elements:
   registers (session 20, H200: the same time at 4096 x 4096 and M = 1 / 8 / 64, 3 % less at M = 32, 7.5 % less at
   M = 64 over a 32768 x 1024 weight, against loading the next step's scale one step ahead:
   scripts/bench_results/h200_session20.txt); the fp4 scale tile of the next step is loaded one step ahead (two
-  steps ahead measured 10-20 % slower there).
+  steps ahead measured 9-21 % slower there).
 
 Accumulation is float32 in registers; the products are exact (bfloat16 x bfloat16), so results differ from the
 reference op (float32 dequantised weight, float32 matmul) only in summation order. When the tiles alone cannot
