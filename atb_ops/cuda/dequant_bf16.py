@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import gemm_decode as gd
 from ._util import pdl_wait, pdl
 
 
@@ -37,8 +38,7 @@ def _dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, KB, BN: tl.constexpr, BK: tl.co
     m = (n < N)[:, None] & (k < K)[None, :]
     off = n.to(tl.int64)[:, None] * K + k[None, :]
     w = tl.load(w_ptr + off, mask=m, other=0.0).to(tl.float32)
-    sb = tl.load(s_ptr + (tl.program_id(0) * BN // 128) * KB + tl.program_id(1) * BK // 128).to(tl.int32) & 0xFF
-    sc = tl.where(sb == 0, 1 << 22, sb << 23).to(tl.float32, bitcast=True)  # 2^(sb - 127); sb = 0: 2^-127
+    sc = gd._e8m0_f32(tl.load(s_ptr + (tl.program_id(0) * BN // 128) * KB + tl.program_id(1) * BK // 128))
     tl.store(out_ptr + off, (w * sc).to(tl.bfloat16), mask=m)
 
 

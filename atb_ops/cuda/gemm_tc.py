@@ -147,6 +147,9 @@ FP4X4_PTX_1MUL = _FP4X4_PTX_1MUL.value
 # (bias 127 against 7; e = 0 subnormals included); one multiply by 2^120 (0x7B80) makes it exact. All on the ALU /
 # FMA pipes: Triton's e4m3 -> bfloat16 conversion goes through cvt.rn.f16x2.e4m3x2 and two cvt.bf16.f16, three
 # conversion-pipe instructions per pair. The NaN codes (0x7F, 0xFF) decode as +-480 (checkpoints hold none).
+# gemm_decode._fp8_decode applies the same bit trick to 4 bytes in order (one output tensor, no column split); it was
+# not tried in this kernel (session 20 had no device time left), and it would spare the activations' even / odd split
+# that makes this form slower at 64 rows.
 _FP8X2_PTX = tl.constexpr("""{
 .reg .b32 t, a, g, k, z;
 mov.b32 k, 0x7B807B80;
