@@ -14,15 +14,18 @@ beyond the rounding of the token count up to 16. Per K step of BK elements:
 
 - the weight tile is copied to shared memory by cp.async (software-pipelined, ``num_stages`` deep) and read back
   straight into the wgmma A-operand register layout undecoded (Triton hoists the layout change above the
-  decode), then decoded in registers: fp8 bytes by Triton's e4m3 -> bfloat16 conversion (exact) or, up to 32 rows,
-  as int16 words of 2 codes by a PTX bit decoder (:data:`FP8X2_PTX`, exact; the even and odd codes meet the
-  activations' even and odd columns, split in registers from int32 loads: two MMAs per step); fp4 as int16
-  words of 4 codes by a PTX bit decoder (:data:`FP4X4_PTX`: bf16 bits ``s << 15 | (e, m) << 6`` = e2m1 * 2^-126,
-  times 2^126 and the E8M0 scale, a power of two; exact), giving 4 operands q_i [BW, BK/4] with code i of each
-  word (weight column 4h + i). The weight never exists in bfloat16 in memory;
-- the activation tile x[rows, k-range]^T is the B operand (shared memory); for fp4 it is split into the 4 column
-  phases x[:, 4h + i] that meet q_i (4 MMAs per step): in registers from int64 loads of 4 columns, or by a copy
-  of x to [4, M, K/4] before the kernel (``xsplit``), whose tiles then go to shared memory directly;
+  decode), then decoded in registers: fp8 bytes as the 16-bit pairs each thread holds in that layout (weight
+  columns 2c, 2c + 1) by a PTX bit decoder (:data:`FP8P_PTX`, exact, in column order: the default since session 21),
+  or by Triton's e4m3 -> bfloat16 conversion (d8=0), or as int16 words against the activations' even / odd columns
+  (:data:`FP8X2_PTX`, d8=1: session 20's form); fp4 as int16 words of 4 codes by a PTX bit decoder
+  (:data:`FP4X4_PTX`: bf16 bits ``s << 15 | (e, m) << 6`` = e2m1 * 2^-126, times 2^126 and the E8M0 scale, a power
+  of two; exact), giving 4 operands q_i [BW, BK/4] with code i of each word (weight column 4h + i), or (xsplit=2,
+  opt-in) bytes decoded in order by :func:`.gemm_decode._fp4_decode` with their low / high nibbles interleaved
+  into one operand. The weight never exists in bfloat16 in memory;
+- the activation tile x[rows, k-range]^T is the B operand (shared memory, by cp.async); for fp4 words it is split
+  into the 4 column phases x[:, 4h + i] that meet q_i (4 MMAs per step): in registers from int64 loads of 4
+  columns, or by a copy of x to [4, M, K/4] before the kernel (``xsplit=1``), whose tiles then go to shared
+  memory directly;
 - fp8 block scales (one per 128 x 128 block: BW divides 128 and BK = 128) multiply each step's product; a program
   loads all the scales of its K range (a vector of NSC >= its steps) before its loop and takes each step's from
   registers (session 20, H200: the same time at 4096 x 4096 and M = 1 / 8 / 64, 3 % less at M = 32, 7.5 % less at
@@ -42,6 +45,10 @@ to rows whose id lies outside [0, E) (outside the op's contract; defined rather 
 
 Under TRITON_INTERPRET the weights are decoded by plain Triton arithmetic (same values) and the dots run on
 float32 copies of the operands.
+
+One module of ~530 lines on purpose: the kernel's decode variants (each a constexpr branch of one K loop), their PTX
+and the launcher that maps the tile settings onto those branches change together; the PTX strings are tested on
+the CPU by emulation (tests/ops/test_gemm_tc.py).
 """
 
 from __future__ import annotations
@@ -63,10 +70,11 @@ def _config(fmt: str, rows_per_weight: float, grouped: bool) -> dict:
     the rows per weight), BK elements per K step (fp8: 128, one scale block), warps, pipeline stages, programs per
     SM aimed at by split-K (ctas), a register cap (regs, 0: none), split-K partial sums added by the last program
     of each tile (fixup=1) or by a second kernel (fixup=0), fp4 activations split into their 4 column phases by a
-    copy before the kernel (xsplit=1) or in registers each step (xsplit=0), fp8 weights decoded by the PTX of
-    :data:`FP8X2_PTX` as int16 words against the even / odd activation columns (d8=1) or by Triton's e4m3
-    conversion (d8=0). ATB_CUDA_TC_CFG="ctas=1,fixup=0" overrides some (benchmarks: the variants are timed side by
-    side).
+    copy before the kernel (xsplit=1) or in registers each step (xsplit=0), or fp4 bytes decoded in order with x
+    unsplit (xsplit=2), fp8 weights decoded by Triton's e4m3 conversion (d8=0), by the PTX of :data:`FP8X2_PTX` as
+    int16 words against the even / odd activation columns (d8=1), by :data:`FP8P_PTX` as byte pairs in order
+    (d8=2) or by gemm_decode's 4-byte decoder (d8=3). ATB_CUDA_TC_CFG="ctas=1,fixup=0" overrides some (benchmarks:
+    the variants are timed side by side).
 
     Defaults from the variants timed on the H100 (scripts/bench_results/gemm_tc_h100.txt): grouped calls cap the
     registers at 128 at 16 rows per pass (four programs per SM; 5-10 % faster than uncapped), pre-split fp4
@@ -76,21 +84,30 @@ def _config(fmt: str, rows_per_weight: float, grouped: bool) -> dict:
     SM, whose 448 programs overran one wave; scripts/bench_results/gemm_h100_session4.txt) and fp4 aims at one
     program per SM.
 
-    fp8 linears of up to 32 rows use the PTX decoder and add split-K partials in a second kernel (session 20, H200,
-    scripts/bench_results/h200_session20.txt; Nsight Compute had shown the kernel bound by its instruction stream,
-    Triton's conversion taking three conversion-pipe instructions per pair of weights): 4096 x 4096 at M = 1 / 8 /
-    32 11.7 / 11.9 / 13.5 -> 10.4 / 10.4 / 12.1 us, N x K = 32768 x 1024 at M = 8 15.4 -> 12.9 us, 1024 x 4096 at M = 8
-    6.7 -> 6.0 us. At 64 rows it measured 3-12 % slower (the activations' even / odd split passes through
-    registers), so 64-row and grouped calls keep Triton's conversion."""
+    fp8 calls decode with a PTX decoder instead of Triton's conversion (Nsight Compute had shown the kernel bound by
+    its instruction stream, the conversion taking three conversion-pipe instructions per pair of weights), and fp8
+    linears add split-K partials in a second kernel. Session 20's word decoder (d8=1) measured 4096 x 4096 at M = 1
+    / 8 / 32 11.7 / 11.9 / 13.5 -> 10.4 / 10.4 / 12.1 us but 3-12 % slower at 64 rows, whose activations' even / odd
+    split passes through registers (scripts/bench_results/h200_session20.txt). Session 21's pair decoder (d8=2)
+    leaves the activations to cp.async and was as fast or faster at every shape timed (H200,
+    scripts/bench_results/h200_session21.txt; against d8=0 / d8=1 in the same run): 4096 x 4096 at M = 1 / 32 / 64
+    12.1 / 12.9 / 14.3 and 10.5 / 12.0 / 14.8 -> 10.3 / 11.1 / 13.3 us; 32768 x 1024 at M = 64 21.0 / 23.7 -> 17.4
+    us; grouped (64 experts, 8-64 tokens x top 6) 62-69 % -> 73-84 % of the copy bandwidth. Other 64-row tiles
+    timed with it (bw=128 on 8 warps, 8 warps, bt=32, 2 or 4 stages, 1 / 3 / 4 programs per SM, fixup=1) were slower.
+
+    fp4 bytes decoded in order (xsplit=2) stay opt-in: in the same session a 4096 x 4096 fp4 linear at M = 64 took
+    16.3 us with it (3 stages) against 17.9 by the default path (gemm_tc_large), but 32768 x 1024 at M = 64 19.2
+    against 18.9, M <= 32 was slower than the default paths, and grouped calls ran at 28-34 % of the copy bandwidth
+    against 39-45 % with the 4 column phases (Triton reads the weight bytes one at a time in that layout)."""
     bt = 16 if rows_per_weight <= 16 else (32 if rows_per_weight <= 32 else 64)
     cfg = dict(bw=64, bt=bt, bk=128, warps=4, stages=3 if fmt == "fp8_block" else 4, ctas=3, regs=0, fixup=1, xsplit=0,
                d8=0)
     if grouped:
-        cfg.update(regs=128 if bt == 16 else 0, xsplit=int(fmt == "fp4"), stages=3)
-    elif bt <= 32:
-        cfg.update(ctas=2, **(dict(d8=1, fixup=0) if fmt == "fp8_block" else {}))
+        cfg.update(regs=128 if bt == 16 else 0, xsplit=int(fmt == "fp4"), stages=3, d8=2 * (fmt == "fp8_block"))
     elif fmt == "fp8_block":
-        cfg.update(fixup=0, ctas=2)
+        cfg.update(ctas=2, d8=2, fixup=0)
+    elif bt <= 32:
+        cfg.update(ctas=2)
     else:
         cfg.update(ctas=1)
     for kv in filter(None, os.environ.get("ATB_CUDA_TC_CFG", "").split(",")):
@@ -147,9 +164,7 @@ FP4X4_PTX_1MUL = _FP4X4_PTX_1MUL.value
 # (bias 127 against 7; e = 0 subnormals included); one multiply by 2^120 (0x7B80) makes it exact. All on the ALU /
 # FMA pipes: Triton's e4m3 -> bfloat16 conversion goes through cvt.rn.f16x2.e4m3x2 and two cvt.bf16.f16, three
 # conversion-pipe instructions per pair. The NaN codes (0x7F, 0xFF) decode as +-480 (checkpoints hold none).
-# gemm_decode._fp8_decode applies the same bit trick to 4 bytes in order (one output tensor, no column split); it was
-# not tried in this kernel (session 20 had no device time left), and it would spare the activations' even / odd split
-# that makes this form slower at 64 rows.
+# (d8=1; the default is FP8P_PTX below, which spares the activations' even / odd split.)
 _FP8X2_PTX = tl.constexpr("""{
 .reg .b32 t, a, g, k, z;
 mov.b32 k, 0x7B807B80;
@@ -166,6 +181,24 @@ lop3.b32 $1, a, g, 0x07F007F0, 0xEC;
 fma.rn.bf16x2 $1, $1, k, z;
 }""")
 FP8X2_PTX = _FP8X2_PTX.value  # for the PTX emulation test (tests/ops/test_gemm_tc.py)
+
+# fp8 e4m3 bytes two at a time in order (d8=2, the default): $1 = the 16-bit pair b0 | b1 << 8 (the two weight
+# columns 2c, 2c + 1 that one thread holds in the wgmma A-operand layout; Triton reads it from shared memory with one
+# 16-bit load), $0 = bfloat16 (b0, b1). The same bits as FP8X2_PTX (t = [0, b0, 0, b1]), so the decoded tile is in
+# natural column order and the activations go to shared memory by cp.async unchanged, one MMA per step.
+# gemm_decode's 4-byte form (d8=3) makes Triton pack the bytes of two pairs into one register first: 5-20 % slower.
+_FP8P_PTX = tl.constexpr("""{
+.reg .b32 t, a, g, k, z;
+mov.b32 k, 0x7B807B80;
+mov.b32 z, 0x80008000;
+cvt.u32.u16 t, $1;
+prmt.b32 t, t, 0, 0x1404;
+shr.u32 a, t, 4;
+and.b32 g, t, 0x80008000;
+lop3.b32 $0, a, g, 0x07F007F0, 0xEC;
+fma.rn.bf16x2 $0, $0, k, z;
+}""")
+FP8P_PTX = _FP8P_PTX.value  # for the PTX emulation test (tests/ops/test_gemm_tc.py)
 
 
 @triton.jit
@@ -188,6 +221,13 @@ def _fp8x2_decode(b, ASM: tl.constexpr):
         qe = _e4m3_f32(c & 0xFF).to(tl.bfloat16)
         qo = _e4m3_f32(c >> 8).to(tl.bfloat16)
     return qe, qo
+
+
+@triton.jit
+def _fp8p_decode(b):
+    """b float8_e4m3fn [...] -> bfloat16 (exact; GPU only), two codes per PTX call."""
+    return tl.inline_asm_elementwise(_FP8P_PTX, "=r,h", [b.to(tl.int8, bitcast=True)], dtype=tl.bfloat16,
+                                     is_pure=True, pack=2)
 
 
 @triton.jit
@@ -300,6 +340,20 @@ def _tc_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, ctr_ptr, ids_ptr, act_ptr
                 sc = sc_next
                 s_ptrs += KS // 8
                 sc_next = tl.load(s_ptrs, mask=nm[:, None] & (((k0 + KS) // 8 + g) * 8 < k_hi)[None, :], other=127)
+            if FMT == 2 and XSPLIT == 2:  # bytes decoded in order, nibbles interleaved: x unsplit, one dot
+                kb = k0 * 2 + tl.arange(0, BK // 2)  # byte columns of this step
+                b8 = gd._ld(w_base.to(tl.pointer_type(tl.int8)) + n[:, None].to(tl.int64) * (K // 2) + kb[None, :],
+                            nm[:, None] & (kb < K // 2)[None, :], 0, not (EVEN_K and EVEN_N))
+                sb = tl.reshape(tl.broadcast_to(gd._scale_bf16(sc, MUL1)[:, :, None], (BW, BK // 32, 16)),
+                                (BW, BK // 2))
+                lo, hi = gd._fp4_decode(b8, sb, ASM, MUL1)
+                kx = k0 * 4 + tl.arange(0, BK)
+                xv = tl.load(x_ptr + rows64[None, :] * K + kx[:, None], mask=(kx < K)[:, None] & rm[None, :], other=0.0)
+                if ASM:
+                    acc = tl.dot(tl.interleave(lo, hi), xv, acc)
+                else:
+                    acc = tl.dot(tl.interleave(lo, hi).to(tl.float32), xv.to(tl.float32), acc, input_precision="ieee")
+            elif FMT == 2:
                 b = gd._ld(w_base + n[:, None].to(tl.int64) * k_end + kk[None, :], wm, 0, not (EVEN_K and EVEN_N))
                 s16 = tl.reshape(tl.broadcast_to(gd._scale_bf16(sc, MUL1)[:, :, None], (BW, BK // 32, 8)), (BW, KS))
                 q0, q1, q2, q3 = _fp4x4_decode(b, s16, ASM, MUL1)
@@ -326,7 +380,7 @@ def _tc_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, ctr_ptr, ids_ptr, act_ptr
                     acc = tl.dot(q1.to(tl.float32), x1.to(tl.float32), acc, input_precision="ieee")
                     acc = tl.dot(q2.to(tl.float32), x2.to(tl.float32), acc, input_precision="ieee")
                     acc = tl.dot(q3.to(tl.float32), x3.to(tl.float32), acc, input_precision="ieee")
-            elif D8:  # weights as int16 words of 2 codes, x as int32 pairs: even / odd columns, two dots
+            elif D8 == 1:  # weights as int16 words of 2 codes, x as int32 pairs: even / odd columns, two dots
                 kw = k0 // 2 + c2
                 kwm = kw < K // 2
                 b = gd._ld(w_base + n[:, None].to(tl.int64) * (K // 2) + kw[None, :], nm[:, None] & kwm[None, :], 0,
@@ -348,7 +402,11 @@ def _tc_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, ctr_ptr, ids_ptr, act_ptr
                 b = gd._ld(w_base + n[:, None].to(tl.int64) * K + kk[None, :], wm, 0.0, not (EVEN_K and EVEN_N))
                 xv = tl.load(x_ptr + rows64[None, :] * K + kk[:, None], mask=xm, other=0.0)
                 sv = tl.sum(tl.where(jsc == (k0 - k_lo) // KS, svf, 0.0), 0)  # this step's scale, from registers
-                if ASM:
+                if ASM and D8 == 2:  # byte pairs in order by FP8P_PTX
+                    d = tl.dot(_fp8p_decode(b), xv)
+                elif ASM and D8 == 3:  # 4 bytes in order per PTX call (gemm_decode._FP8_PTX)
+                    d = tl.dot(gd._fp8_decode(b, ASM), xv)
+                elif ASM:
                     d = tl.dot(b.to(tl.bfloat16), xv)
                 else:
                     d = tl.dot(b.to(tl.float32), xv.to(tl.float32), input_precision="ieee")
@@ -388,10 +446,10 @@ def _launch(x, w, w_scale, fmt, ids, n_exp, n_slots, act, grouped, ep=0):
     xc = x.contiguous()
     if xc.data_ptr() % 8:
         xc = xc.clone()
-    xsplit = fmt == "fp4" and bool(cfg["xsplit"])
+    xsplit = fmt == "fp4" and cfg["xsplit"] == 1
     xk = xc.view(m, k // 4, 4).permute(2, 0, 1).contiguous() if xsplit else xc
     wc = w.contiguous()
-    d8 = fmt == "fp8_block" and bool(cfg["d8"])
+    d8 = fmt == "fp8_block" and cfg["d8"] == 1
     if fmt == "fp4" or d8:
         wc = wc.view(torch.int16)
     if d8:
@@ -411,7 +469,9 @@ def _launch(x, w, w_scale, fmt, ids, n_exp, n_slots, act, grouped, ep=0):
         wc.stride(0) if grouped else 0, s.stride(0) if grouped else 0, k // 32, k_split, n_slots, split, max_pass,
         FMT=2 if fmt == "fp4" else 1, SCALE_E8M0=e8, GROUPED=grouped, ASM=not INTERPRET, MUL1=mul1,
         EVEN_K=k_end % ks == 0, EVEN_N=n % bw == 0, EP=ep, MP=triton.next_power_of_2(m) if grouped else 1,
-        FIXUP=fixup, XSPLIT=xsplit, NSC=triton.next_power_of_2(k_split // ks) if fmt == "fp8_block" else 1, D8=d8,
+        FIXUP=fixup, XSPLIT=cfg["xsplit"] if fmt == "fp4" else 0,
+        NSC=triton.next_power_of_2(k_split // ks) if fmt == "fp8_block" else 1,
+        D8=cfg["d8"] if fmt == "fp8_block" else 0,
         BW=bw, BT=bt, BK=bk, num_warps=cfg["warps"], num_stages=cfg["stages"],
         **({"maxnreg": cfg["regs"]} if cfg["regs"] and not INTERPRET else {}), **pdl())
     if split > 1 and not fixup:

@@ -20,8 +20,13 @@ Per K step of BK elements the weight tile is decoded exactly to bfloat16 in regi
 
 - fp4: :func:`.gemm_tc._fp4x4_decode` (int16 words of 4 codes, scale folded in; 4 MMAs per step against the 4
   column phases x[:, 4h + i] of x, split in registers from int64 loads, or by a copy before the kernel: ``xsplit``);
-- fp8: int32 words of 4 e4m3 bytes decoded into the same 4 column phases by one PTX sequence per pair of words
-  (``words=1``; as bytes with ``words=0``, which Triton's A-operand layout reads 2 bytes at a time). E8M0 block scales
+- fp8: by default (``words=2``, since session 21) the bytes as the 16-bit pairs Triton's A-operand layout gives each
+  thread (weight columns 2c, 2c + 1), decoded in column order by :data:`FP8SP_PTX` (gemm_tc's pair decoder with the
+  scale folded in), so x needs no column split; or int32 words of 4 e4m3 bytes decoded into the same 4 column
+  phases as fp4 by one PTX sequence per pair of words (``words=1``); or bytes, 4 per PTX call (``words=0``). On an
+  H200 (scripts/bench_results/h200_session21.txt) the pairs took grouped prefill calls (3072 rows, 64 experts) from
+  0.354 / 0.337 / 0.671 ms (w1 / w2 / w13, words=1) to 0.281 / 0.294 / 0.558 ms and 64- / 512-row linears over
+  4096 x 4096 from 19.2 / 71.7 to 15.4 / 62.4 us. E8M0 block scales
   whose bytes lie in [10, 134] (checked once per scale tensor; ``fold``) are folded into the decode: the e4m3 bits
   placed in a bfloat16 (e4m3 * 2^-120) times 2^(s - 7) = 2^120 * 2^(s - 127), exact, so the MMAs accumulate into one
   register tile across K steps; otherwise (float32 scales, or ``fold=0``) each step's product is multiplied by its
@@ -57,6 +62,10 @@ _FP8S_PTX = tl.constexpr(gd.FP8_PTX.replace("mov.b32 k, 0x7B807B80;\n", "")
                          .replace("$0, a0, k, z", "$0, a0, $3, z").replace("$1, a1, k, z", "$1, a1, $4, z")
                          .replace(".reg .b32 t0, t1, a0, a1, s0, s1, k, z;", ".reg .b32 t0, t1, a0, a1, s0, s1, z;"))
 FP8S_PTX = _FP8S_PTX.value  # for the PTX emulation test (tests/ops/test_gemm_tc_large.py)
+# the same two bytes at a time in order (gemm_tc's pair decoder, words=2): $1 = the pair, $2 = their scales
+_FP8SP_PTX = tl.constexpr(tc.FP8P_PTX.replace("mov.b32 k, 0x7B807B80;\n", "").replace("$0, $0, k, z", "$0, $0, $2, z")
+                          .replace(".reg .b32 t, a, g, k, z;", ".reg .b32 t, a, g, z;"))
+FP8SP_PTX = _FP8SP_PTX.value
 
 # e4m3 words (4 bytes = weight columns 4h .. 4h+3), two words at a time: $4 / $5 = words w0 / w1, $6 = their
 # scale pair (bfloat16 2^(s - 7), or 2^120 = 0x7B80 with the scale applied later); output $i = byte i of (w0, w1)
@@ -97,9 +106,13 @@ def _e4m3(v):
 
 
 @triton.jit
-def _fp8s_decode(b, s16, ASM: tl.constexpr):
-    """b float8_e4m3fn [...], s16 bfloat16 [...] = 2^(s - 7) -> bfloat16 e4m3 * 2^(s - 127) (exact)."""
-    if ASM:
+def _fp8s_decode(b, s16, ASM: tl.constexpr, PAIRS: tl.constexpr = False):
+    """b float8_e4m3fn [...], s16 bfloat16 [...] = 2^(s - 7) -> bfloat16 e4m3 * 2^(s - 127) (exact); 4 bytes per
+    PTX call, or 2 (PAIRS: the pairs a thread holds in the wgmma A-operand layout, no byte packing)."""
+    if ASM and PAIRS:
+        w = tl.inline_asm_elementwise(_FP8SP_PTX, "=r,h,r", [b.to(tl.int8, bitcast=True), s16], dtype=tl.bfloat16,
+                                      is_pure=True, pack=2)
+    elif ASM:
         w = tl.inline_asm_elementwise(_FP8S_PTX, "=r,=r,r,r,r", [b.to(tl.int8, bitcast=True), s16],
                                       dtype=tl.bfloat16, is_pure=True, pack=4)
     else:
@@ -211,7 +224,8 @@ def _x_phases(x_ptr, rows64, kk, xm, M, k_end, XSPLIT: tl.constexpr):
 def _tcl_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, ctr_ptr, order_ptr, tile_ptr,
                 M, N, K, E, stride_we, stride_se, k_split, n_split, n_tiles,
                 FMT: tl.constexpr, SCALE_E8M0: tl.constexpr, GROUPED: tl.constexpr, ASM: tl.constexpr,
-                MUL1: tl.constexpr, FOLD: tl.constexpr, WORDS: tl.constexpr, SPF: tl.constexpr, EVEN_K: tl.constexpr,
+                MUL1: tl.constexpr, FOLD: tl.constexpr, WORDS: tl.constexpr, PAIRS: tl.constexpr, SPF: tl.constexpr,
+                EVEN_K: tl.constexpr,
                 EVEN_N: tl.constexpr, FIXUP: tl.constexpr, XSPLIT: tl.constexpr,
                 BW: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, PDL: tl.constexpr = False):
     pdl_wait(PDL)
@@ -302,13 +316,15 @@ def _tcl_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, ctr_ptr, order_ptr, tile
                 b = gd._ld(w_base + n[:, None].to(tl.int64) * K + kk[None, :], wm, 0.0, not (EVEN_K and EVEN_N))
                 xv = tl.load(x_ptr + rows64[None, :] * K + kk[:, None], mask=xm, other=0.0)
                 if FOLD:
-                    wq = _fp8s_decode(b, s16, ASM)
+                    wq = _fp8s_decode(b, s16, ASM, PAIRS)
                     if ASM:
                         acc = tl.dot(wq, xv, acc)
                     else:
                         acc = tl.dot(wq.to(tl.float32), xv.to(tl.float32), acc, input_precision="ieee")
                 else:
-                    if ASM:
+                    if ASM and PAIRS:
+                        d = tl.dot(tc._fp8p_decode(b), xv)
+                    elif ASM:
                         d = tl.dot(b.to(tl.bfloat16), xv)
                     else:
                         d = tl.dot(b.to(tl.float32), xv.to(tl.float32), input_precision="ieee")
@@ -326,8 +342,9 @@ def _config(fmt: str, rows_per_weight: float, grouped: bool) -> dict:
     """Tiles and launch settings: BW weight rows per program (wgmma M: 64 per warpgroup), BT rows per tile (the
     MMA's N), BK elements per K step, warps, pipeline stages, programs per SM aimed at by split-K (ctas; split=N
     forces N splits), register cap (regs, 0: none), split-K sums by the last program (fixup=1) or a second kernel,
-    activations pre-split into 4 column phases for fp4 and fp8 words (xsplit=1), fp8 read as int32 words of 4 bytes
-    (words=1; else bytes), fp8 E8M0 scales folded into the decoded weight where exact (fold=1), fp8 block scale
+    activations pre-split into 4 column phases for fp4 and fp8 words (xsplit=1), fp8 read as byte pairs decoded in
+    order (words=2, the default since session 21: see the module docstring), as int32 words of 4 bytes (words=1)
+    or as bytes, 4 per PTX call (words=0), fp8 E8M0 scales folded into the decoded weight where exact (fold=1), fp8 block scale
     loaded one step ahead as a scalar (spf=1) or in its step as a vector (spf=0).
     ATB_CUDA_TCL_CFG="bw=128,warps=8" overrides (benchmarks).
 
@@ -335,10 +352,11 @@ def _config(fmt: str, rows_per_weight: float, grouped: bool) -> dict:
     and 1..64-row linears): 128 weight rows per program on 8 warps (64 rows on 4 warps: 6-31 % slower grouped), 64
     rows per tile at ~48 rows per expert (128: 35-46 % slower); fp4 activations split in registers (the pre-split
     copy: 17-23 % slower), 2 stages for grouped fp4 (w1 16 % faster than 3, w2 1 % slower); fp8 grouped as int32 words
-    with x pre-split (bytes: w1 5 % faster, w2 8 % slower; the scale prefetch and the fold: no measurable change);
+    with x pre-split (bytes: w1 5 % faster, w2 8 % slower; the scale prefetch and the fold: no measurable change;
+    session 21's byte pairs are faster than both);
     linears aim at one program per SM (2: 26-28 % slower at 64 rows)."""
     bt = 16 if rows_per_weight <= 16 else (32 if rows_per_weight <= 32 else 64)
-    cfg = dict(bw=128, bt=bt, bk=128, warps=8, stages=3, ctas=1, split=0, regs=0, fixup=1, xsplit=1, fold=1, words=1,
+    cfg = dict(bw=128, bt=bt, bk=128, warps=8, stages=3, ctas=1, split=0, regs=0, fixup=1, xsplit=1, fold=1, words=2,
                spf=1)
     if not grouped or fmt == "fp4":
         cfg.update(xsplit=0)
@@ -385,7 +403,7 @@ def _launch(x, w, w_scale, fmt, order, tiles, grouped):
     bw, bt, bk = cfg["bw"], cfg["bt"], cfg["bk"]
     if fmt == "fp8_block" and (128 % bk or 128 % bw):
         raise ValueError(f"fp8_block tiles must divide the 128 x 128 scale block, got bw={bw}, bk={bk}")
-    words = fmt == "fp4" or (bool(cfg["words"]) and k % 4 == 0)
+    words = fmt == "fp4" or (cfg["words"] == 1 and k % 4 == 0)
     ks = bk // 4 if words else bk
     k_end = k // 4 if words else k
     k_steps = triton.cdiv(k_end, ks)
@@ -417,7 +435,8 @@ def _launch(x, w, w_scale, fmt, order, tiles, grouped):
         xk, wc, s, out, dst, xc if ctr is None else ctr, order if grouped else xc, tiles if grouped else xc,
         m, n, k, n_exp, wc.stride(0) if grouped else 0, s.stride(0) if grouped else 0, k_split, split, n_rt,
         FMT=2 if fmt == "fp4" else 1, SCALE_E8M0=e8, GROUPED=grouped, ASM=not INTERPRET, MUL1=mul1, FOLD=fold,
-        WORDS=words and fmt == "fp8_block", SPF=bool(cfg["spf"]), EVEN_K=k_end % ks == 0, EVEN_N=n % bw == 0,
+        WORDS=words and fmt == "fp8_block", PAIRS=fmt == "fp8_block" and cfg["words"] == 2, SPF=bool(cfg["spf"]),
+        EVEN_K=k_end % ks == 0, EVEN_N=n % bw == 0,
         FIXUP=fixup, XSPLIT=xsplit, BW=bw, BT=bt, BK=bk,
         num_warps=cfg["warps"], num_stages=cfg["stages"],
         **({"maxnreg": cfg["regs"]} if cfg["regs"] and not INTERPRET else {}), **pdl())

@@ -74,6 +74,8 @@ def run_ptx(asm: str, inputs: list[np.ndarray], n_out: int) -> list[np.ndarray]:
             r = src[0]
         elif op == "prmt.b32":
             r = _prmt(src[0].astype(u), np.uint64(src[1]), int(src[2]))
+        elif op == "cvt.u32.u16":
+            r = src[0] & np.uint32(0xFFFF)
         elif op == "shr.u32":
             r = src[0] >> np.uint32(src[1])
         elif op == "shl.b32":

@@ -60,7 +60,20 @@ def test_fp8x2_ptx_decodes_every_word():
     assert torch.equal(sign(even), sign(lut[codes & 0xFF])) and torch.equal(sign(odd), sign(lut[codes >> 8]))
 
 
-@pytest.mark.parametrize("cfg", ["", "xsplit=1,regs=168"])
+def test_fp8_pair_ptx_decodes_every_pair():
+    """Every 16-bit pair of e4m3 codes through the in-order pair decoder (d8=2): the low code to the low bfloat16,
+    bit-exact against torch's conversion for every code but the NaNs (0x7F, 0xFF: +-480), signs of zeros included."""
+    pairs = np.arange(65536, dtype=np.uint32)
+    (out,) = run_ptx(tc.FP8P_PTX, [pairs | 0xABCD0000], 1)  # upper bits of the input register must not matter
+    got = torch.stack([_bf16_bits_to_f32(out & 0xFFFF), _bf16_bits_to_f32(out >> 16)], 1)
+    lut = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    lut[0x7F], lut[0xFF] = 480.0, -480.0
+    codes = torch.from_numpy(pairs.astype(np.int64))
+    want = torch.stack([lut[codes & 0xFF], lut[codes >> 8]], 1)
+    assert torch.equal(got, want) and torch.equal(torch.signbit(got), torch.signbit(want))
+
+
+@pytest.mark.parametrize("cfg", ["", "xsplit=1,regs=168", "xsplit=2"])
 @pytest.mark.parametrize("fmt", ["fp4", "fp8_block"])
 @pytest.mark.parametrize("m", [1, 5, 37])
 def test_grouped_matmul_tc(fmt, m, cfg, monkeypatch):
@@ -98,10 +111,11 @@ def test_grouped_matmul_tc_prologue_and_wide_tiles(fmt, monkeypatch):
 @pytest.mark.parametrize("fmt", ["fp4", "fp8_block"])
 @pytest.mark.parametrize("float_scale", [False, True])
 def test_linear_tc_split_k(fmt, float_scale, fixup, monkeypatch):
-    """Split-K partial sums (float32, added in split order); fp8 with float32 and E8M0 block scales."""
+    """Split-K partial sums (float32, added in split order); fp8 with float32 and E8M0 block scales; fp4 with
+    fixup=0 decoded in order (xsplit=2)."""
     if fmt == "fp4" and float_scale:
         pytest.skip("fp4 scales are E8M0")
-    monkeypatch.setenv("ATB_CUDA_TC_CFG", f"fixup={fixup}")
+    monkeypatch.setenv("ATB_CUDA_TC_CFG", f"fixup={fixup}" + (",xsplit=2" if fmt == "fp4" and not fixup else ""))
     g = torch.Generator().manual_seed(33)
     n, k = 200, 2048
     w, s = _weights(fmt, 1, n, k, g, float_scale=float_scale)
@@ -199,7 +213,7 @@ def test_linear_tc_real_shapes(fmt, m):
 
 
 
-@pytest.mark.parametrize("d8,fixup", [(1, 0), (0, 1)])  # the PTX decoder (the default up to 32 rows) / Triton's
+@pytest.mark.parametrize("d8,fixup", [(1, 0), (2, 0), (0, 1)])  # PTX decoders (word / pair) / Triton's
 @pytest.mark.parametrize("float_scale", [False, True])
 def test_linear_tc_fp8_scales_before_loop(d8, fixup, float_scale, monkeypatch):
     """fp8: each program loads the block scales of its K range once, before its loops, and picks each step's

@@ -61,6 +61,20 @@ def test_fp8_scaled_byte_ptx_decodes_every_byte(sc):
     assert torch.equal(got[ok], want[ok])
 
 
+@pytest.mark.parametrize("sc", [tcl.FOLD_LO, 100, 127, tcl.FOLD_HI])
+def test_fp8_scaled_pair_ptx_decodes_every_pair(sc):
+    """words=2: every 16-bit pair of e4m3 codes, in order, times the pair's folded scale 2^(sc - 7)."""
+    pairs = np.arange(65536, dtype=np.uint32)
+    bits = np.full(65536, ((sc + 120) << 7) * 0x10001, dtype=np.uint32)
+    (r,) = run_ptx(tcl.FP8SP_PTX, [pairs, bits], 1)
+    lo, hi = _lanes(r)
+    codes = torch.from_numpy(pairs.astype(np.int64))
+    for got, c in ((lo, codes & 0xFF), (hi, codes >> 8)):
+        want = E4M3[c] * 2.0 ** (sc - 127)
+        ok = ~torch.isnan(want)
+        assert torch.equal(got[ok], want[ok])
+
+
 @pytest.mark.parametrize("bt", [1, 4, 64])
 def test_sort_rows(bt):
     """Every row once, experts increasing, ids outside [0, E) last (bucket E); tiles of <= bt rows within one
@@ -108,7 +122,7 @@ def test_grouped_matmul_tcl(fmt, m, cfg, monkeypatch):
     assert float((got.float() - ref.float()).norm() / ref.float().norm()) < 1e-2
 
 
-@pytest.mark.parametrize("words", [0, 1])
+@pytest.mark.parametrize("words", [0, 1, 2])
 def test_fp8_scales_float_or_outside_the_fold_range(words, monkeypatch):
     """float32 block scales and E8M0 bytes outside [FOLD_LO, FOLD_HI]: each step's product scaled in float32."""
     monkeypatch.setenv("ATB_CUDA_TCL_CFG", f"words={words}")
@@ -205,7 +219,7 @@ def test_dispatch_tcl(monkeypatch):
 
 # ---- DeepSeek-V4 shapes on the GPU ------------------------------------------------------------------------------
 @pytest.mark.cuda
-@pytest.mark.parametrize("cfg", ["", "words=0,fold=0", "spf=0,xsplit=1"])
+@pytest.mark.parametrize("cfg", ["", "words=0,fold=0", "spf=0,xsplit=1", "words=2", "words=2,fold=0"])
 @pytest.mark.parametrize("fmt", ["fp4", "fp8_block"])
 @pytest.mark.parametrize("t", [8, 512])
 def test_grouped_matmul_tcl_real_shapes(fmt, t, cfg, monkeypatch):
