@@ -125,6 +125,8 @@ def _check(q, w, kc, cand, topk):
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("hb", ["12", "4"])
 def test_indexer_topk_paths_edge_cases(monkeypatch, path, hb):
+    if path == "bits" and hb == "4":
+        pytest.skip("the bits path keeps no histogram: the same run as hb=12")
     monkeypatch.setenv("ATB_CUDA_INDEXER", path)
     monkeypatch.setenv("ATB_CUDA_INDEXER_HB", hb)
     g = gen(11)
