@@ -37,12 +37,3 @@ def pytest_collection_modifyitems(config, items):
         if item.get_closest_marker("npu") and not has_npu:
             item.add_marker(pytest.mark.skip(reason="needs an Ascend NPU with torch_npu"))
 
-
-@pytest.fixture(autouse=True)
-def _release_cuda_cache(request):
-    """After each GPU test, hand the caching allocator's free blocks back: GPU runs use several pytest-xdist workers
-    on one device, and each worker kept what its largest test had reserved (~37 GB per worker after the 64-expert
-    real-shape tests; a fourth worker then ran out of memory on an H200, session 21)."""
-    yield
-    if request.node.get_closest_marker("cuda") and torch.cuda.is_available():
-        torch.cuda.empty_cache()
