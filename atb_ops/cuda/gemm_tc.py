@@ -46,7 +46,7 @@ to rows whose id lies outside [0, E) (outside the op's contract; defined rather 
 Under TRITON_INTERPRET the weights are decoded by plain Triton arithmetic (same values) and the dots run on
 float32 copies of the operands.
 
-One module of ~530 lines on purpose: the kernel's decode variants (each a constexpr branch of one K loop), their PTX
+One module of ~525 lines on purpose: the kernel's decode variants (each a constexpr branch of one K loop), their PTX
 and the launcher that maps the tile settings onto those branches change together; the PTX strings are tested on
 the CPU by emulation (tests/ops/test_gemm_tc.py).
 """
@@ -165,21 +165,17 @@ FP4X4_PTX_1MUL = _FP4X4_PTX_1MUL.value
 # FMA pipes: Triton's e4m3 -> bfloat16 conversion goes through cvt.rn.f16x2.e4m3x2 and two cvt.bf16.f16, three
 # conversion-pipe instructions per pair. The NaN codes (0x7F, 0xFF) decode as +-480 (checkpoints hold none).
 # (d8=1; the default is FP8P_PTX below, which spares the activations' even / odd split.)
-_FP8X2_PTX = tl.constexpr("""{
-.reg .b32 t, a, g, k, z;
-mov.b32 k, 0x7B807B80;
-mov.b32 z, 0x80008000;
-prmt.b32 t, $2, 0, 0x2404;
-shr.u32 a, t, 4;
-and.b32 g, t, 0x80008000;
-lop3.b32 $0, a, g, 0x07F007F0, 0xEC;
-fma.rn.bf16x2 $0, $0, k, z;
-prmt.b32 t, $2, 0, 0x3414;
-shr.u32 a, t, 4;
-and.b32 g, t, 0x80008000;
-lop3.b32 $1, a, g, 0x07F007F0, 0xEC;
-fma.rn.bf16x2 $1, $1, k, z;
-}""")
+_FP8_HEAD = ".reg .b32 t, a, g, k, z;\nmov.b32 k, 0x7B807B80;\nmov.b32 z, 0x80008000;\n"
+
+
+def _e4m3_pair(dst: str, src: str, sel: str) -> str:
+    """PTX: bfloat16 pair ``dst`` of the two e4m3 bytes of ``src`` that the prmt selector ``sel`` moves to bits 8-15
+    and 24-31 (t = [0, b, 0, c]), by the bit placement above."""
+    return (f"prmt.b32 t, {src}, 0, {sel};\nshr.u32 a, t, 4;\nand.b32 g, t, 0x80008000;\n"
+            f"lop3.b32 {dst}, a, g, 0x07F007F0, 0xEC;\nfma.rn.bf16x2 {dst}, {dst}, k, z;\n")
+
+
+_FP8X2_PTX = tl.constexpr("{\n" + _FP8_HEAD + _e4m3_pair("$0", "$2", "0x2404") + _e4m3_pair("$1", "$2", "0x3414") + "}")
 FP8X2_PTX = _FP8X2_PTX.value  # for the PTX emulation test (tests/ops/test_gemm_tc.py)
 
 # fp8 e4m3 bytes two at a time in order (d8=2, the default): $1 = the 16-bit pair b0 | b1 << 8 (the two weight
@@ -187,17 +183,7 @@ FP8X2_PTX = _FP8X2_PTX.value  # for the PTX emulation test (tests/ops/test_gemm_
 # 16-bit load), $0 = bfloat16 (b0, b1). The same bits as FP8X2_PTX (t = [0, b0, 0, b1]), so the decoded tile is in
 # natural column order and the activations go to shared memory by cp.async unchanged, one MMA per step.
 # gemm_decode's 4-byte form (d8=3) makes Triton pack the bytes of two pairs into one register first: 5-20 % slower.
-_FP8P_PTX = tl.constexpr("""{
-.reg .b32 t, a, g, k, z;
-mov.b32 k, 0x7B807B80;
-mov.b32 z, 0x80008000;
-cvt.u32.u16 t, $1;
-prmt.b32 t, t, 0, 0x1404;
-shr.u32 a, t, 4;
-and.b32 g, t, 0x80008000;
-lop3.b32 $0, a, g, 0x07F007F0, 0xEC;
-fma.rn.bf16x2 $0, $0, k, z;
-}""")
+_FP8P_PTX = tl.constexpr("{\n" + _FP8_HEAD + "cvt.u32.u16 t, $1;\n" + _e4m3_pair("$0", "t", "0x1404") + "}")
 FP8P_PTX = _FP8P_PTX.value  # for the PTX emulation test (tests/ops/test_gemm_tc.py)
 
 
