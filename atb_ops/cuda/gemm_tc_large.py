@@ -344,8 +344,8 @@ def _config(fmt: str, rows_per_weight: float, grouped: bool) -> dict:
     forces N splits), register cap (regs, 0: none), split-K sums by the last program (fixup=1) or a second kernel,
     activations pre-split into 4 column phases for fp4 and fp8 words (xsplit=1), fp8 read as byte pairs decoded in
     order (words=2, the default since session 21: see the module docstring), as int32 words of 4 bytes (words=1)
-    or as bytes, 4 per PTX call (words=0), fp8 E8M0 scales folded into the decoded weight where exact (fold=1), fp8 block scale
-    loaded one step ahead as a scalar (spf=1) or in its step as a vector (spf=0).
+    or as bytes, 4 per PTX call (words=0), fp8 E8M0 scales folded into the decoded weight where exact (fold=1), fp8
+    block scale loaded one step ahead as a scalar (spf=1) or in its step as a vector (spf=0).
     ATB_CUDA_TCL_CFG="bw=128,warps=8" overrides (benchmarks).
 
     Defaults from the variants timed on the H100 (scripts/bench_results/gemm_h100_session4.txt, T = 512 x 6 experts
