@@ -21,7 +21,7 @@ def setup():
     return cfg, runner, ids, full
 
 
-@pytest.mark.parametrize("prefill", [1, 41, 250])
+@pytest.mark.parametrize("prefill", [1, 250])  # (41 too until session 21: 14 s of CI, between these two)
 def test_prefill_then_decode_equals_full_prefill(setup, prefill):
     cfg, runner, ids, full = setup
     out = run_chunks(runner, ids, [prefill] + [1] * (T - prefill))
