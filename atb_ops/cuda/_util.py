@@ -16,6 +16,25 @@ except ImportError:  # pragma: no cover - older Triton
     _gdc_wait = None
 
 
+def env_overrides(var: str, cfg: dict, choices: dict | None = None) -> dict:
+    """Apply the benchmark override ``var="key=value,..."`` (integers) to the kernel settings ``cfg`` in place and
+    return it. An entry that is not ``key=integer``, a key ``cfg`` does not have, or a value outside ``choices[key]``
+    (the keys that pick code paths, where any other value would run a wrong one) is a ValueError naming the
+    variable, the entry and what it takes."""
+    choices = choices or {}
+    for kv in filter(None, (t.strip() for t in os.environ.get(var, "").split(","))):
+        key, sep, val = (t.strip() for t in kv.partition("="))
+        try:
+            v = int(val)
+        except ValueError:
+            v = None
+        if not sep or key not in cfg or v is None or (key in choices and v not in choices[key]):
+            takes = ", ".join(f"{k}={'|'.join(map(str, choices[k]))}" if k in choices else f"{k}=<int>" for k in cfg)
+            raise ValueError(f"{var}: {kv!r} is not one of {takes}")
+        cfg[key] = v
+    return cfg
+
+
 def pow2(n: int, lo: int = 1) -> int:
     """The smallest power of two >= max(n, lo)."""
     return max(lo, triton.next_power_of_2(max(int(n), 1)))

@@ -96,8 +96,8 @@ def dq_rows() -> int:
 
 def _path(x: torch.Tensor, fmt: str, w_scale, rows: int, rows_per_weight: float, grouped: bool = True) -> str:
     """Which kernel serves this fp4 / fp8_block call: "tcl" | "fp4moe" | "tc" | "decode" | "tiled" (ATB_CUDA_GEMM =
-    auto | tcl | fp4moe | tc | decode | tiled; ``dq`` is decided in :func:`linear`; a forced path that does not apply to the call falls back to the
-    tiled kernel)."""
+    auto | tcl | fp4moe | tc | decode | tiled; ``dq`` is decided in :func:`linear`; a forced path that does not apply
+    to the call falls back to the tiled kernel)."""
     mode = _mode()
     if mode == "tiled" or rows == 0 or not gemm_tc_large.eligible(x, fmt, w_scale):
         return "tiled"

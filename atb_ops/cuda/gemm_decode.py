@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._util import INTERPRET, sm_count, pdl_wait, pdl
+from ._util import INTERPRET, env_overrides, sm_count, pdl_wait, pdl
 
 MAX_ROWS = 1024  # rows of one call (M) up to which the decode kernel is used (the rows are gathered in-kernel)
 FUSED_ACTIVE = 4096  # pow2(M) * pow2(E) up to which each program finds the active experts itself (no prologue)
@@ -416,9 +416,7 @@ def _config() -> dict:
     overrides some (benchmarks: the variants are timed side by side); mul1=-1: one multiply per weight pair where
     :func:`small_scales` allows it."""
     cfg = dict(bn=0, bs=0, stages=3, regs=0, s2d=1, mul1=-1, ctas=2, xmask=1)
-    for kv in filter(None, os.environ.get("ATB_CUDA_DECODE_CFG", "").split(",")):
-        key, val = kv.split("=")
-        cfg[key.strip()] = int(val)
+    env_overrides("ATB_CUDA_DECODE_CFG", cfg, dict(s2d=(0, 1), mul1=(-1, 0, 1), xmask=(0, 1)))
     return cfg
 
 

@@ -42,15 +42,13 @@ copies of the operands.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from . import gemm_decode as gd
 from . import gemm_tc as tc
-from ._util import INTERPRET, sm_count, pdl_wait, pdl
+from ._util import INTERPRET, env_overrides, sm_count, pdl_wait, pdl
 
 MAX_ROWS = 1024  # rows of one call (rows are gathered in-kernel)
 
@@ -199,9 +197,7 @@ def _config(rows_per_weight: float) -> dict:
     bt = 16 if rows_per_weight <= 16 else (32 if rows_per_weight <= 32 else 64)
     cfg = dict(bw=64, bt=bt, bk=128, warps=4, stages=3, ctas=2, regs=128 if bt == 16 else 0, nacc=1, persist=0,
                pctas=0, maxc=8, ov=2)
-    for kv in filter(None, os.environ.get("ATB_CUDA_FP4_MOE_CFG", "").split(",")):
-        key, val = kv.split("=")
-        cfg[key.strip()] = int(val)
+    env_overrides("ATB_CUDA_FP4_MOE_CFG", cfg, dict(persist=(0, 1)))
     if not cfg["pctas"]:  # programs that fit on one SM at once (65536 registers, 128 threads each)
         cfg["pctas"] = max(1, min(4, 65536 // (128 * (cfg["regs"] or 255))))
     return cfg

@@ -46,21 +46,19 @@ to rows whose id lies outside [0, E) (outside the op's contract; defined rather 
 Under TRITON_INTERPRET the weights are decoded by plain Triton arithmetic (same values) and the dots run on
 float32 copies of the operands.
 
-One module of ~525 lines on purpose: the kernel's decode variants (each a constexpr branch of one K loop), their PTX
+One module of ~520 lines on purpose: the kernel's decode variants (each a constexpr branch of one K loop), their PTX
 and the launcher that maps the tile settings onto those branches change together; the PTX strings are tested on
 the CPU by emulation (tests/ops/test_gemm_tc.py).
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from . import gemm_decode as gd
-from ._util import INTERPRET, sm_count, pdl_wait, pdl
+from ._util import INTERPRET, env_overrides, sm_count, pdl_wait, pdl
 
 MAX_ROWS = 1024  # rows of one call up to which this kernel may be used (rows are gathered in-kernel)
 
@@ -110,9 +108,7 @@ def _config(fmt: str, rows_per_weight: float, grouped: bool) -> dict:
         cfg.update(ctas=2)
     else:
         cfg.update(ctas=1)
-    for kv in filter(None, os.environ.get("ATB_CUDA_TC_CFG", "").split(",")):
-        key, val = kv.split("=")
-        cfg[key.strip()] = int(val)
+    env_overrides("ATB_CUDA_TC_CFG", cfg, dict(fixup=(0, 1), xsplit=(0, 1, 2), d8=(0, 1, 2, 3)))
     if fmt == "fp8_block":
         cfg["bk"] = 128  # one 128x128 scale block per step
     return cfg

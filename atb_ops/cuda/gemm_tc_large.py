@@ -44,7 +44,6 @@ rather than left unwritten), as in :mod:`.gemm_tc`.
 
 from __future__ import annotations
 
-import os
 import weakref
 
 import torch
@@ -53,7 +52,7 @@ import triton.language as tl
 
 from . import gemm_decode as gd
 from . import gemm_tc as tc
-from ._util import INTERPRET, sm_count, pdl_wait, pdl
+from ._util import INTERPRET, env_overrides, sm_count, pdl_wait, pdl
 
 # e4m3 bytes with their E8M0 block scale folded in, 4 at a time: $2 = bytes b0..b3, $3 / $4 = the scales of
 # (b0, b1) / (b2, b3) as bfloat16 2^(s - 7); the bit placement of gemm_decode's FP8 decoder (e4m3 * 2^-120), whose
@@ -362,9 +361,7 @@ def _config(fmt: str, rows_per_weight: float, grouped: bool) -> dict:
         cfg.update(xsplit=0)
     if grouped and fmt == "fp4":
         cfg.update(stages=2)
-    for kv in filter(None, os.environ.get("ATB_CUDA_TCL_CFG", "").split(",")):
-        key, val = kv.split("=")
-        cfg[key.strip()] = int(val)
+    env_overrides("ATB_CUDA_TCL_CFG", cfg, dict(fixup=(0, 1), xsplit=(0, 1), fold=(0, 1), words=(0, 1, 2), spf=(0, 1)))
     return cfg
 
 

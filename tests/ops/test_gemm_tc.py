@@ -73,6 +73,22 @@ def test_fp8_pair_ptx_decodes_every_pair():
     assert torch.equal(got, want) and torch.equal(torch.signbit(got), torch.signbit(want))
 
 
+@pytest.mark.parametrize("var,bad", [("ATB_CUDA_TC_CFG", "xsplit=3"), ("ATB_CUDA_TC_CFG", "d8=9"),
+                                     ("ATB_CUDA_TC_CFG", "scpre=1"), ("ATB_CUDA_TC_CFG", "d8"),
+                                     ("ATB_CUDA_TC_CFG", "ctas=two"), ("ATB_CUDA_TCL_CFG", "words=3")])
+def test_cfg_override_errors_name_the_variable(monkeypatch, var, bad):
+    """A benchmark override that would pick no code path (or a wrong one) is refused before any launch, naming the
+    variable, the entry and what the keys take; good entries still apply."""
+    from atb_ops.cuda import gemm_tc_large as tcl
+
+    config = tc._config if var == "ATB_CUDA_TC_CFG" else tcl._config
+    monkeypatch.setenv(var, "ctas=1")
+    assert config("fp8_block", 8, False)["ctas"] == 1
+    monkeypatch.setenv(var, f"ctas=1,{bad}")
+    with pytest.raises(ValueError, match=rf"{var}: '{bad}' is not one of .*ctas=<int>"):
+        config("fp8_block", 8, False)
+
+
 @pytest.mark.parametrize("cfg", ["", "xsplit=1,regs=168", "xsplit=2"])
 @pytest.mark.parametrize("fmt", ["fp4", "fp8_block"])
 @pytest.mark.parametrize("m", [1, 5, 37])
