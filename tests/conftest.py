@@ -36,4 +36,3 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs an NVIDIA GPU"))
         if item.get_closest_marker("npu") and not has_npu:
             item.add_marker(pytest.mark.skip(reason="needs an Ascend NPU with torch_npu"))
-
