@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Where indexer_topk's time goes on the GPU: the whole op on each path (ATB_CUDA_INDEXER = old / bits / hist / rank /
-split / place), the score kernel with and without the histogram, each selection alone, each as a CUDA-graph replay
-(median), plus selection warps, histogram bits and score-kernel tile variants on the sweep shapes.
+split / place / radix), the score kernel with and without the histogram, each selection alone, each as a CUDA-graph
+replay (median), plus selection warps, histogram bits and score-kernel tile variants on the sweep shapes.
 
 Shapes as scripts/bench_kernels.py: 64 heads x 128 dims bf16, every token its own N key rows (read once), top-512.
 Usage: python scripts/bench_indexer.py [--cfgs "BN,WARPS,STAGES,CTAS_PER_SM;..."]
@@ -20,8 +20,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import atb_ops  # noqa: E402
 
-BREAK_PATHS = ("fused", "rank", "hist", "split", "place", "bits", "old")
+BREAK_PATHS = ("radix", "radix:radix_hist=1", "fused", "rank", "hist", "split", "place", "bits", "old")
 from atb_ops.cuda import indexer as ix  # noqa: E402
+from atb_ops.cuda import topk_radix  # noqa: E402
 
 
 NO_SYNC = False  # --no-sync: the timing without the synchronisation below (to reproduce the old failure)
@@ -79,6 +80,9 @@ def _breakdown(res, cu, q, w, keys, cand, k, byt, hbm, T, n):
     # split: the slot counter (column 2^hb) must start at 0 on every replay: a copy of the histogram per call
     _timed(res, "copy+select split", lambda: ix.select_hist(sk, hist.clone(), cand, k, hb, split=True))
     _timed(res, "copy+select place", lambda: ix.select_hist(sk, hist.clone(), cand, k, hb, split="place"))
+    if topk_radix.eligible(cand, k):
+        _timed(res, "select radix", lambda: topk_radix.select(sk, cand, k))
+        _timed(res, "select radix (hist)", lambda: topk_radix.select(sk, cand, k, hist, hb))
     buf = torch.zeros(T, (2 << hb) + 32, dtype=torch.int32, device=q.device)
     buf[:, : 1 << hb] = hist[:, : 1 << hb]  # the rank path's buffer: histogram, zeroed slot counters
     _timed(res, "copy+select rank", lambda: ix.select_rank(sk, buf.clone(), cand, k, hb))
@@ -99,7 +103,7 @@ def main():
     ap.add_argument("--hbs", default="10;11;12;13", help="histogram bits tried on the sweep shapes")
     ap.add_argument("--shapes", default="1x2048;32x2048;32x8192;32x16384;32x65536")
     ap.add_argument("--no-sync", action="store_true", help="old timing: no synchronisation before a graph timing")
-    ap.add_argument("--paths", default="fused,rank,hist,split,place,bits,old", help="op paths of the breakdown")
+    ap.add_argument("--paths", default="radix,radix:radix_hist=1,fused,rank,hist,split,place,bits,old", help="op paths of the breakdown")
     a = ap.parse_args()
     global NO_SYNC, BREAK_PATHS
     NO_SYNC, BREAK_PATHS = a.no_sync, tuple(a.paths.split(","))

@@ -45,23 +45,20 @@ decoder. On a lent H200, with all three, the kernel ran 1.10-1.16x as fast as se
 (w13 at 8 / 32 tokens: 62 -> 68 / 65 -> 71 % of the copy bandwidth). At one token it was 4-6 % slower for w13 and as
 fast for w2 (scripts/bench_results/h200_session17.txt).
 
-One module of ~600 lines on purpose: the CUDA source, its NVRTC build and the launcher that sizes its grid are one
-unit (the launch arguments follow the kernel's template parameters line by line). The decoder PTX lives apart
+The CUDA source and the launcher that sizes its grid are one module (the launch arguments follow the kernel's
+template parameters line by line); the NVRTC build and its disk cache are :mod:`.nvrtc`'s. The decoder PTX lives apart
 (:mod:`.ptx_fp4`) because it is tested apart, on the CPU.
 """
 
 from __future__ import annotations
 
-import ctypes
-import glob
-import hashlib
-import json
 import os
 
 import torch
 
 from . import gemm_decode as gd
 from . import gemm_tc as tc
+from . import nvrtc
 from ._util import sm_count
 from .ptx_fp4 import FP4X8_PTX
 
@@ -387,26 +384,7 @@ def _source() -> str:
             .replace("XSTAGES", f"(NT >= 4 ? 2 : {X_STAGES})").replace("XROW", str(X_ROW)).replace("XSEG", str(X_SEG)))
 
 
-# ---- build (NVRTC through ctypes; the module is loaded by torch's own loader) --------------------------------
-
-_KERNELS: dict = {}
-_BUILD_ERROR: list = []
-
-
-def _nvrtc() -> ctypes.CDLL:
-    major = int(str(torch.version.cuda).split(".")[0])
-    names = [f"libnvrtc.so.{major}", "libnvrtc.so"]
-    import nvidia  # noqa: F401  (pip CUDA wheels: nvidia/*/lib)
-
-    for root in getattr(nvidia, "__path__", []):
-        names += sorted(glob.glob(os.path.join(root, "*", "lib", f"libnvrtc.so.{major}*")))
-    for name in names:
-        try:
-            return ctypes.CDLL(name)
-        except OSError:
-            continue
-    raise OSError("no NVRTC library (libnvrtc.so) found")
-
+# ---- build (NVRTC, :mod:`.nvrtc`) ----------------------------------------------------------------------------
 
 VARIANTS = [(nt, mt, split, ids64) for nt in (1, 2, 4) for mt in (1, 2, 4) for split in (False, True)
             for ids64 in (False, True)]  # template instances, built together
@@ -416,105 +394,24 @@ def _name(nt: int, mt: int, split: bool, ids64: bool) -> str:
     return f"fp4_moe_mma<{nt}, {mt}, {str(split).lower()}, {str(ids64).lower()}>"
 
 
-def _compile(arch: str) -> tuple[bytes, dict]:
-    """One NVRTC program instantiating every variant: (cubin, {name expression: lowered name})."""
-    lib = _nvrtc()
-    lib.nvrtcGetErrorString.restype = ctypes.c_char_p
-    prog = ctypes.c_void_p()
-
-    def ok(res, what):
-        if res != 0:
-            raise RuntimeError(f"NVRTC {what}: {lib.nvrtcGetErrorString(res)!r}")
-
-    names = [_name(*v) for v in VARIANTS]
-    ok(lib.nvrtcCreateProgram(ctypes.byref(prog), _source().encode(), b"fp4_moe_mma.cu", 0, None, None), "create")
-    for name in names:
-        ok(lib.nvrtcAddNameExpression(prog, name.encode()), "name")
-    opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17"]
-    arr = (ctypes.c_char_p * len(opts))(*opts)
-    res = lib.nvrtcCompileProgram(prog, len(opts), arr)
-    if res != 0:
-        size = ctypes.c_size_t()
-        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-        log = ctypes.create_string_buffer(size.value)
-        lib.nvrtcGetProgramLog(prog, log)
-        raise RuntimeError(f"NVRTC compile of fp4_moe_mma.cu failed:\n{log.value.decode(errors='replace')}")
-    size = ctypes.c_size_t()
-    ok(lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "cubin size")
-    binary = ctypes.create_string_buffer(size.value)
-    ok(lib.nvrtcGetCUBIN(prog, binary), "cubin")
-    lowered = {}
-    for name in names:
-        low = ctypes.c_char_p()
-        ok(lib.nvrtcGetLoweredName(prog, name.encode(), ctypes.byref(low)), "lowered name")
-        lowered[name] = low.value.decode()
-    lib.nvrtcDestroyProgram(ctypes.byref(prog))
-    return binary.raw, lowered
-
-
-def _cache_path(arch: str) -> str:
-    """Built cubins are kept on disk (keyed by the source, the architecture, torch's CUDA version and the list of
-    instances):
-    ``$ATB_CUDA_CACHE_DIR`` or ``~/.cache/ascend_dsv4``."""
-    key = hashlib.sha256((_source() + arch + str(torch.version.cuda) + repr(VARIANTS)).encode()).hexdigest()[:16]
-    root = os.environ.get("ATB_CUDA_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "ascend_dsv4")
-    return os.path.join(root, f"fp4_moe_mma_{arch}_{key}")
-
-
-def _build(arch: str) -> tuple[bytes, dict]:
-    path = _cache_path(arch)
-    try:
-        with open(path + ".cubin", "rb") as f:
-            cubin = f.read()
-        with open(path + ".json") as f:
-            return cubin, json.load(f)
-    except (OSError, ValueError):
-        pass
-    cubin, lowered = _compile(arch)
-    try:  # a cache that cannot be written costs a rebuild next time, nothing else
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.{os.getpid()}"
-        with open(tmp + ".cubin", "wb") as f:
-            f.write(cubin)
-        with open(tmp + ".json", "w") as f:
-            json.dump(lowered, f)
-        os.replace(tmp + ".cubin", path + ".cubin")
-        os.replace(tmp + ".json", path + ".json")
-    except OSError:
-        pass
-    return cubin, lowered
+PROGRAM = nvrtc.Program(_source(), "fp4_moe_mma.cu", [_name(*v) for v in VARIANTS])
+_KERNELS: dict = {}
 
 
 def _kernels(device: torch.device) -> dict:
     """{(nt, mt, split, ids64): kernel} on ``device``, built (or read from the cache) and loaded once per device."""
     key = str(device)
     if key not in _KERNELS:
-        from torch.cuda._utils import _cuda_load_module
-
-        major, minor = torch.cuda.get_device_capability(device)
-        cubin, lowered = _build(f"sm_{major}{minor}")
-        with torch.cuda.device(device):
-            loaded = _cuda_load_module(cubin, list(lowered.values()))
-        _KERNELS[key] = {v: loaded[lowered[_name(*v)]] for v in VARIANTS}
+        loaded = PROGRAM.kernels(device)
+        _KERNELS[key] = {v: loaded[_name(*v)] for v in VARIANTS}
     return _KERNELS[key]
 
 
 def available(device: torch.device) -> bool:
     """Whether the kernels are loaded on ``device`` (compute capability 8.0+, NVRTC present). They are built at the
     first ask outside CUDA-graph capture (under capture: not available until then, the Triton kernel serves); the
-    first failure is kept in ``_BUILD_ERROR`` and the Triton kernel serves from then on."""
-    if device.type != "cuda" or _BUILD_ERROR:
-        return False
-    if str(device) in _KERNELS:
-        return True
-    if torch.cuda.get_device_capability(device) < (8, 0) or torch.cuda.is_current_stream_capturing():
-        return False
-    try:
-        _kernels(device)
-    except Exception as exc:  # noqa: BLE001 -- any build failure means: use the Triton kernel
-        _BUILD_ERROR.append(f"{type(exc).__name__}: {exc}")
-        return False
-    return True
+    first failure is kept in ``PROGRAM.error`` and the Triton kernel serves from then on."""
+    return PROGRAM.available(device)
 
 
 def eligible(x: torch.Tensor, w_scale: torch.Tensor | None, rows: int) -> bool:

@@ -27,7 +27,9 @@ bin holds too many keys (thousands of exact ties).
 
 ATB_CUDA_INDEXER = "PATH[,BN,WARPS,STAGES,CTAS_PER_SM[,PRE]]" or just the tiles: PATH ``auto`` (default: bits,
 split or place by the candidate count N, see ``_AUTO_BITS_MAX``), ``fused`` (``indexer_fused``: score, bucket and
-sort programs in one launch), ``rank``, ``hist``, ``split``, ``place``, ``bits`` (the
+sort programs in one launch), ``radix`` (``topk_radix``: a CUDA C block per token, N <= 16384; counts its own
+top bits unless ATB_CUDA_INDEXER_RADIX_HIST=1; opt-in: as fast as split at N = 16384), ``rank``, ``hist``,
+``split``, ``place``, ``bits`` (the
 previous selection: ``_select_kernel``, one program per token finding the k-th largest key by a 32-step MSB-first
 bit search of counts; rows over 16384 keys through torch.topk) or ``old`` (the first path: int64 keys +
 torch.topk); the tiles override the score kernel's (PRE=1: the register prefetch loop instead of Triton's
@@ -48,6 +50,7 @@ import triton.language as tl
 
 from .._registry import register
 from . import indexer_select as sel
+from . import topk_radix
 from ._util import INTERPRET, mma, dot_precision, pow2, sm_count, pdl_wait, pdl
 from .indexer_select import key_bin
 
@@ -187,7 +190,7 @@ def _score_block(q, w, keys, rows, n, key_row, N, PREC: tl.constexpr, hist_row, 
 
 
 # ----------------------------------------------------------------------------------------------------- wrapper
-PATHS = ("auto", "fused", "rank", "hist", "split", "place", "bits", "old")
+PATHS = ("auto", "radix", "fused", "rank", "hist", "split", "place", "bits", "old")
 DEFAULT_PATH = "auto"
 # auto: the fastest path per candidate count N in H100 runs at T = 32 (graph replays): N <= 8192 bits (N = 2048:
 # 20.7 us vs rank 24.1; N = 8192: 55.9 vs 57.6, hist 55.6; scripts/bench_results/indexer_select_h100.txt),
@@ -298,6 +301,16 @@ def env_pow2(name: str, default: int) -> int:
     return int(v)
 
 
+def radix_hist() -> bool:
+    """Whether the radix path takes its top-bit counts from the score kernel's histogram (ATB_CUDA_INDEXER_RADIX_HIST
+    =1) or counts them in the selection block (=0, default: no zeroed histogram, no atomics in the score kernel;
+    the op 1-1.6 us faster at T = 32, N = 2048 / 8192 / 16384 on an H200, scripts/bench_results/h200_session22.txt)."""
+    v = os.environ.get("ATB_CUDA_INDEXER_RADIX_HIST", "0")
+    if v not in ("0", "1"):
+        raise ValueError(f"ATB_CUDA_INDEXER_RADIX_HIST={v!r}: expected 0 or 1")
+    return v == "1"
+
+
 def hist_bits():
     """Top bits per histogram bin (ATB_CUDA_INDEXER_HB; 12 = sign, exponent and 3 mantissa bits of the score)."""
     return int(os.environ.get("ATB_CUDA_INDEXER_HB", 12))
@@ -386,6 +399,14 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, 
             return select_topk(keys, cand, k)
         return _select_torch(keys, cand, k)
     hb = hist_bits()
+    if path == "radix":  # the CUDA C selection (topk_radix); rows it does not take: split / place as auto
+        if topk_radix.eligible(cand, k):
+            if radix_hist():
+                hist = torch.zeros(t_count, (1 << hb) + 32, dtype=torch.int32, device=q.device)
+                keys = score_keys(q, weights, kc, cand, hist, hb, tiles, wave=True)
+                return topk_radix.select(keys, cand, k, hist, hb)
+            return topk_radix.select(score_keys(q, weights, kc, cand, tiles=tiles, wave=True), cand, k)
+        path = "split" if n <= _AUTO_SPLIT_MAX else "place"
     if path == "fused":
         from .indexer_fused import topk_fused
 

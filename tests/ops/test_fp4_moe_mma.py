@@ -26,7 +26,7 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 def _built():
     if not fm.available(torch.device(DEV)):
-        pytest.fail(f"fp4_moe_mma did not build: {fm._BUILD_ERROR}")
+        pytest.fail(f"fp4_moe_mma did not build: {fm.PROGRAM.error}")
 
 
 @pytest.mark.cuda

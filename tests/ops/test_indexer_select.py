@@ -1,9 +1,11 @@
-"""indexer_topk's histogram selection (atb_ops/cuda/indexer_select.py) against a stable descending sort.
+"""indexer_topk's histogram selection (atb_ops/cuda/indexer_select.py, atb_ops/cuda/topk_radix.py) against a stable
+descending sort.
 
-Every selection path (ATB_CUDA_INDEXER = fused / rank / hist / split / place / bits) on random and adversarial key distributions: all keys
-equal (one bin, the exact fallback), few distinct values, coarse bins (ATB_CUDA_INDEXER_HB small) and small sort
+Every selection path (ATB_CUDA_INDEXER = radix / fused / rank / hist / split / place / bits) on random and
+adversarial key distributions: all keys equal (one bin, the exact fallback), few distinct values, coarse bins (ATB_CUDA_INDEXER_HB small) and small sort
 sizes (ATB_CUDA_INDEXER_CAP) that push |S| into each sort tier and past it, N < k, all -1, T = 0 / 1, ragged -1
-tails. Without a GPU the kernels run through TRITON_INTERPRET=1 at small shapes (tests/conftest.py).
+tails. Without a GPU the kernels run through TRITON_INTERPRET=1 at small shapes (tests/conftest.py); the CUDA C radix
+selection has no interpreter, so its own cases are ``cuda`` (on the CPU the radix path is the split path's).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from atb_ops.cuda import indexer as ix  # noqa: E402
 from atb_ops.cuda.indexer_select import ORD_NEG_INF_INT  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-PATHS = ("fused", "rank", "hist", "split", "place", "bits")
+PATHS = ("radix", "fused", "rank", "hist", "split", "place", "bits")  # radix: the CUDA C kernel on a GPU, else split
 NAN_KEY, INF_KEY = 0x7FC00000, 0x7F800000  # order keys of NaN and +inf (keys lie in [ORD_NEG_INF, NAN_KEY])
 
 
@@ -86,6 +88,53 @@ def test_select_hist_matches_stable_sort(monkeypatch, mode, case, t, n, k, hb, c
     assert torch.equal(got.cpu(), want_from_keys(keys, cand, k))
 
 
+def _radix_built():
+    from atb_ops.cuda import topk_radix
+
+    if not topk_radix.PROGRAM.available(torch.device(DEV)):
+        pytest.fail(f"topk_radix did not build: {topk_radix.PROGRAM.error}")
+    return topk_radix
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("own", [False, True], ids=["hist", "own"])
+@pytest.mark.parametrize("case", ["random", "dups", "equal", "narrow"])
+@pytest.mark.parametrize("t,n,k,hb", [(4, 150, 16, 12), (4, 150, 16, 4), (3, 200, 24, 8), (1, 37, 37, 6), (2, 9, 9, 12),
+                                      (4, 300, 5, 3), (3, 1500, 1024, 7), (3, 4100, 512, 12), (2, 16384, 512, 12),
+                                      (2, 16383, 2048, 11), (3, 8190, 777, 12)])
+def test_radix_select_matches_stable_sort(own, case, t, n, k, hb):
+    # every keys-per-thread tier (1 .. 16, vector and scalar loads), sort sizes 8 .. 2048 (two per thread), the
+    # score kernel's histogram at 3 .. 12 bits or the block's own 12-bit count, ties resolved down to the last bit
+    topk_radix = _radix_built()
+    g = gen(t * n + k * 7 + hb * 131 + len(case))
+    keys = _keys_case(case, t, n, g)
+    cand = torch.randperm(10 * n, generator=g)[: t * n].view(t, n)
+    hist = None if own else hist_of(keys, hb).to(DEV)
+    got = topk_radix.select(keys.to(DEV), cand.to(DEV), k, hist, hb)
+    assert torch.equal(got.cpu(), want_from_keys(keys, cand, k))
+
+
+@pytest.mark.cuda
+def test_radix_select_boundary_ties():
+    # the k-th key shared by keys on both sides of the cut, in one thread's registers and across threads; k = the
+    # number of finite keys exactly; a non-contiguous keys view (copied contiguous first)
+    topk_radix = _radix_built()
+    n, k = 4096, 512
+    keys = torch.full((3, n), 7, dtype=torch.int32)
+    keys[:, ::3] = 9  # 1366 keys of 9 (> k): the cut falls among them
+    keys[1, :] = ORD_NEG_INF_INT
+    keys[1, 100:100 + k] = 5  # exactly k finite keys
+    keys[2, 500:] = ORD_NEG_INF_INT
+    keys[2, 10:20] = 11
+    cand = torch.arange(3 * n).view(3, n)
+    got = topk_radix.select(keys.to(DEV), cand.to(DEV), k)
+    assert torch.equal(got.cpu(), want_from_keys(keys, cand, k))
+    wide = torch.zeros(3, n + 4, dtype=torch.int32)
+    wide[:, 4:] = keys
+    got = topk_radix.select(wide.to(DEV)[:, 4:], cand.to(DEV), k)
+    assert torch.equal(got.cpu(), want_from_keys(keys, cand, k))
+
+
 def test_score_kernel_histogram():
     # the score kernel's histogram equals a bincount of the keys it wrote (finite keys only)
     g = gen(5)
@@ -127,6 +176,8 @@ def _check(q, w, kc, cand, topk):
 def test_indexer_topk_paths_edge_cases(monkeypatch, path, hb):
     if path == "bits" and hb == "4":
         pytest.skip("the bits path keeps no histogram: the same run as hb=12")
+    if path == "radix" and DEV == "cpu":
+        pytest.skip("without a GPU the radix path is the split path's run")
     monkeypatch.setenv("ATB_CUDA_INDEXER", path)
     monkeypatch.setenv("ATB_CUDA_INDEXER_HB", hb)
     g = gen(11)
@@ -182,7 +233,7 @@ def test_indexer_topk_fused_program_counts(monkeypatch, p, q, hb, cap, frank):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("path", ["fused", "rank", "hist", "split", "place"])
+@pytest.mark.parametrize("path", ["radix", "fused", "rank", "hist", "split", "place"])
 @pytest.mark.parametrize("t,n", [(1, 2048), (32, 2048), (32, 16384), (4, 65536), (32, 65536), (5, 300), (64, 8192)])
 def test_indexer_topk_paths_real_shapes(monkeypatch, path, t, n):
     # 64 heads x 128 dims bf16; integer inputs: exact scores with many ties, so the selection must equal the
@@ -211,7 +262,7 @@ def test_indexer_topk_paths_real_shapes(monkeypatch, path, t, n):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("path", ["fused", "rank", "hist", "split", "place"])
+@pytest.mark.parametrize("path", ["radix", "fused", "rank", "hist", "split", "place"])
 def test_indexer_topk_cuda_graph_replay(monkeypatch, path):
     # decode runs under CUDA graphs: capture once, replay on new inputs copied into the static buffers (the zeroed
     # histogram and the slot counter must be rebuilt on every replay), compare each replay with the reference

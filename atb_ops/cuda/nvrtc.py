@@ -1,0 +1,138 @@
+"""CUDA C kernels built at first use by NVRTC, the runtime compiler that torch's CUDA wheels ship (no CUDA toolkit
+needed), cached on disk and loaded through torch's own module loader (``torch.cuda._utils._cuda_load_module``).
+
+Used by the hand-written kernels (:mod:`.fp4_moe_mma`, :mod:`.topk_radix`). Each module keeps one
+:class:`Program`: its source, the template instances to build (C++ name expressions) and a file name for NVRTC's
+messages. A build failure is kept (``Program.error``) and the caller's Triton path serves from then on.
+
+Cache: ``$ATB_CUDA_CACHE_DIR`` or ``~/.cache/ascend_dsv4``, one cubin + one JSON of lowered names per (source,
+architecture, torch's CUDA version, instance list); a cache that cannot be written costs a rebuild next time.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import hashlib
+import json
+import os
+
+import torch
+
+
+def _library() -> ctypes.CDLL:
+    major = int(str(torch.version.cuda).split(".")[0])
+    names = [f"libnvrtc.so.{major}", "libnvrtc.so"]
+    import nvidia  # noqa: F401  (pip CUDA wheels: nvidia/*/lib)
+
+    for root in getattr(nvidia, "__path__", []):
+        names += sorted(glob.glob(os.path.join(root, "*", "lib", f"libnvrtc.so.{major}*")))
+    for name in names:
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    raise OSError("no NVRTC library (libnvrtc.so) found")
+
+
+def compile_cubin(source: str, filename: str, names: list[str], arch: str) -> tuple[bytes, dict]:
+    """One NVRTC program instantiating every name expression: (cubin, {name expression: lowered name}). A compile
+    error is a RuntimeError carrying NVRTC's log (file name ``filename``)."""
+    lib = _library()
+    lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+    prog = ctypes.c_void_p()
+
+    def ok(res, what):
+        if res != 0:
+            raise RuntimeError(f"NVRTC {what} ({filename}): {lib.nvrtcGetErrorString(res)!r}")
+
+    ok(lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), filename.encode(), 0, None, None), "create")
+    for name in names:
+        ok(lib.nvrtcAddNameExpression(prog, name.encode()), "name")
+    opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17"]
+    arr = (ctypes.c_char_p * len(opts))(*opts)
+    res = lib.nvrtcCompileProgram(prog, len(opts), arr)
+    if res != 0:
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(prog, log)
+        raise RuntimeError(f"NVRTC compile of {filename} failed:\n{log.value.decode(errors='replace')}")
+    size = ctypes.c_size_t()
+    ok(lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "cubin size")
+    binary = ctypes.create_string_buffer(size.value)
+    ok(lib.nvrtcGetCUBIN(prog, binary), "cubin")
+    lowered = {}
+    for name in names:
+        low = ctypes.c_char_p()
+        ok(lib.nvrtcGetLoweredName(prog, name.encode(), ctypes.byref(low)), "lowered name")
+        lowered[name] = low.value.decode()
+    lib.nvrtcDestroyProgram(ctypes.byref(prog))
+    return binary.raw, lowered
+
+
+class Program:
+    """A CUDA C source and the template instances it is built for; kernels loaded once per device."""
+
+    def __init__(self, source: str, filename: str, names: list[str]):
+        self.source, self.filename, self.names = source, filename, list(names)
+        self.error: str | None = None  # the first build failure: callers take their Triton path from then on
+        self._loaded: dict = {}
+
+    def cache_path(self, arch: str) -> str:
+        key = hashlib.sha256((self.source + arch + str(torch.version.cuda) + repr(self.names)).encode()).hexdigest()
+        root = os.environ.get("ATB_CUDA_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "ascend_dsv4")
+        return os.path.join(root, f"{os.path.splitext(self.filename)[0]}_{arch}_{key[:16]}")
+
+    def _build(self, arch: str) -> tuple[bytes, dict]:
+        path = self.cache_path(arch)
+        try:
+            with open(path + ".cubin", "rb") as f:
+                cubin = f.read()
+            with open(path + ".json") as f:
+                return cubin, json.load(f)
+        except (OSError, ValueError):
+            pass
+        cubin, lowered = compile_cubin(self.source, self.filename, self.names, arch)
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = f"{path}.{os.getpid()}"
+            with open(tmp + ".cubin", "wb") as f:
+                f.write(cubin)
+            with open(tmp + ".json", "w") as f:
+                json.dump(lowered, f)
+            os.replace(tmp + ".cubin", path + ".cubin")
+            os.replace(tmp + ".json", path + ".json")
+        except OSError:
+            pass
+        return cubin, lowered
+
+    def kernels(self, device: torch.device) -> dict:
+        """{name expression: kernel} on ``device``, built (or read from the cache) and loaded once per device."""
+        key = str(device)
+        if key not in self._loaded:
+            from torch.cuda._utils import _cuda_load_module
+
+            major, minor = torch.cuda.get_device_capability(device)
+            cubin, lowered = self._build(f"sm_{major}{minor}")
+            with torch.cuda.device(device):
+                loaded = _cuda_load_module(cubin, list(lowered.values()))
+            self._loaded[key] = {name: loaded[lowered[name]] for name in self.names}
+        return self._loaded[key]
+
+    def available(self, device: torch.device, min_cc: tuple[int, int] = (8, 0)) -> bool:
+        """Whether the kernels are loaded on ``device`` (compute capability ``min_cc``+, NVRTC present). Built at the
+        first ask outside CUDA-graph capture (under capture: not available until then); the first failure is kept
+        in :attr:`error` and the answer is False from then on."""
+        if device.type != "cuda" or self.error:
+            return False
+        if str(device) in self._loaded:
+            return True
+        if torch.cuda.get_device_capability(device) < min_cc or torch.cuda.is_current_stream_capturing():
+            return False
+        try:
+            self.kernels(device)
+        except Exception as exc:  # noqa: BLE001 -- any build failure means: use the Triton path
+            self.error = f"{type(exc).__name__}: {exc}"
+            return False
+        return True
