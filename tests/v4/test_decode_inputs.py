@@ -199,3 +199,22 @@ def test_decoder_key_buckets_pure_decode_steps_only():
     assert dec.key([], [], []) is None
     many = [_seq(pools, 1) for _ in range(7)]
     assert dec.key(many, [[1]] * 7, list(range(7))) is None  # above the largest bucket (6)
+
+
+@pytest.mark.parametrize("ratios", [(0, 4, 128), (0, 4), (0, 128), (0, 0)])
+def test_ensure_allocates_exactly_the_pages_needed(ratios):
+    # ensure's inline "nothing to allocate" test (the decode step's host path) agrees with pages_needed at every
+    # length across page boundaries, with and without compressed layers, from tables of every length
+    pools = _pools(128, ratios, (8, 2, 1), cap=2048, n_seqs=4)
+    rng = random.Random(7)
+    for _ in range(300):
+        s = SeqBlocks()
+        pools.ensure(s, rng.randint(0, 1500))
+        new_len = len(s.token) * 8 + rng.randint(-20, 20)
+        need = pools.pages_needed(s, max(new_len, 0))
+        before = (len(s.token), len(s.c4), len(s.c128))
+        pools.ensure(s, max(new_len, 0))
+        assert (len(s.token) - before[0], len(s.c4) - before[1], len(s.c128) - before[2]) == need
+        assert pools.pages_needed(s, max(new_len, 0)) == (0, 0, 0)
+        for table, alloc in ((s.token, pools.token_alloc), (s.c4, pools.c4_alloc), (s.c128, pools.c128_alloc)):
+            alloc.free([p for p in table if p >= 0])
