@@ -178,6 +178,8 @@ def test_indexer_topk_paths_edge_cases(monkeypatch, path, hb):
         pytest.skip("the bits path keeps no histogram: the same run as hb=12")
     if path == "radix" and DEV == "cpu":
         pytest.skip("without a GPU the radix path is the split path's run")
+    if path == "fused" and hb == "4" and DEV == "cpu":  # 14 s in the interpreter, CI's slowest indexer case
+        pytest.skip("coarse bins of the fused launch: test_indexer_topk_fused_program_counts (hb 6 and 3) on the CPU")
     monkeypatch.setenv("ATB_CUDA_INDEXER", path)
     monkeypatch.setenv("ATB_CUDA_INDEXER_HB", hb)
     g = gen(11)
