@@ -249,12 +249,17 @@ def _score_cfg(device, n, t_count, tiles=None, wave=False):
     return bn, warps, stages, bpp, triton.cdiv(nblk, bpp), bool(pre)
 
 
+def _flag(name: str, default: str) -> bool:
+    """Environment switch ``name`` = 0 / 1 (``default`` when unset); anything else is a ValueError naming it."""
+    v = os.environ.get(name, default)
+    if v not in ("0", "1"):
+        raise ValueError(f"{name}={v!r}: expected 0 or 1")
+    return v == "1"
+
+
 def score_swap() -> bool:
     """Whether the score product runs as keys @ q^T (ATB_CUDA_INDEXER_SWAP, default 1) or as q @ keys^T (=0)."""
-    v = os.environ.get("ATB_CUDA_INDEXER_SWAP", "1")
-    if v not in ("0", "1"):
-        raise ValueError(f"ATB_CUDA_INDEXER_SWAP={v!r}: expected 0 or 1")
-    return v == "1"
+    return _flag("ATB_CUDA_INDEXER_SWAP", "1")
 
 
 def score_keys(q, weights, kc, cand, hist=None, hb=0, tiles=None, wave=False):
@@ -305,10 +310,7 @@ def radix_hist() -> bool:
     """Whether the radix path takes its top-bit counts from the score kernel's histogram (ATB_CUDA_INDEXER_RADIX_HIST
     =1) or counts them in the selection block (=0, default: no zeroed histogram, no atomics in the score kernel;
     the op 1-1.6 us faster at T = 32, N = 2048 / 8192 / 16384 on an H200, scripts/bench_results/h200_session22.txt)."""
-    v = os.environ.get("ATB_CUDA_INDEXER_RADIX_HIST", "0")
-    if v not in ("0", "1"):
-        raise ValueError(f"ATB_CUDA_INDEXER_RADIX_HIST={v!r}: expected 0 or 1")
-    return v == "1"
+    return _flag("ATB_CUDA_INDEXER_RADIX_HIST", "0")
 
 
 def hist_bits():

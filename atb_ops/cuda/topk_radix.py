@@ -45,6 +45,7 @@ from __future__ import annotations
 import torch
 
 from . import nvrtc
+from ._util import pow2
 
 THREADS = 1024
 MAX_KPT = 16  # keys per thread held in registers: N <= 16384
@@ -290,10 +291,8 @@ def select(keys: torch.Tensor, cand: torch.Tensor, k: int, hist: torch.Tensor | 
     if hist is None:
         hb = 12
     if not 1 <= hb <= 12:
-        raise ValueError(f"topk_radix: histogram bits {hb} outside 1..12")
-    kpt = 1
-    while kpt * THREADS < n:
-        kpt *= 2
+        raise ValueError(f"topk_radix: histogram bits {hb} (ATB_CUDA_INDEXER_HB) outside 1..12")
+    kpt = pow2(-(-n // THREADS))  # keys per thread: 1, 2, 4, 8 or 16
     keys = keys.contiguous()
     vec = kpt >= 4 and n % 4 == 0 and keys.data_ptr() % 16 == 0
     kern = PROGRAM.kernels(keys.device)[_name(kpt, vec, hist is not None)]
