@@ -16,12 +16,17 @@ weights need no layout change at load; the *K order* inside each MMA is chosen t
   <= 128 only: one multiply by 2^(s - 1)), and the word feeds two MMAs: A = (P0 row g, P0 row g+8, P1 row g,
   P1 row g+8), then P2 / P3. The MMA's k slots (2c, 2c+1, 2c+8, 2c+9) then hold codes (0, 4, 1, 5), resp.
   (2, 6, 3, 7), of the word;
-- the activations are permuted to that order once per call (within each 8 columns: 0 4 1 5 2 6 3 7), so one
-  16-byte load gives the B fragments (token = lane / 4) of both MMAs of a word. The block's 4 warps share the
-  pass's 8 x NT tokens: the block copies each K step's activations into shared memory (``cp.async``, one step
-  ahead of use, zeros past the last row; one barrier per step), and the warps read them from there. (Each warp
-  had loaded its own from global memory just before use. Nsight Compute then showed a fifth of the stall samples
-  on the first MMA of each step, waiting for that load: scripts/bench_results/h200_session17.txt);
+- the activations are permuted to that order (within each 8 columns: 0 4 1 5 2 6 3 7), so one 16-byte load gives
+  the B fragments (token = lane / 4) of both MMAs of a word. The block's 4 warps share the pass's 8 x NT tokens:
+  the block puts each K step's activations in shared memory one step ahead of use (zeros past the last row; one
+  barrier per step), and the warps read them from there. (Each warp had loaded its own from global memory just
+  before use. Nsight Compute then showed a fifth of the stall samples on the first MMA of each step, waiting for
+  that load: scripts/bench_results/h200_session17.txt.) With one 8-token tile (NT = 1, the decode step's) each
+  thread loads its 2 chunks of 16 bytes of a step into registers two steps ahead, permutes them (4 ``prmt``) and
+  stores them; larger tiles copy them unchanged (``cp.async``) from a permuted copy made before the launch (their
+  extra 16-32 registers would cost the NT = 2 / 4 instances a block per SM: 128 -> 160, 162 -> 196 registers).
+  Session 23 moved the permutation of the NT = 1 case into the kernel: 6 launches less a decode step, as fast
+  within noise (scripts/bench_results/h200_session23.txt);
 - each 32-code group has one scale, and a lane's 64 codes are two whole groups: one 2-byte scale load per row
   and K step.
 
@@ -45,8 +50,8 @@ decoder. On a lent H200, with all three, the kernel ran 1.10-1.16x as fast as se
 (w13 at 8 / 32 tokens: 62 -> 68 / 65 -> 71 % of the copy bandwidth). At one token it was 4-6 % slower for w13 and as
 fast for w2 (scripts/bench_results/h200_session17.txt).
 
-The CUDA source and the launcher that sizes its grid are one module (the launch arguments follow the kernel's
-template parameters line by line); the NVRTC build and its disk cache are :mod:`.nvrtc`'s. The decoder PTX lives apart
+The CUDA source and the launcher that sizes its grid stay one module of about 550 lines, most of them the kernel (the
+launch arguments follow the kernel's template parameters line by line); the NVRTC build and its disk cache are :mod:`.nvrtc`'s. The decoder PTX lives apart
 (:mod:`.ptx_fp4`) because it is tested apart, on the CPU.
 """
 
@@ -85,6 +90,13 @@ struct __align__(16) U4 { u32 x, y, z, w; };
 __device__ __forceinline__ U4 ldg_stream(const void* p) {
     U4 r;
     asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    return r;
+}
+
+__device__ __forceinline__ U4 ldg_nc(const void* p) {
+    U4 r;
+    asm volatile("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];"
                  : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
     return r;
 }
@@ -154,6 +166,7 @@ __global__ void __launch_bounds__(128, (NT == 1 && MT == 2) ? 4 : 0) fp4_moe_mma
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, c = lane & 3;
     const int slot = blockIdx.y, split = blockIdx.z;
+    constexpr bool XNAT = NT == 1;  // x in natural K order, permuted here (else by a copy before the launch)
     const int words = (E + 31) >> 5;
 
     // ---- this slot's expert and its rows
@@ -240,11 +253,42 @@ __global__ void __launch_bounds__(128, (NT == 1 && MT == 2) ? 4 : 0) fp4_moe_mma
                            x + (long long)(ok ? s_rows[t] : 0) * K + ks * 256 + ch * 8, ok);
             }
         };
-        __syncthreads();  // the previous pass's readers are done with the stages
+        // XNAT (x in natural K order): each thread's 2 NT chunks of a step are loaded into registers two steps
+        // ahead, put in the MMA's K order (4 byte permutes a chunk) and stored to the stage one step ahead
+        U4 xr[2 * NT];
+        auto load_x = [&](int ks) {
 #pragma unroll
-        for (int p = 0; p < XSTAGES - 1; ++p) {
-            if (k_lo + p < k_hi) stage_x(k_lo + p, p);
-            cp_async_commit();
+            for (int r = 0; r < 2 * NT; ++r) {
+                const int i = tid + 128 * r, j = i >> 5, ch = i & 31, t = t0 + j;
+                if (t < cnt) xr[r] = ldg_nc(x + (long long)s_rows[t] * K + ks * 256 + ch * 8);
+                else xr[r].x = xr[r].y = xr[r].z = xr[r].w = 0u;
+            }
+        };
+        auto store_x = [&](int st) {
+#pragma unroll
+            for (int r = 0; r < 2 * NT; ++r) {
+                const int i = tid + 128 * r, j = i >> 5, ch = i & 31;
+                U4 v = xr[r], q;  // (x0 x1)(x2 x3)(x4 x5)(x6 x7) -> (x0 x4)(x1 x5)(x2 x6)(x3 x7)
+                q.x = __byte_perm(v.x, v.z, 0x5410);
+                q.y = __byte_perm(v.x, v.z, 0x7632);
+                q.z = __byte_perm(v.y, v.w, 0x5410);
+                q.w = __byte_perm(v.y, v.w, 0x7632);
+                *reinterpret_cast<U4*>(s_x + (st * NT * 8 + j) * XROW + (ch >> 3) * XSEG + (ch & 7) * 16) = q;
+            }
+        };
+        __syncthreads();  // the previous pass's readers are done with the stages
+        if (XNAT) {
+            if (k_lo < k_hi) {
+                load_x(k_lo);
+                store_x(0);
+            }
+            if (k_lo + 1 < k_hi) load_x(k_lo + 1);
+        } else {
+#pragma unroll
+            for (int p = 0; p < XSTAGES - 1; ++p) {
+                if (k_lo + p < k_hi) stage_x(k_lo + p, p);
+                cp_async_commit();
+            }
         }
         const u8* xs = s_x + g * XROW + c * XSEG;  // this lane's token g, column c (+ nt * 8 tokens, + stage)
         float acc[MT][NT][4];
@@ -270,10 +314,15 @@ __global__ void __launch_bounds__(128, (NT == 1 && MT == 2) ? 4 : 0) fp4_moe_mma
 #pragma unroll 2
         for (int ks = k_lo; ks < k_hi; ++ks) {
             const int st = (ks - k_lo) % XSTAGES;
-            cp_async_wait<XSTAGES - 2>();  // this thread's copies of step ks have landed ...
-            __syncthreads();               // ... and everyone's; stage (st - 1) is free again
-            if (ks + XSTAGES - 1 < k_hi) stage_x(ks + XSTAGES - 1, (st + XSTAGES - 1) % XSTAGES);
-            cp_async_commit();  // (an empty group past the end keeps the count per step uniform)
+            if (!XNAT) cp_async_wait<XSTAGES - 2>();  // this thread's copies of step ks have landed ...
+            __syncthreads();  // ... and everyone's (XNAT: stored); stage (st - 1) is free again
+            if (XNAT) {  // (XSTAGES == 2)
+                if (ks + 1 < k_hi) store_x(st ^ 1);
+                if (ks + 2 < k_hi) load_x(ks + 2);
+            } else {
+                if (ks + XSTAGES - 1 < k_hi) stage_x(ks + XSTAGES - 1, (st + XSTAGES - 1) % XSTAGES);
+                cp_async_commit();  // (an empty group past the end keeps the count per step uniform)
+            }
             const u8* xst = xs + st * NT * 8 * XROW;
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
@@ -486,8 +535,9 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor, w
     ids64 = ids.dtype == torch.int64
     if not ids64 and ids.dtype != torch.int32:
         ids, ids64 = ids.to(torch.int32), False
-    # activations in the MMA's K order: within each 8 columns 0 4 1 5 2 6 3 7
-    xp = x.contiguous().view(m, k // 8, 2, 4).transpose(2, 3).contiguous()
+    # activations in the MMA's K order (within each 8 columns 0 4 1 5 2 6 3 7): permuted by the nt = 1 kernels as they
+    # stage them, else by a copy here
+    xp = x.contiguous() if nt == 1 else x.contiguous().view(m, k // 8, 2, 4).transpose(2, 3).contiguous()
     part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
     kern = _kernels(x.device)[(nt, mt, split > 1, ids64)]
     kern(grid=(n_bx, n_slots + 1, split), block=(WARPS * 32, 1, 1),

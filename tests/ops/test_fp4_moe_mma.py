@@ -30,7 +30,7 @@ def _built():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("cfg", ["", "nt=2", "mt=1", "nt=4,mt=1"])
+@pytest.mark.parametrize("cfg", ["", "nt=1", "nt=2", "mt=1", "nt=4,mt=1"])
 @pytest.mark.parametrize("m", [1, 5, 37])
 def test_fp4_moe_mma_random(m, cfg, monkeypatch):
     _built()
@@ -49,12 +49,13 @@ def test_fp4_moe_mma_random(m, cfg, monkeypatch):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("nt", [1, 2])
 @pytest.mark.parametrize("split", [1, 3, 8])
-def test_fp4_moe_mma_split_k_and_passes(split, monkeypatch):
+def test_fp4_moe_mma_split_k_and_passes(split, nt, monkeypatch):
     """K split over 1 / 3 / 8 blocks (partials added in split order by the last to arrive) with three passes of rows
     on one expert (a counter per tile and pass); the counters are zero after every launch."""
     _built()
-    monkeypatch.setenv("ATB_CUDA_FP4_MMA_CFG", f"ctas={split * 1000}")  # many blocks wanted: split as far as allowed
+    monkeypatch.setenv("ATB_CUDA_FP4_MMA_CFG", f"ctas={split * 1000},nt={nt}")  # split as far as allowed
     g = torch.Generator().manual_seed(62)
     e, n, k = 3, 128, 256 * 2 * split
     w, s = _weights("fp4", e, n, k, g)
@@ -67,9 +68,12 @@ def test_fp4_moe_mma_split_k_and_passes(split, monkeypatch):
 
 
 @pytest.mark.cuda
-def test_fp4_moe_mma_edge_cases():
-    """M = 0, one row, ids outside [0, E) (zeros) as int32, every byte value, scales 0 .. 128, large activations."""
+@pytest.mark.parametrize("nt", [1, 2])
+def test_fp4_moe_mma_edge_cases(nt, monkeypatch):
+    """M = 0, one row, ids outside [0, E) (zeros) as int32, every byte value, scales 0 .. 128, large activations;
+    the activations permuted by the kernel as it stages them (nt = 1) or by a copy before it (nt = 2)."""
     _built()
+    monkeypatch.setenv("ATB_CUDA_FP4_MMA_CFG", f"nt={nt}")
     g = torch.Generator().manual_seed(63)
     e, n, k = 4, 128, 512
     w, s = _weights("fp4", e, n, k, g)
