@@ -21,7 +21,12 @@ floor / measured is the "% of HBM floor". "host prepare ms" is the host time of 
 one pinned buffer and their upload in graph mode); scripts/bench_host_step.py splits it into pieces on a CPU.
 "graph replay ms" (graph mode): the step's captured graph replayed back to back, device time only; ms/step adds
 the host work of a step (prepare, launch, the logits' copy-out), which varies from run to run on a shared host.
-With ``--hf`` transformers' eager DeepseekV4ForCausalLM runs the same shapes (BF16) side by side at batch 8.
+``--modes async``: the graph steps chained as the engine runs them with ``--async-scheduling`` (greedy: step N+1
+launched with step N's argmax as its input ids, on the device, before the host waits for step N), ms/step the wall
+time between consecutive steps' results: the host work hides behind the device. With ``--hf`` transformers' eager DeepseekV4ForCausalLM runs the same shapes (BF16) side by side at batch 8.
+
+One script of about 530 lines: the model set-up, the timing loops (synchronised, chained, replay, profiles) and the
+table share the runner and the byte count, and run in one process per GPU call.
 
 Usage: python scripts/bench_decode.py [--batches 1,8,32,64] [--ctx 2048,8192] [--formats bf16,fp8] [--hf]
 """
@@ -146,6 +151,10 @@ def make_runner(model, cfg, batch: int, ctx: int, steps: int, dev, graphs: bool 
                       num_c4_blocks=batch * (-(-(ctx + steps) // 256) + 1),
                       num_c128_blocks=batch * (-(-(ctx + steps) // 1024) + 1))
     runner = ModelRunner(model, sizes, dev, cuda_graphs=graphs, max_graph_batch=batch)
+    if graphs and runner.graphs is None and dev.type == "cpu":  # --toy smoke test: the graph path, uncaptured
+        from ascend_dsv4.engine.cuda_graphs import CudaGraphDecoder
+
+        runner.graphs = CudaGraphDecoder(runner.model, runner.pools, batch)
     seqs = []
     for _ in range(batch):
         s = runner.new_sequence()
@@ -186,6 +195,42 @@ def time_decode(runner, seqs, steps: int, warmup: int, vocab: int, expert_log: l
             prep.append(runner.last_prepare_s)
     HOST_MS.clear()
     HOST_MS.append(statistics.median(prep) * 1e3)
+    return statistics.median(times) * 1e3
+
+
+def time_async(runner, seqs, steps: int, warmup: int, vocab: int) -> float:
+    """Median ms per step of the engine's ``--async-scheduling`` decode loop on the runner alone
+    (``engine/overlap.py``): step N+1 is launched from its captured graph, its input ids step N's argmax fed on the
+    device (``ModelRunner.launch_greedy(after=...)``), before the host waits for step N (``collect``); the
+    pages for the next position are allocated while the device runs. Wall time between consecutive collects:
+    the pace a greedy batch decodes at when the host work hides behind the device. Needs graph mode (None
+    launched: a ValueError)."""
+    g = torch.Generator().manual_seed(2)
+    toks = torch.randint(0, vocab, (len(seqs),), generator=g).tolist()
+    torch.cuda.synchronize()
+    prev = runner.launch_greedy(seqs, [[x] for x in toks])
+    if prev is None:
+        raise ValueError("async mode: the runner launched no captured graph step (graph mode needed)")
+    times, prep, last = [], [], None
+    for i in range(warmup + steps):
+        for s in seqs:  # prev's token is computed (its value stays on the device), as AsyncDecode advances them
+            s.num_tokens += 1
+        nxt = runner.launch_greedy(seqs, after=prev)
+        if nxt is None:
+            raise ValueError("async mode: a chained step could not replay its graph bucket")
+        prep.append(runner.last_prepare_s)
+        runner.collect(prev)
+        for s in seqs:
+            runner.pools.trim(s)
+        t = time.perf_counter()
+        if last is not None and i >= warmup:
+            times.append(t - last)
+        last, prev = t, nxt
+    runner.collect(prev)
+    for s in seqs:
+        s.num_tokens += 1
+    HOST_MS.clear()
+    HOST_MS.append(statistics.median(prep[warmup:]) * 1e3)
     return statistics.median(times) * 1e3
 
 
@@ -355,7 +400,7 @@ def bench_ours(fmt: str, batches, ctxs, steps, warmup, dev, bw, rows, backend, t
         for batch in batches:
             act = None
             for mode in modes:
-                graphs = mode == "graph"
+                graphs = mode in ("graph", "async")
                 try:
                     runner, seqs = make_runner(model, cfg, batch, ctx, warmup + steps + 2, dev, graphs)
                     with atb_ops.use_backend(backend):
@@ -370,11 +415,14 @@ def bench_ours(fmt: str, batches, ctxs, steps, warmup, dev, bw, rows, backend, t
                                 h.remove()
                             act = {lid: len(v) for lid, v in picked.items()}
                             runner.commit(seqs, c)
-                        ms = time_decode(runner, seqs, steps, warmup, cfg.vocab_size)
+                        if mode == "async":
+                            ms = time_async(runner, seqs, steps, warmup, cfg.vocab_size)
+                        else:
+                            ms = time_decode(runner, seqs, steps, warmup, cfg.vocab_size)
                         rep = replay_ms(runner) if graphs else None
-                        if PROFILE and graphs:
+                        if PROFILE and mode == "graph":
                             profile_steps(runner, seqs, cfg.vocab_size, f"{fmt} batch {batch} ctx {ctx}")
-                        if PROFILE_OPS and graphs:
+                        if PROFILE_OPS and mode == "graph":
                             del runner, seqs
                             torch.cuda.empty_cache()
                             profile_ops(model, cfg, batch, ctx, dev, backend, f"{fmt} batch {batch} ctx {ctx}")
@@ -448,7 +496,9 @@ def main() -> None:
     ap.add_argument("--backends", default="cuda", help="comma list of atb_ops backends to time (cuda, reference)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=6)
-    ap.add_argument("--modes", default="eager,graph", help="eager and/or graph (CUDA-graph-captured decode)")
+    ap.add_argument("--modes", default="eager,graph",
+                    help="eager, graph (CUDA-graph-captured decode, each step synchronised) and / or async (graph "
+                         "steps chained as with --async-scheduling: the next launched before the host waits)")
     ap.add_argument("--hf", action="store_true", help="also time transformers eager (bf16, batch 8)")
     ap.add_argument("--out", default=None)
     ap.add_argument("--toy", action="store_true", help="the toy model instead (smoke test of this script)")

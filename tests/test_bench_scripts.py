@@ -1,0 +1,22 @@
+"""Smoke test of scripts/bench_decode.py on the CPU (its --toy mode): the synchronised graph-path step and the chained
+one (``--modes async``, the engine's --async-scheduling loop on the runner) both run and print a row."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_bench_decode_toy_graph_and_async_rows():
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "bench_decode.py"), "--toy", "--device", "cpu",
+           "--modes", "graph,async", "--batches", "2", "--ctx", "64", "--formats", "bf16", "--steps", "2",
+           "--warmup", "1", "--backends", "reference"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    for mode in ("graph", "async"):
+        row = re.search(rf"^\| ours \(reference, {mode}\) \| bf16 \| 2 \| 64 \| ([0-9.]+) \|", out.stdout, re.M)
+        assert row and float(row.group(1)) > 0, out.stdout
