@@ -48,11 +48,17 @@ The K loop is unrolled twice (``#pragma unroll 2``; ptxas then spills nothing at
 bound). Session 17 made three changes: the activations in shared memory, the unrolled loop and the :mod:`.ptx_fp4`
 decoder. On a lent H200, with all three, the kernel ran 1.10-1.16x as fast as session 16's at 8-64 tokens x top-6
 (w13 at 8 / 32 tokens: 62 -> 68 / 65 -> 71 % of the copy bandwidth). At one token it was 4-6 % slower for w13 and as
-fast for w2 (scripts/bench_results/h200_session17.txt).
+fast for w2 (scripts/bench_results/h200_session17.txt). Session 23: the (1, 2) tile's K loop is written once per step
+parity (two register sets of weights that swap roles: the 36 register copies a step are gone) and every tile makes
+a scale pair with one ``prmt`` and one multiply-add; the loop then issues 833 instead of 893 instructions a step
+(SASS of the (1, 2) tile from NVRTC 12.9; 608 of them the decode). On an H200, against the previous code in the same
+call: 1.02-1.06x at 8-32 tokens, 1.03-1.04x at one, 1.01x at 64. The parity loop in every tile (an earlier
+form, built by NVRTC 12.9) made the one-token tile (1, 1) 10-12 % slower for w13 / w2 and the (2, 2) tile at 64
+tokens 1-2 % slower, so only (1, 2) has it (scripts/bench_results/h200_session23.txt).
 
-The CUDA source and the launcher that sizes its grid stay one module of about 550 lines, most of them the kernel (the
-launch arguments follow the kernel's template parameters line by line); the NVRTC build and its disk cache are :mod:`.nvrtc`'s. The decoder PTX lives apart
-(:mod:`.ptx_fp4`) because it is tested apart, on the CPU.
+The CUDA source and the launcher that sizes its grid stay one module of about 580 lines, most of them the kernel
+(the launch arguments follow the kernel's template parameters line by line); the NVRTC build and its disk cache are
+:mod:`.nvrtc`'s. The decoder PTX lives apart (:mod:`.ptx_fp4`) because it is tested apart, on the CPU.
 """
 
 from __future__ import annotations
@@ -72,8 +78,8 @@ ROWS_PER_WARP_TILE = 16
 WARPS = 4
 MAX_ROWS = 1024  # rows of one call (the block keeps the ids and its expert's rows in shared memory)
 MAX_EXPERTS = 1024  # one bit per expert in a 32-word bitmap
-# K steps of activations in shared memory, copied X_STAGES - 1 steps ahead. 3 measured no faster on an H200; NT = 4
-# keeps 2 (48 KB of static shared memory)
+# K steps of activations in shared memory, copied one step ahead (3 stages measured no faster on an H200, session 17;
+# the K loop's body is written per step parity since session 23, so the count is fixed)
 X_STAGES = 2
 X_SEG = 144  # bytes per (token, lane column) segment: 128 + 16 padding (bank spread)
 X_ROW = 4 * X_SEG  # bytes per token and K step
@@ -142,10 +148,10 @@ __device__ __forceinline__ u16 to_bf16(float v) {
     return r;
 }
 
-// bf16x2 of 2^(s - 1) for E8M0 byte s <= 128: bits (s + 126) << 7 in both halves
-__device__ __forceinline__ u32 scale2(u32 s) {
-    u32 b = (s + 126u) << 7;
-    return b | (b << 16);
+// bf16x2 of 2^(s - 1) for E8M0 byte s = byte `half` of sv, s <= 128: bits (s + 126) << 7 in both halves (a byte
+// permute puts s in both halves' low bytes, one multiply-add shifts and rebiases both: no carry, s + 126 < 512)
+__device__ __forceinline__ u32 scale2b(u32 sv, int half) {
+    return __byte_perm(sv, 0u, half ? 0x4141u : 0x4040u) * 128u + 0x3F003F00u;
 }
 
 // (NT, MT) = (1, 2), the decode step's tile at <= 3 rows per expert, is held to 128 registers: 4 blocks per SM
@@ -167,6 +173,9 @@ __global__ void __launch_bounds__(128, (NT == 1 && MT == 2) ? 4 : 0) fp4_moe_mma
     const int g = lane >> 2, c = lane & 3;
     const int slot = blockIdx.y, split = blockIdx.z;
     constexpr bool XNAT = NT == 1;  // x in natural K order, permuted here (else by a copy before the launch)
+    // the K loop written per step parity (no register copies between steps): faster for the (1, 2) tile, the decode
+    // step's at 8-32 tokens x top-6; slower for (1, 1) at one token and for (2, 2) (H200, session 23)
+    constexpr bool PARITY = NT == 1 && MT == 2;
     const int words = (E + 31) >> 5;
 
     // ---- this slot's expert and its rows
@@ -299,56 +308,15 @@ __global__ void __launch_bounds__(128, (NT == 1 && MT == 2) ? 4 : 0) fp4_moe_mma
 #pragma unroll
                 for (int i = 0; i < 4; ++i) acc[mt][nt][i] = 0.f;
 
-        U4 wv[MT][2][2], wn[MT][2][2];
-        u32 sv[MT][2], sn[MT][2];
-        if (k_lo < k_hi) {
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    wn[mt][h][0] = ldg_stream(wrow[mt][h] + k_lo * 128);
-                    wn[mt][h][1] = ldg_stream(wrow[mt][h] + k_lo * 128 + 16);
-                    sn[mt][h] = ldg_u16(srow[mt][h] + k_lo * 8);
-                }
-        }
-#pragma unroll 2
-        for (int ks = k_lo; ks < k_hi; ++ks) {
-            const int st = (ks - k_lo) % XSTAGES;
-            if (!XNAT) cp_async_wait<XSTAGES - 2>();  // this thread's copies of step ks have landed ...
-            __syncthreads();  // ... and everyone's (XNAT: stored); stage (st - 1) is free again
-            if (XNAT) {  // (XSTAGES == 2)
-                if (ks + 1 < k_hi) store_x(st ^ 1);
-                if (ks + 2 < k_hi) load_x(ks + 2);
-            } else {
-                if (ks + XSTAGES - 1 < k_hi) stage_x(ks + XSTAGES - 1, (st + XSTAGES - 1) % XSTAGES);
-                cp_async_commit();  // (an empty group past the end keeps the count per step uniform)
-            }
-            const u8* xst = xs + st * NT * 8 * XROW;
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int h = 0; h < 2; ++h) {
-                    wv[mt][h][0] = wn[mt][h][0];
-                    wv[mt][h][1] = wn[mt][h][1];
-                    sv[mt][h] = sn[mt][h];
-                }
-            if (ks + 1 < k_hi) {  // the next step's weights in flight while this one is decoded
-#pragma unroll
-                for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                    for (int h = 0; h < 2; ++h) {
-                        wn[mt][h][0] = ldg_stream(wrow[mt][h] + (ks + 1) * 128);
-                        wn[mt][h][1] = ldg_stream(wrow[mt][h] + (ks + 1) * 128 + 16);
-                        sn[mt][h] = ldg_u16(srow[mt][h] + (ks + 1) * 8);
-                    }
-            }
+        // one K step: the weights wv and scales sv of each row, the activations of stage xst
+        auto compute = [&](const U4 (&wv)[MT][2][2], const u32 (&sv)[MT][2], const u8* xst) {
 #pragma unroll
             for (int half = 0; half < 2; ++half) {  // 32 codes = one scale group per row
                 u32 sc[MT][2];
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-                    for (int h = 0; h < 2; ++h) sc[mt][h] = scale2((sv[mt][h] >> (8 * half)) & 0xFFu);
+                    for (int h = 0; h < 2; ++h) sc[mt][h] = scale2b(sv[mt][h], half);
 #pragma unroll
                 for (int wd = 0; wd < 4; ++wd) {  // word: 8 codes of each row -> 2 MMAs per row tile
                     U4 xb[NT];
@@ -371,6 +339,64 @@ __global__ void __launch_bounds__(128, (NT == 1 && MT == 2) ? 4 : 0) fp4_moe_mma
                         }
                     }
                 }
+            }
+        };
+        auto load_w = [&](int ks, U4 (&wd)[MT][2][2], u32 (&sd)[MT][2]) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    wd[mt][h][0] = ldg_stream(wrow[mt][h] + ks * 128);
+                    wd[mt][h][1] = ldg_stream(wrow[mt][h] + ks * 128 + 16);
+                    sd[mt][h] = ldg_u16(srow[mt][h] + ks * 8);
+                }
+        };
+        // the step's barrier, then the activations of step ks + 1 staged (stage st ^ 1) while step ks is computed
+        auto stage_next = [&](int ks, int st) {
+            if (!XNAT) cp_async_wait<XSTAGES - 2>();  // this thread's copies of step ks have landed ...
+            __syncthreads();  // ... and everyone's (XNAT: stored); stage (st - 1) is free again
+            if (XNAT) {
+                if (ks + 1 < k_hi) store_x(st ^ 1);
+                if (ks + 2 < k_hi) load_x(ks + 2);
+            } else {
+                if (ks + 1 < k_hi) stage_x(ks + 1, st ^ 1);
+                cp_async_commit();  // (an empty group past the end keeps the count per step uniform)
+            }
+        };
+        if constexpr (PARITY) {
+            // weights and scales of two K steps (the one decoded, the next in flight) by step parity: the loop body
+            // is inlined once per parity, so the buffers swap roles without register copies and the stage is a
+            // constant offset
+            U4 wb[2][MT][2][2];
+            u32 sb2[2][MT][2];
+            if (k_lo < k_hi) load_w(k_lo, wb[0], sb2[0]);
+            auto kstep = [&](int ks, const int st) {  // st: 0 / 1, a literal at both calls (inlined)
+                stage_next(ks, st);
+                if (ks + 1 < k_hi) load_w(ks + 1, wb[st ^ 1], sb2[st ^ 1]);  // in flight while this one is decoded
+                compute(wb[st], sb2[st], xs + st * NT * 8 * XROW);
+            };
+            for (int ks = k_lo; ks < k_hi; ks += 2) {
+                kstep(ks, 0);
+                if (ks + 1 < k_hi) kstep(ks + 1, 1);
+            }
+        } else {
+            U4 wv[MT][2][2], wn[MT][2][2];
+            u32 sv[MT][2], sn[MT][2];
+            if (k_lo < k_hi) load_w(k_lo, wn, sn);
+#pragma unroll 2
+            for (int ks = k_lo; ks < k_hi; ++ks) {
+                const int st = (ks - k_lo) & 1;
+                stage_next(ks, st);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        wv[mt][h][0] = wn[mt][h][0];
+                        wv[mt][h][1] = wn[mt][h][1];
+                        sv[mt][h] = sn[mt][h];
+                    }
+                if (ks + 1 < k_hi) load_w(ks + 1, wn, sn);  // the next step's weights in flight while this one is decoded
+                compute(wv, sv, xs + st * NT * 8 * XROW);
             }
         }
 
@@ -430,7 +456,7 @@ def _source() -> str:
     ptx = _DECODE.strip()
     body = "\\n\"\n\"".join(line.strip() for line in ptx.splitlines())
     return (_SRC.replace("DECODE_PTX", '"' + body + '\\n"').replace("WARPS_", str(WARPS))
-            .replace("XSTAGES", f"(NT >= 4 ? 2 : {X_STAGES})").replace("XROW", str(X_ROW)).replace("XSEG", str(X_SEG)))
+            .replace("XSTAGES", str(X_STAGES)).replace("XROW", str(X_ROW)).replace("XSEG", str(X_SEG)))
 
 
 # ---- build (NVRTC, :mod:`.nvrtc`) ----------------------------------------------------------------------------
