@@ -30,7 +30,7 @@ def _built():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("cfg", ["", "nt=1", "nt=2", "mt=1", "nt=4,mt=1"])
+@pytest.mark.parametrize("cfg", ["", "nt=1", "nt=2", "mt=1", "nt=4,mt=1", "nt=1,mt=2", "nt=2,mt=2"])
 @pytest.mark.parametrize("m", [1, 5, 37])
 def test_fp4_moe_mma_random(m, cfg, monkeypatch):
     _built()
@@ -49,15 +49,18 @@ def test_fp4_moe_mma_random(m, cfg, monkeypatch):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("nt", [1, 2])
+@pytest.mark.parametrize("tile", [(1, 1), (2, 1), (1, 2)])
 @pytest.mark.parametrize("split", [1, 3, 8])
-def test_fp4_moe_mma_split_k_and_passes(split, nt, monkeypatch):
-    """K split over 1 / 3 / 8 blocks (partials added in split order by the last to arrive) with three passes of rows
-    on one expert (a counter per tile and pass); the counters are zero after every launch."""
+def test_fp4_moe_mma_split_k_and_passes(split, tile, monkeypatch):
+    """K split as far as allowed (partials added in split order by the last to arrive): 3 steps unsplit, 9 steps in 3
+    blocks of 3, 24 steps in 12 blocks of 2; three passes of rows on one expert (a counter per tile and pass); the
+    counters are zero after every launch. Tiles (nt, mt): (1, 2) runs its K loop per step parity (odd step counts
+    here), the others step by step."""
     _built()
-    monkeypatch.setenv("ATB_CUDA_FP4_MMA_CFG", f"ctas={split * 1000},nt={nt}")  # split as far as allowed
+    nt, mt = tile
+    monkeypatch.setenv("ATB_CUDA_FP4_MMA_CFG", f"ctas={split * 1000},nt={nt},mt={mt}")  # split as far as allowed
     g = torch.Generator().manual_seed(62)
-    e, n, k = 3, 128, 256 * 2 * split
+    e, n, k = 3, 128, 256 * 3 * split
     w, s = _weights("fp4", e, n, k, g)
     x = torch.randn(40, k, generator=g).to(DEV, torch.bfloat16)
     ids = _ids(40, e, g)
@@ -68,12 +71,13 @@ def test_fp4_moe_mma_split_k_and_passes(split, nt, monkeypatch):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("nt", [1, 2])
-def test_fp4_moe_mma_edge_cases(nt, monkeypatch):
+@pytest.mark.parametrize("cfg", ["nt=1", "nt=2", "nt=1,mt=2"])
+def test_fp4_moe_mma_edge_cases(cfg, monkeypatch):
     """M = 0, one row, ids outside [0, E) (zeros) as int32, every byte value, scales 0 .. 128, large activations;
-    the activations permuted by the kernel as it stages them (nt = 1) or by a copy before it (nt = 2)."""
+    the activations permuted by the kernel as it stages them (nt = 1) or by a copy before it (nt = 2); the (1, 2)
+    tile's K loop per step parity."""
     _built()
-    monkeypatch.setenv("ATB_CUDA_FP4_MMA_CFG", f"nt={nt}")
+    monkeypatch.setenv("ATB_CUDA_FP4_MMA_CFG", cfg)
     g = torch.Generator().manual_seed(63)
     e, n, k = 4, 128, 512
     w, s = _weights("fp4", e, n, k, g)
