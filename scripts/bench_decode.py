@@ -23,7 +23,8 @@ one pinned buffer and their upload in graph mode); scripts/bench_host_step.py sp
 the host work of a step (prepare, launch, the logits' copy-out), which varies from run to run on a shared host.
 ``--modes async``: the graph steps chained as the engine runs them with ``--async-scheduling`` (greedy: step N+1
 launched with step N's argmax as its input ids, on the device, before the host waits for step N), ms/step the wall
-time between consecutive steps' results: the host work hides behind the device. With ``--hf`` transformers' eager DeepseekV4ForCausalLM runs the same shapes (BF16) side by side at batch 8.
+time between consecutive steps' results: the host work hides behind the device. With ``--hf`` transformers' eager
+DeepseekV4ForCausalLM runs the same shapes (BF16) side by side at batch 8.
 
 One script of about 530 lines: the model set-up, the timing loops (synchronised, chained, replay, profiles) and the
 table share the runner and the byte count, and run in one process per GPU call.

@@ -395,7 +395,7 @@ __global__ void __launch_bounds__(128, (NT == 1 && MT == 2) ? 4 : 0) fp4_moe_mma
                         wv[mt][h][1] = wn[mt][h][1];
                         sv[mt][h] = sn[mt][h];
                     }
-                if (ks + 1 < k_hi) load_w(ks + 1, wn, sn);  // the next step's weights in flight while this one is decoded
+                if (ks + 1 < k_hi) load_w(ks + 1, wn, sn);  // in flight while this step is decoded
                 compute(wv, sv, xs + st * NT * 8 * XROW);
             }
         }
