@@ -370,6 +370,9 @@ def main() -> None:
     ap.add_argument("--fp4mma-variants", default=None,
                     help="';'-separated ATB_CUDA_FP4_MMA_CFG settings of the CUDA C fp4 MoE kernel (fp4_moe_mma.py), "
                          "each its own row ('' = its defaults)")
+    ap.add_argument("--fp4f16-variants", default=None,
+                    help="';'-separated ATB_CUDA_FP4_MMA_CFG settings of the float16-MMA fp4 MoE kernel "
+                         "(fp4_moe_f16.py), each its own row ('' = its defaults)")
     ap.add_argument("--gemm-paths", default=None,
                     help="','-separated subset of the GEMM paths to time (tiled,decode,tc,tcl,auto); default all "
                          "but auto")
@@ -394,6 +397,8 @@ def main() -> None:
         FP4_MOE_PATHS.append("[gemm=auto]")
     if a.fp4mma_variants is not None:
         FP4_MOE_PATHS.extend(f"[gemm=fp4mma cfg={v}]" if v else "[gemm=fp4mma]" for v in a.fp4mma_variants.split(";"))
+    if a.fp4f16_variants is not None:
+        FP4_MOE_PATHS.extend(f"[gemm=fp4f16 cfg={v}]" if v else "[gemm=fp4f16]" for v in a.fp4f16_variants.split(";"))
     dev = torch.device("cuda")
     name = torch.cuda.get_device_name(dev)
     ceil = ceilings(dev)
@@ -413,7 +418,7 @@ def main() -> None:
         tc_cfg = gm and gm.group(1) == "tc" and gm.group(3)
         tcl_cfg = gm and gm.group(1) == "tcl" and gm.group(3)
         moe_cfg = gm and gm.group(1) == "fp4moe" and gm.group(3)
-        mma_cfg = gm and gm.group(1) == "fp4mma" and gm.group(3)
+        mma_cfg = gm and gm.group(1) in ("fp4mma", "fp4f16") and gm.group(3)
         for var, val in (("ATB_CUDA_DECODE_BM", gm and gm.group(2)),
                          ("ATB_CUDA_DECODE_CFG", gm and gm.group(1) == "decode" and gm.group(3)),
                          ("ATB_CUDA_TC_CFG", tc_cfg), ("ATB_CUDA_TCL_CFG", tcl_cfg), ("ATB_CUDA_FP4_MOE_CFG", moe_cfg),

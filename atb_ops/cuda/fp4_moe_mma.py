@@ -40,9 +40,10 @@ order of summation.
 
 Built at first use with NVRTC (``torch.cuda._utils``: the CUDA runtime compiler torch loads; no CUDA toolkit
 needed) for the device's compute capability (sm_80+: ``mma.sync`` bf16; ``fma.rn.bf16x2``); unavailable builds
-fall back to :mod:`.gemm_fp4_moe` (``available``). :mod:`.gemm` routes fp4 MoE calls here by default (since session
-15: the decode step measured faster with it and its graph-vs-eager tests passed); ``ATB_CUDA_FP4_MOE=new`` keeps
-the Triton kernel.
+fall back to :mod:`.gemm_fp4_moe` (``available``). :mod:`.gemm` routes fp4 MoE calls of up to 3 rows per expert
+here by default (since session 15: the decode step measured faster with it and its graph-vs-eager tests passed; since
+session 24, calls of more rows per expert go to :mod:`.fp4_moe_f16`, 1.04-1.06x as fast there);
+``ATB_CUDA_FP4_MOE=bf16`` sends every call here, ``=new`` keeps the Triton kernel.
 
 The K loop is unrolled twice (``#pragma unroll 2``; ptxas then spills nothing at the (1, 2) tile's 128-register
 bound). Session 17 made three changes: the activations in shared memory, the unrolled loop and the :mod:`.ptx_fp4`
@@ -56,14 +57,17 @@ call: 1.02-1.06x at 8-32 tokens, 1.03-1.04x at one, 1.01x at 64. The parity loop
 form, built by NVRTC 12.9) made the one-token tile (1, 1) 10-12 % slower for w13 / w2 and the (2, 2) tile at 64
 tokens 1-2 % slower, so only (1, 2) has it (scripts/bench_results/h200_session23.txt).
 
-The CUDA source and the launcher that sizes its grid stay one module of about 580 lines, most of them the kernel
-(the launch arguments follow the kernel's template parameters line by line); the NVRTC build and its disk cache are
-:mod:`.nvrtc`'s. The decoder PTX lives apart (:mod:`.ptx_fp4`) because it is tested apart, on the CPU.
+The CUDA source and the launcher that sizes its grid stay one module of about 620 lines, most of them the kernel
+(the launch arguments follow the kernel's template parameters line by line); its helpers, slot prologue and epilogue
+are named pieces of the source (``HELPERS``, ``SLOT_ROWS``, ``EPILOGUE``) that :mod:`.fp4_moe_f16` shares, as it
+shares :func:`launch_plan`; the NVRTC build and its disk cache are :mod:`.nvrtc`'s. The decoder PTX lives apart
+(:mod:`.ptx_fp4`) because it is tested apart, on the CPU.
 """
 
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -86,7 +90,7 @@ X_ROW = 4 * X_SEG  # bytes per token and K step
 
 _DECODE = gd.one_multiply(FP4X8_PTX).replace("$", "%")
 
-_SRC = r"""
+HELPERS = r"""
 typedef unsigned int u32;
 typedef unsigned short u16;
 typedef unsigned char u8;
@@ -154,30 +158,11 @@ __device__ __forceinline__ u32 scale2b(u32 sv, int half) {
     return __byte_perm(sv, 0u, half ? 0x4141u : 0x4040u) * 128u + 0x3F003F00u;
 }
 
-// (NT, MT) = (1, 2), the decode step's tile at <= 3 rows per expert, is held to 128 registers: 4 blocks per SM
-// instead of 3 (session 16: ptxas spilled ~120 bytes under it; since session 17's shared-memory activations and
-// unrolled loop, nothing). On an H200 (scripts/bench_results/h200_session16.txt) that tile then ran
-// 2-4 % faster at 8 tokens x top-6 and 6-8 % at 32; the same bound on the other tiles made them slower (1 token:
-// 12-14 %), so they keep theirs (a minimum of 0 blocks: no bound, as before)
-template <int NT, int MT, bool SPLIT, bool IDS64>
-__global__ void __launch_bounds__(128, (NT == 1 && MT == 2) ? 4 : 0) fp4_moe_mma(
-        const u16* __restrict__ x, const u8* __restrict__ w, const u8* __restrict__ s, const void* __restrict__ ids,
-        u16* __restrict__ out, float* __restrict__ part, int* __restrict__ ctr,
-        int M, int N, int K, int E, int n_slots, int steps_per_split, int n_split, int max_pass) {
-    __shared__ int s_ids[1024];
-    __shared__ int s_rows[1024];
-    __shared__ u32 s_bits[32];
-    __shared__ int s_e, s_cnt, s_nact, s_last;
-    __shared__ __align__(16) u8 s_x[XSTAGES * NT * 8 * XROW];  // the pass's activations, XSTAGES K steps
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int g = lane >> 2, c = lane & 3;
-    const int slot = blockIdx.y, split = blockIdx.z;
-    constexpr bool XNAT = NT == 1;  // x in natural K order, permuted here (else by a copy before the launch)
-    // the K loop written per step parity (no register copies between steps): faster for the (1, 2) tile, the decode
-    // step's at 8-32 tokens x top-6; slower for (1, 1) at one token and for (2, 2) (H200, session 23)
-    constexpr bool PARITY = NT == 1 && MT == 2;
-    const int words = (E + 31) >> 5;
+"""
 
+# the block's expert slot and its rows (s_ids, s_rows, s_bits, s_e, s_cnt, s_nact: shared; e, cnt, row_block);
+# the slot past the last active expert writes the zero rows and returns
+SLOT_ROWS = r"""
     // ---- this slot's expert and its rows
     if (tid < 32) s_bits[tid] = 0u;
     __syncthreads();
@@ -230,7 +215,85 @@ __global__ void __launch_bounds__(128, (NT == 1 && MT == 2) ? 4 : 0) fp4_moe_mma
         return;
     }
 
-    const int K2 = K >> 1, KS = K >> 5;
+"""
+
+# per pass: acc[MT][NT][4] (rows n0 + mt * 16 + g (+ 8), tokens t0 + nt * 8 + 2 c (+ 1)) to out, or to the split
+# partials and the last arriving block adds them
+EPILOGUE = r"""
+        // ---- epilogue: C fragment (row g / g + 8, tokens 2c, 2c + 1)
+        const int tile = (slot * gridDim.x + blockIdx.x) * max_pass + pass;
+        if (SPLIT) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        int t = t0 + nt * 8 + 2 * c + (i & 1);
+                        int n = n0 + mt * 16 + g + 8 * (i >> 1);
+                        if (t < cnt) part[((long long)split * M + s_rows[t]) * N + n] = acc[mt][nt][i];
+                    }
+            __threadfence();
+            __syncthreads();
+            if (tid == 0) s_last = atomicAdd(ctr + tile, 1) == n_split - 1;
+            __syncthreads();
+            if (!s_last) continue;
+            __threadfence();
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        int t = t0 + nt * 8 + 2 * c + (i & 1);
+                        int n = n0 + mt * 16 + g + 8 * (i >> 1);
+                        if (t < cnt) {
+                            long long o = (long long)s_rows[t] * N + n;
+                            float v = 0.f;
+                            for (int sp = 0; sp < n_split; ++sp) v += ld_cg(part + (long long)sp * M * N + o);
+                            out[o] = to_bf16(v);
+                        }
+                    }
+            if (tid == 0) ctr[tile] = 0;
+        } else {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        int t = t0 + nt * 8 + 2 * c + (i & 1);
+                        int n = n0 + mt * 16 + g + 8 * (i >> 1);
+                        if (t < cnt) out[(long long)s_rows[t] * N + n] = to_bf16(acc[mt][nt][i]);
+                    }
+        }
+"""
+
+_SRC = HELPERS + (
+    r"""// (NT, MT) = (1, 2), the decode step's tile at <= 3 rows per expert, is held to 128 registers: 4 blocks per SM
+// instead of 3 (session 16: ptxas spilled ~120 bytes under it; since session 17's shared-memory activations and
+// unrolled loop, nothing). On an H200 (scripts/bench_results/h200_session16.txt) that tile then ran
+// 2-4 % faster at 8 tokens x top-6 and 6-8 % at 32; the same bound on the other tiles made them slower (1 token:
+// 12-14 %), so they keep theirs (a minimum of 0 blocks: no bound, as before)
+template <int NT, int MT, bool SPLIT, bool IDS64>
+__global__ void __launch_bounds__(128, (NT == 1 && MT == 2) ? 4 : 0) fp4_moe_mma(
+        const u16* __restrict__ x, const u8* __restrict__ w, const u8* __restrict__ s, const void* __restrict__ ids,
+        u16* __restrict__ out, float* __restrict__ part, int* __restrict__ ctr,
+        int M, int N, int K, int E, int n_slots, int steps_per_split, int n_split, int max_pass) {
+    __shared__ int s_ids[1024];
+    __shared__ int s_rows[1024];
+    __shared__ u32 s_bits[32];
+    __shared__ int s_e, s_cnt, s_nact, s_last;
+    __shared__ __align__(16) u8 s_x[XSTAGES * NT * 8 * XROW];  // the pass's activations, XSTAGES K steps
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, c = lane & 3;
+    const int slot = blockIdx.y, split = blockIdx.z;
+    constexpr bool XNAT = NT == 1;  // x in natural K order, permuted here (else by a copy before the launch)
+    // the K loop written per step parity (no register copies between steps): faster for the (1, 2) tile, the decode
+    // step's at 8-32 tokens x top-6; slower for (1, 1) at one token and for (2, 2) (H200, session 23)
+    constexpr bool PARITY = NT == 1 && MT == 2;
+    const int words = (E + 31) >> 5;
+""" + SLOT_ROWS + r"""    const int K2 = K >> 1, KS = K >> 5;
     const int steps = K / 256;
     const int k_lo = split * steps_per_split;
     const int k_hi = min(k_lo + steps_per_split, steps);
@@ -399,64 +462,21 @@ __global__ void __launch_bounds__(128, (NT == 1 && MT == 2) ? 4 : 0) fp4_moe_mma
                 compute(wv, sv, xs + st * NT * 8 * XROW);
             }
         }
-
-        // ---- epilogue: C fragment (row g / g + 8, tokens 2c, 2c + 1)
-        const int tile = (slot * gridDim.x + blockIdx.x) * max_pass + pass;
-        if (SPLIT) {
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        int t = t0 + nt * 8 + 2 * c + (i & 1);
-                        int n = n0 + mt * 16 + g + 8 * (i >> 1);
-                        if (t < cnt) part[((long long)split * M + s_rows[t]) * N + n] = acc[mt][nt][i];
-                    }
-            __threadfence();
-            __syncthreads();
-            if (tid == 0) s_last = atomicAdd(ctr + tile, 1) == n_split - 1;
-            __syncthreads();
-            if (!s_last) continue;
-            __threadfence();
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        int t = t0 + nt * 8 + 2 * c + (i & 1);
-                        int n = n0 + mt * 16 + g + 8 * (i >> 1);
-                        if (t < cnt) {
-                            long long o = (long long)s_rows[t] * N + n;
-                            float v = 0.f;
-                            for (int sp = 0; sp < n_split; ++sp) v += ld_cg(part + (long long)sp * M * N + o);
-                            out[o] = to_bf16(v);
-                        }
-                    }
-            if (tid == 0) ctr[tile] = 0;
-        } else {
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-                for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        int t = t0 + nt * 8 + 2 * c + (i & 1);
-                        int n = n0 + mt * 16 + g + 8 * (i >> 1);
-                        if (t < cnt) out[(long long)s_rows[t] * N + n] = to_bf16(acc[mt][nt][i]);
-                    }
-        }
-    }
+""" + EPILOGUE + r"""    }
 }
-"""
+""")
+
+
+def fill(src: str) -> str:
+    """``src`` with the decoder PTX and the block size filled in (also :mod:`.fp4_moe_w4a8`'s, which shares the
+    helpers, the slot prologue and the epilogue)."""
+    ptx = _DECODE.strip()
+    body = "\\n\"\n\"".join(line.strip() for line in ptx.splitlines())
+    return src.replace("DECODE_PTX", '"' + body + '\\n"').replace("WARPS_", str(WARPS))
 
 
 def _source() -> str:
-    ptx = _DECODE.strip()
-    body = "\\n\"\n\"".join(line.strip() for line in ptx.splitlines())
-    return (_SRC.replace("DECODE_PTX", '"' + body + '\\n"').replace("WARPS_", str(WARPS))
-            .replace("XSTAGES", str(X_STAGES)).replace("XROW", str(X_ROW)).replace("XSEG", str(X_SEG)))
+    return fill(_SRC).replace("XSTAGES", str(X_STAGES)).replace("XROW", str(X_ROW)).replace("XSEG", str(X_SEG))
 
 
 # ---- build (NVRTC, :mod:`.nvrtc`) ----------------------------------------------------------------------------
@@ -489,15 +509,18 @@ def available(device: torch.device) -> bool:
     return PROGRAM.available(device)
 
 
-def eligible(x: torch.Tensor, w_scale: torch.Tensor | None, rows: int) -> bool:
+def shape_ok(x: torch.Tensor, w_scale: torch.Tensor | None, rows: int) -> bool:
     """bfloat16 x on a CUDA device, fp4 weights with E8M0 scales [E, N, K/32]: N a multiple of 256 (the largest
-    block: 64 x 4 rows), K of 256, 1..MAX_ROWS rows, at most MAX_EXPERTS experts, every scale byte <= 128 (one
-    multiply decodes a pair: :func:`.gemm_decode.small_scales`)."""
+    block: 64 x 4 rows), K of 256, 1..MAX_ROWS rows, at most MAX_EXPERTS experts (also :mod:`.fp4_moe_f16`'s)."""
     if w_scale is None or w_scale.dim() != 3 or not (w_scale.dtype == torch.uint8 or "e8m0" in str(w_scale.dtype)):
         return False
     return (x.is_cuda and x.dtype == torch.bfloat16 and 0 < rows <= MAX_ROWS and x.shape[-1] % K_STEP == 0
-            and w_scale.shape[0] <= MAX_EXPERTS and w_scale.shape[1] % (WARPS * ROWS_PER_WARP_TILE * 4) == 0
-            and gd.small_scales(w_scale))
+            and w_scale.shape[0] <= MAX_EXPERTS and w_scale.shape[1] % (WARPS * ROWS_PER_WARP_TILE * 4) == 0)
+
+
+def eligible(x: torch.Tensor, w_scale: torch.Tensor | None, rows: int) -> bool:
+    """:func:`shape_ok` and every scale byte <= 128 (one multiply decodes a pair: :func:`.gemm_decode.small_scales`)."""
+    return shape_ok(x, w_scale, rows) and gd.small_scales(w_scale)
 
 
 def _cfg(m: int, n: int, n_slots: int, device: torch.device) -> dict:
@@ -537,20 +560,32 @@ def _overrides() -> dict:
     return out
 
 
-def grouped_matmul(x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
-    """out[m] = x[m] @ W[expert_ids[m]]^T for bfloat16 x [M, K] over fp4 experts w [E, N, K/2] with E8M0 scales
-    [E, N, K/32] (callers check :func:`eligible`); bfloat16 [M, N]; rows with an id outside [0, E) are zeros."""
+class LaunchPlan(NamedTuple):
+    """How a call is cut: tile (nt, mt), passes, grid (row blocks, expert slots + 1, K splits), K steps per split,
+    the arrival counters (None: no split) and the expert ids as the kernel reads them (int32 or int64)."""
+    nt: int
+    mt: int
+    n_slots: int
+    max_pass: int
+    split: int
+    sps: int
+    grid: tuple
+    ctr: torch.Tensor | None
+    ids: torch.Tensor
+    ids64: bool
+
+
+def launch_plan(x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor, max_mt: int = 4) -> LaunchPlan:
+    """The launch of x [M, K] over experts w [E, N, ...] (:func:`_cfg`, mt at most ``max_mt``: the built tiles):
+    K split while the blocks would not fill ``ctas`` per SM (at least 2 steps a split; only where the counters
+    cover every tile)."""
     m, k = x.shape
     n_exp, n = w.shape[0], w.shape[1]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m == 0 or n == 0:
-        return out
     n_slots = max(1, min(n_exp, m))
     cfg = _cfg(m, n, n_slots, x.device)
-    mt, nt = cfg["mt"], cfg["nt"]
+    mt, nt = min(cfg["mt"], max_mt), cfg["nt"]
     max_pass = -(-m // (8 * nt))
-    rows_blk = WARPS * ROWS_PER_WARP_TILE * mt
-    n_bx = n // rows_blk
+    n_bx = n // (WARPS * ROWS_PER_WARP_TILE * mt)
     steps = k // K_STEP
     ctr = tc._counters(x.device) if n_bx * (n_slots + 1) * max_pass <= tc.CTR_SIZE else None
     want = -(-cfg["ctas"] * sm_count(x.device) // (n_bx * n_slots))
@@ -561,13 +596,24 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor, w
     ids64 = ids.dtype == torch.int64
     if not ids64 and ids.dtype != torch.int32:
         ids, ids64 = ids.to(torch.int32), False
+    return LaunchPlan(nt, mt, n_slots, max_pass, split, sps, (n_bx, n_slots + 1, split), ctr, ids, ids64)
+
+
+def grouped_matmul(x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """out[m] = x[m] @ W[expert_ids[m]]^T for bfloat16 x [M, K] over fp4 experts w [E, N, K/2] with E8M0 scales
+    [E, N, K/32] (callers check :func:`eligible`); bfloat16 [M, N]; rows with an id outside [0, E) are zeros."""
+    m, k = x.shape
+    n = w.shape[1]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    p = launch_plan(x, w, expert_ids)
     # activations in the MMA's K order (within each 8 columns 0 4 1 5 2 6 3 7): permuted by the nt = 1 kernels as they
     # stage them, else by a copy here
-    xp = x.contiguous() if nt == 1 else x.contiguous().view(m, k // 8, 2, 4).transpose(2, 3).contiguous()
-    part = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else out
-    kern = _kernels(x.device)[(nt, mt, split > 1, ids64)]
-    kern(grid=(n_bx, n_slots + 1, split), block=(WARPS * 32, 1, 1),
-         args=[xp, w.view(torch.uint8), w_scale.view(torch.uint8), ids, out, part,
-               ctr if ctr is not None else out, m, n, k, n_exp, n_slots, sps, split, max_pass])
+    xp = x.contiguous() if p.nt == 1 else x.contiguous().view(m, k // 8, 2, 4).transpose(2, 3).contiguous()
+    part = torch.empty(p.split, m, n, dtype=torch.float32, device=x.device) if p.split > 1 else out
+    kern = _kernels(x.device)[(p.nt, p.mt, p.split > 1, p.ids64)]
+    kern(grid=p.grid, block=(WARPS * 32, 1, 1),
+         args=[xp, w.view(torch.uint8), w_scale.view(torch.uint8), p.ids, out, part,
+               p.ctr if p.ctr is not None else out, m, n, k, w.shape[0], p.n_slots, p.sps, p.split, p.max_pass])
     return out
-

@@ -17,14 +17,17 @@ Decode-sized calls (bfloat16 activations, few rows per weight) over fp4 / fp8_bl
 :mod:`.gemm_decode` (one pass over the weight bytes, decoded with PTX bit operations, mma.sync on [rows, columns]
 tiles) or :mod:`.gemm_tc` (swap-AB wgmma: weight rows as the MMA's M side, decoded in the A-operand registers)
 instead, fp4 grouped (MoE) calls of up to :data:`FP4_MOE_MAX_ROWS` rows to :mod:`.gemm_fp4_moe`
-(by default the CUDA C kernel of :mod:`.fp4_moe_mma` where it builds and applies, else the Triton kernel:
+(by default the CUDA C kernels where they build and apply -- :mod:`.fp4_moe_f16` above
+:data:`F16_MOE_MIN_ROWS_PER_EXPERT` rows per expert, :mod:`.fp4_moe_mma` otherwise -- else the Triton kernel:
 1.14-1.36x faster at 8-64 tokens on a lent H200; the FP8 + FP4 decode step 7-10 % faster at batch 8 and 2-3 % at 32
-on an H200 and an H100, scripts/bench_results/nccl_h200x4_session15.txt; ``ATB_CUDA_FP4_MOE=new``: the Triton kernel
-only; ``=old``: the previous rules), and large grouped calls to :mod:`.gemm_tc_large` (the same
+on an H200 and an H100, scripts/bench_results/nccl_h200x4_session15.txt; ``ATB_CUDA_FP4_MOE=f16`` / ``=bf16``: one
+of the CUDA C kernels wherever it applies; ``=new``: the Triton kernel only; ``=old``: the previous rules), and large
+grouped calls to :mod:`.gemm_tc_large` (the same
 swap-AB MMA over rows sorted by expert, any row count). fp8_block linears with E8M0 scales of at least
 :data:`DQ_LINEAR_ROWS` rows that would go to the tiled kernel dequantise the weight to bfloat16 (exact,
 :mod:`.dequant_bf16`) and call cuBLAS. ``ATB_CUDA_GEMM`` = ``decode`` / ``tc`` / ``tcl`` / ``fp4moe`` /
-``fp4mma`` / ``dq`` / ``tiled`` forces one path where it applies (benchmarks), ``auto`` (default) selects by shape
+``fp4mma`` / ``fp4f16`` / ``dq`` / ``tiled`` forces one path where it applies (benchmarks), ``auto`` (default)
+selects by shape
 (:data:`TCL_GROUPED_MIN_ROWS`, :data:`TCL_LINEAR_ROWS`, :data:`TC_LINEAR_ROWS`, :data:`TC_GROUPED_MIN_ROWS` /
 ``_MAX_ROWS``, :data:`DECODE_ROWS`).
 """
@@ -38,7 +41,7 @@ import triton
 import triton.language as tl
 
 from .._registry import register
-from . import dequant_bf16, fp4_moe_mma, gemm_decode, gemm_fp4_moe, gemm_tc, gemm_tc_large
+from . import dequant_bf16, fp4_moe_f16, fp4_moe_mma, gemm_decode, gemm_fp4_moe, gemm_tc, gemm_tc_large
 from .group_rows import tile_table
 from .routing import stable_order
 from ._util import INTERPRET, dot_precision, mma, pow2, tl_dtype, pdl_wait, pdl
@@ -72,6 +75,12 @@ TCL_LINEAR_ROWS = {"fp4": 64}
 # bfloat16 in one pass (dequant_bf16.py), then cuBLAS (measured on an H200: scripts/bench_results/h200_session20.txt;
 # ATB_CUDA_DQ_ROWS overrides, read at each call)
 DQ_LINEAR_ROWS = 256
+
+# fp4 grouped (MoE) calls with more rows per expert than this go to the float16-MMA kernel (fp4_moe_f16.py), the
+# others to the bfloat16 one (fp4_moe_mma.py): on a lent H200 the f16 kernel ran 1.04-1.06x as fast at 64 tokens x
+# top-6 (6 rows per expert; two calls), 0.96-1.03x at 8-32 tokens (the decode step unchanged at batch 8 and 32) and
+# 7-18 % slower at one token (scripts/bench_results/h200_session24.txt)
+F16_MOE_MIN_ROWS_PER_EXPERT = 3
 
 # fp4 grouped (MoE) calls of up to this many rows go to fp4_moe_mma.py / gemm_fp4_moe.py unless ATB_CUDA_FP4_MOE=old
 # (measured on the H100: scripts/bench_results/fp4_moe_h100_session4.txt)
@@ -108,12 +117,17 @@ def _path(x: torch.Tensor, fmt: str, w_scale, rows: int, rows_per_weight: float,
         return "fp4moe" if moe else "tiled"
     if mode == "fp4mma":
         return "fp4mma" if moe and _mma_ok(x, w_scale, rows) else "tiled"
+    if mode == "fp4f16":
+        return "fp4f16" if moe and _f16_ok(x, w_scale, rows) else "tiled"
     small = gemm_decode.eligible(x, fmt, w_scale, rows)  # the decode / tc kernels' row limit
     if mode in ("tc", "decode"):
         return mode if small else "tiled"
     moe_impl = os.environ.get("ATB_CUDA_FP4_MOE", "mma")
     if moe and rows <= FP4_MOE_MAX_ROWS and moe_impl != "old":
-        return "fp4mma" if moe_impl == "mma" and _mma_ok(x, w_scale, rows) else "fp4moe"
+        f16 = moe_impl == "f16" or (moe_impl == "mma" and rows_per_weight > F16_MOE_MIN_ROWS_PER_EXPERT)
+        if f16 and _f16_ok(x, w_scale, rows):
+            return "fp4f16"
+        return "fp4mma" if moe_impl in ("mma", "f16", "bf16") and _mma_ok(x, w_scale, rows) else "fp4moe"
     if grouped:
         if rows >= TCL_GROUPED_MIN_ROWS:
             return "tcl"
@@ -129,6 +143,11 @@ def _path(x: torch.Tensor, fmt: str, w_scale, rows: int, rows_per_weight: float,
 def _mma_ok(x: torch.Tensor, w_scale, rows: int) -> bool:
     """Whether fp4_moe_mma.py (the CUDA C kernel built by NVRTC) serves an fp4 MoE call: eligible and built."""
     return fp4_moe_mma.eligible(x, w_scale, rows) and fp4_moe_mma.available(x.device)
+
+
+def _f16_ok(x: torch.Tensor, w_scale, rows: int) -> bool:
+    """Whether fp4_moe_f16.py (the float16-MMA CUDA C kernel) serves an fp4 MoE call: eligible and built."""
+    return fp4_moe_f16.eligible(x, w_scale, rows) and fp4_moe_f16.available(x.device)
 
 
 def _use_decode(x: torch.Tensor, fmt: str, w_scale, rows: int, rows_per_weight: float, grouped: bool = True) -> bool:
@@ -467,6 +486,8 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor, w
         return gemm_fp4_moe.grouped_matmul(x, w, expert_ids, w_scale, fmt)
     if path == "fp4mma":
         return fp4_moe_mma.grouped_matmul(x, w, expert_ids, w_scale)
+    if path == "fp4f16":
+        return fp4_moe_f16.grouped_matmul(x, w, expert_ids, w_scale)
     if path == "tc":
         return gemm_tc.grouped_matmul(x, w, expert_ids, w_scale, fmt)
     if path == "decode":

@@ -391,24 +391,31 @@ def _splits(programs: int, k_steps: int, device: torch.device, per_sm: int = 2) 
     return max(1, min(want, k_steps // 4))
 
 
-_SMALL_SCALES: dict[int, tuple] = {}
+_SCALE_RANGE: dict[int, tuple] = {}
+
+
+def scale_range(w_scale: torch.Tensor) -> tuple[int, int] | None:
+    """(smallest, largest) E8M0 byte of an fp4 scale tensor ((1, 0) when empty). Read once per tensor (and in-place
+    version) with one host synchronisation, then cached (weights are static); None under CUDA-graph capture before
+    the first read (callers then take the path that needs no bound)."""
+    key = id(w_scale)
+    hit = _SCALE_RANGE.get(key)
+    if hit is not None and hit[0]() is w_scale and hit[1] == w_scale._version:
+        return hit[2]
+    if w_scale.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    b = w_scale.view(torch.uint8)
+    rng = (1, 0) if b.numel() == 0 else tuple(int(v) for v in torch.stack([b.min(), b.max()]).tolist())
+    _SCALE_RANGE[key] = (weakref.ref(w_scale, lambda _, k=key: _SCALE_RANGE.pop(k, None)), w_scale._version, rng)
+    return rng
 
 
 def small_scales(w_scale: torch.Tensor) -> bool:
     """Whether every E8M0 byte of an fp4 scale tensor is <= 128 (scales <= 2: one multiply by 2^(s - 1) decodes a
-    weight pair exactly, instead of 2^126 then 2^(s - 127)). Read once per tensor (and in-place version) with one
-    host synchronisation, then cached (weights are static); never read under CUDA-graph capture (the two-multiply
-    decoder is used there until the answer is known)."""
-    key = id(w_scale)
-    hit = _SMALL_SCALES.get(key)
-    if hit is not None and hit[0]() is w_scale and hit[1] == w_scale._version:
-        return hit[2]
-    if w_scale.is_cuda and torch.cuda.is_current_stream_capturing():
-        return False
-    b = w_scale.view(torch.uint8)
-    ok = b.numel() == 0 or int(b.max()) <= 128
-    _SMALL_SCALES[key] = (weakref.ref(w_scale, lambda _, k=key: _SMALL_SCALES.pop(k, None)), w_scale._version, ok)
-    return ok
+    weight pair exactly, instead of 2^126 then 2^(s - 127)); False under capture before the first read
+    (:func:`scale_range`: the two-multiply decoder is used there until the answer is known)."""
+    rng = scale_range(w_scale)
+    return rng is not None and rng[1] <= 128
 
 
 def _config() -> dict:

@@ -1,6 +1,8 @@
-"""The CUDA C FP4 MoE kernel (atb_ops/cuda/fp4_moe_mma.py, built by NVRTC on the GPU).
+"""The CUDA C FP4 MoE kernels (atb_ops/cuda/fp4_moe_mma.py, bfloat16 MMAs, and the cases they share with
+atb_ops/cuda/fp4_moe_f16.py, float16 MMAs: ``kind`` bf16 / f16; the f16 kernel's own cases are in
+test_fp4_moe_f16.py), built by NVRTC on the GPU.
 
-It has no CPU form (no interpreter runs CUDA C), so its cases run on the GPU (``cuda``): every output within one
+They have no CPU form (no interpreter runs CUDA C), so their cases run on the GPU (``cuda``): every output within one
 bfloat16 rounding (plus float32 summation noise) of the exact float64 product (``check_close``), and close to the
 reference op; edge cases: one row, experts with no rows, ids outside [0, E) (zeros), int32 and int64 ids, ragged
 groups and a hot expert (several passes of 8 x NT rows), split-K with its arrival counters left at zero, every
@@ -16,6 +18,7 @@ import torch
 pytest.importorskip("triton")
 
 import atb_ops  # noqa: E402
+from atb_ops.cuda import fp4_moe_f16 as ff  # noqa: E402
 from atb_ops.cuda import fp4_moe_mma as fm  # noqa: E402
 from atb_ops.cuda import gemm_tc as tc  # noqa: E402
 
@@ -24,16 +27,23 @@ from test_gemm_decode import _ids, _weights, _weights_on_device, check_close  # 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _built():
-    if not fm.available(torch.device(DEV)):
-        pytest.fail(f"fp4_moe_mma did not build: {fm.PROGRAM.error}")
+KERNELS = {"bf16": fm, "f16": ff}
+
+
+def _built(kind: str = "bf16"):
+    mod = KERNELS[kind]
+    if not mod.available(torch.device(DEV)):
+        pytest.fail(f"{mod.__name__} did not build: {mod.PROGRAM.error}")
+    return mod
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("cfg", ["", "nt=1", "nt=2", "mt=1", "nt=4,mt=1", "nt=1,mt=2", "nt=2,mt=2"])
+@pytest.mark.parametrize("kind", ["bf16", "f16"])
+@pytest.mark.parametrize("cfg", ["", "nt=1", "nt=2", "nt=4", "mt=1", "nt=4,mt=1", "nt=1,mt=2", "nt=2,mt=2",
+                                 "nt=1,mt=4"])
 @pytest.mark.parametrize("m", [1, 5, 37])
-def test_fp4_moe_mma_random(m, cfg, monkeypatch):
-    _built()
+def test_fp4_moe_mma_random(m, cfg, kind, monkeypatch):
+    fm = _built(kind)
     monkeypatch.setenv("ATB_CUDA_FP4_MMA_CFG", cfg)
     g = torch.Generator().manual_seed(61)
     e, n, k = 5, 256, 768  # experts without rows, K = 3 steps
@@ -49,14 +59,15 @@ def test_fp4_moe_mma_random(m, cfg, monkeypatch):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("tile", [(1, 1), (2, 1), (1, 2)])
+@pytest.mark.parametrize("kind", ["bf16", "f16"])
+@pytest.mark.parametrize("tile", [(1, 1), (2, 1), (1, 2), (4, 1)])
 @pytest.mark.parametrize("split", [1, 3, 8])
-def test_fp4_moe_mma_split_k_and_passes(split, tile, monkeypatch):
+def test_fp4_moe_mma_split_k_and_passes(split, tile, kind, monkeypatch):
     """K split as far as allowed (partials added in split order by the last to arrive): 3 steps unsplit, 9 steps in 3
     blocks of 3, 24 steps in 12 blocks of 2; three passes of rows on one expert (a counter per tile and pass); the
     counters are zero after every launch. Tiles (nt, mt): (1, 2) runs its K loop per step parity (odd step counts
     here), the others step by step."""
-    _built()
+    fm = _built(kind)
     nt, mt = tile
     monkeypatch.setenv("ATB_CUDA_FP4_MMA_CFG", f"ctas={split * 1000},nt={nt},mt={mt}")  # split as far as allowed
     g = torch.Generator().manual_seed(62)
@@ -70,6 +81,34 @@ def test_fp4_moe_mma_split_k_and_passes(split, tile, monkeypatch):
     assert int(tc._counters(x.device).abs().sum()) == 0
 
 
+def check_edge_rows(mod, scale_choices, g, zero_block=False):
+    """``mod``'s kernel on M = 0, on one row, and on 9 rows over weights of every byte value with E8M0 scales drawn
+    from ``scale_choices``, ids outside [0, E) (zero rows) as int32 and an expert without rows (``zero_block``: a
+    128-channel block of one row zero). Returns (weights, scales, x, the ids clamped into range as int64, K)."""
+    e, n, k = 4, 128, 512
+    w, s = _weights("fp4", e, n, k, g)
+    x0 = torch.zeros(0, k, dtype=torch.bfloat16, device=DEV)
+    assert mod.grouped_matmul(x0, w, torch.zeros(0, dtype=torch.long, device=DEV), s).shape == (0, n)
+    x1 = torch.randn(1, k, generator=g).to(DEV, torch.bfloat16)
+    one = torch.tensor([3], device=DEV)
+    check_close(mod.grouped_matmul(x1, w, one, s), x1, w, s, "fp4", one)
+    wb = torch.randint(0, 256, (e, n, k // 2), generator=g, dtype=torch.int32)
+    wb[0, 0] = torch.arange(k // 2) % 256
+    wq = wb.to(torch.uint8).view(torch.int8).to(DEV)
+    choices = torch.tensor(scale_choices, dtype=torch.uint8)
+    sq = choices[torch.randint(0, len(choices), (e, n, k // 32), generator=g)].to(DEV)
+    x = torch.randn(9, k, generator=g)
+    if zero_block:
+        x[4, 128:256] = 0
+    x = x.to(DEV, torch.bfloat16)
+    ids = torch.tensor([0, -1, 2, 4, 2, 1, 7, 0, 2], dtype=torch.int32).to(DEV)  # expert 3: no rows
+    got = mod.grouped_matmul(x, wq, ids, sq)
+    bad = (ids < 0) | (ids >= e)
+    assert bool((got[bad] == 0).all())
+    check_close(got[~bad], x[~bad], wq, sq, "fp4", ids[~bad])
+    return wq, sq, x, ids.clamp(0, e - 1).long(), k
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("cfg", ["nt=1", "nt=2", "nt=1,mt=2"])
 def test_fp4_moe_mma_edge_cases(cfg, monkeypatch):
@@ -79,26 +118,8 @@ def test_fp4_moe_mma_edge_cases(cfg, monkeypatch):
     _built()
     monkeypatch.setenv("ATB_CUDA_FP4_MMA_CFG", cfg)
     g = torch.Generator().manual_seed(63)
-    e, n, k = 4, 128, 512
-    w, s = _weights("fp4", e, n, k, g)
-    x0 = torch.zeros(0, k, dtype=torch.bfloat16, device=DEV)
-    assert fm.grouped_matmul(x0, w, torch.zeros(0, dtype=torch.long, device=DEV), s).shape == (0, n)
-    x1 = torch.randn(1, k, generator=g).to(DEV, torch.bfloat16)
-    one = torch.tensor([3], device=DEV)
-    check_close(fm.grouped_matmul(x1, w, one, s), x1, w, s, "fp4", one)
-    wb = torch.randint(0, 256, (e, n, k // 2), generator=g, dtype=torch.int32)
-    wb[0, 0] = torch.arange(k // 2) % 256
-    wq = wb.to(torch.uint8).view(torch.int8).to(DEV)
-    choices = torch.tensor([0, 1, 2, 60, 100, 120, 126, 127, 128], dtype=torch.uint8)
-    sq = choices[torch.randint(0, len(choices), (e, n, k // 32), generator=g)].to(DEV)
-    x = torch.randn(9, k, generator=g).to(DEV, torch.bfloat16)
-    ids = torch.tensor([0, -1, 2, 4, 2, 1, 7, 0, 2], dtype=torch.int32).to(DEV)  # expert 3: no rows
-    got = fm.grouped_matmul(x, wq, ids, sq)
-    bad = (ids < 0) | (ids >= e)
-    assert bool((got[bad] == 0).all())
-    check_close(got[~bad], x[~bad], wq, sq, "fp4", ids[~bad])
+    wq, sq, x, ids2, k = check_edge_rows(fm, [0, 1, 2, 60, 100, 120, 126, 127, 128], g)
     x2 = (torch.randn(9, k, generator=g) * 2.0**60).to(DEV, torch.bfloat16)
-    ids2 = ids.clamp(0, e - 1).long()
     check_close(fm.grouped_matmul(x2, wq, ids2, sq), x2, wq, sq, "fp4", ids2)
     # a scale byte over 128: not this kernel's (the one-multiply decode would overflow)
     sq[0, 0, 0] = 129
@@ -106,10 +127,11 @@ def test_fp4_moe_mma_edge_cases(cfg, monkeypatch):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["bf16", "f16"])
 @pytest.mark.parametrize("t", [1, 8, 64])
-def test_fp4_moe_mma_real_shapes(t):
+def test_fp4_moe_mma_real_shapes(t, kind):
     """DeepSeek-V4-Flash's expert shapes (w13: 2048 x 4096 here, w2: 4096 x 2048), 64 experts, a hot expert."""
-    _built()
+    fm = _built(kind)
     g = torch.Generator().manual_seed(64)
     e, n, k = 64, 2048, 4096
     w, s = _weights_on_device("fp4", e, n, k, 64)
@@ -124,9 +146,10 @@ def test_fp4_moe_mma_real_shapes(t):
 
 
 @pytest.mark.cuda
-def test_fp4_moe_mma_graph_capture():
+@pytest.mark.parametrize("kind", ["bf16", "f16"])
+def test_fp4_moe_mma_graph_capture(kind):
     """Captured in a CUDA graph (the decode step's), replayed on new inputs: the eager results."""
-    _built()
+    fm = _built(kind)
     g = torch.Generator().manual_seed(65)
     e, n, k = 8, 256, 1024
     w, s = _weights("fp4", e, n, k, g)

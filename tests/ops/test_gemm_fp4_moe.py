@@ -101,21 +101,35 @@ def test_fp4_moe_edge_cases():
 
 
 def test_dispatch_fp4_moe(monkeypatch):
-    """The default (ATB_CUDA_FP4_MOE unset = mma) routes fp4 grouped calls of up to 384 rows to the CUDA C kernel
-    where it applies (fp4_moe_mma.py: CUDA tensors, built) and here otherwise; new: here always; old keeps the
-    previous rules; a forced ATB_CUDA_GEMM path wins."""
+    """The default (ATB_CUDA_FP4_MOE unset = mma) routes fp4 grouped calls of up to 384 rows to the CUDA C kernels
+    where they apply (CUDA tensors, built: fp4_moe_f16.py above 3 rows per expert, fp4_moe_mma.py otherwise) and
+    here otherwise; f16 / bf16: one of them wherever it applies; new: here always; old keeps the previous rules; a
+    forced ATB_CUDA_GEMM path wins."""
     from atb_ops.cuda import gemm
 
     x = torch.zeros(4, 256, dtype=torch.bfloat16)
     s = torch.zeros(8, 8, dtype=torch.uint8)
     monkeypatch.delenv("ATB_CUDA_GEMM", raising=False)
     monkeypatch.delenv("ATB_CUDA_FP4_MOE", raising=False)
-    with monkeypatch.context() as mp:  # where the CUDA C kernel applies
+    with monkeypatch.context() as mp:  # where the CUDA C kernels apply
         mp.setattr(gemm, "_mma_ok", lambda *a: True)
         assert gemm._path(x, "fp4", s, 48, 1.4) == "fp4mma"
+        assert gemm._path(x, "fp4", s, 384, 6) == "fp4mma"  # the f16 kernel does not apply here
         assert gemm._path(x, "fp4", s, 385, 6) != "fp4mma"  # above FP4_MOE_MAX_ROWS
+        mp.setattr(gemm, "_f16_ok", lambda *a: True)
+        assert gemm._path(x, "fp4", s, 48, 1.4) == "fp4mma"  # up to 3 rows per expert: the bfloat16 kernel
+        assert gemm._path(x, "fp4", s, 48, 3) == "fp4mma"
+        assert gemm._path(x, "fp4", s, 384, 6) == "fp4f16"  # more: the float16 one
+        mp.setenv("ATB_CUDA_FP4_MOE", "f16")
+        assert gemm._path(x, "fp4", s, 48, 1.4) == "fp4f16"
+        mp.setenv("ATB_CUDA_FP4_MOE", "bf16")
+        assert gemm._path(x, "fp4", s, 384, 6) == "fp4mma"
         mp.setenv("ATB_CUDA_FP4_MOE", "new")
         assert gemm._path(x, "fp4", s, 48, 1.4) == "fp4moe"
+        mp.setenv("ATB_CUDA_GEMM", "fp4f16")
+        assert gemm._path(x, "fp4", s, 48, 1.4) == "fp4f16"
+        mp.setattr(gemm, "_f16_ok", lambda *a: False)
+        assert gemm._path(x, "fp4", s, 48, 1.4) == "tiled"
     assert gemm._path(x, "fp4", s, 48, 1.4) == "fp4moe"  # a CPU tensor: the CUDA C kernel does not apply
     assert gemm._path(x, "fp4", s, 384, 6) == "fp4moe"
     assert gemm._path(x, "fp8_block", s, 48, 1.4) == "tc"
