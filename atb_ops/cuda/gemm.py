@@ -16,20 +16,17 @@ Dense ``linear`` stays on cuBLAS (torch.matmul), which is the ceiling for that c
 Decode-sized calls (bfloat16 activations, few rows per weight) over fp4 / fp8_block weights go to
 :mod:`.gemm_decode` (one pass over the weight bytes, decoded with PTX bit operations, mma.sync on [rows, columns]
 tiles) or :mod:`.gemm_tc` (swap-AB wgmma: weight rows as the MMA's M side, decoded in the A-operand registers)
-instead, fp4 grouped (MoE) calls of up to :data:`FP4_MOE_MAX_ROWS` rows to :mod:`.gemm_fp4_moe`
-(by default the CUDA C kernels where they build and apply -- :mod:`.fp4_moe_f16` above
-:data:`F16_MOE_MIN_ROWS_PER_EXPERT` rows per expert, :mod:`.fp4_moe_mma` otherwise -- else the Triton kernel:
-1.14-1.36x faster at 8-64 tokens on a lent H200; the FP8 + FP4 decode step 7-10 % faster at batch 8 and 2-3 % at 32
-on an H200 and an H100, scripts/bench_results/nccl_h200x4_session15.txt; ``ATB_CUDA_FP4_MOE=f16`` / ``=bf16``: one
-of the CUDA C kernels wherever it applies; ``=new``: the Triton kernel only; ``=old``: the previous rules), and large
-grouped calls to :mod:`.gemm_tc_large` (the same
-swap-AB MMA over rows sorted by expert, any row count). fp8_block linears with E8M0 scales of at least
-:data:`DQ_LINEAR_ROWS` rows that would go to the tiled kernel dequantise the weight to bfloat16 (exact,
-:mod:`.dequant_bf16`) and call cuBLAS. ``ATB_CUDA_GEMM`` = ``decode`` / ``tc`` / ``tcl`` / ``fp4moe`` /
+instead, fp4 grouped (MoE) calls of up to :data:`FP4_MOE_MAX_ROWS` rows to the CUDA C kernels where they build and
+apply (:mod:`.fp4_moe_f16` above :data:`F16_MOE_MIN_ROWS_PER_EXPERT` rows per expert, :mod:`.fp4_moe_mma` otherwise;
+``ATB_CUDA_FP4_MOE=f16`` / ``=bf16``: one of them wherever it applies), else to the Triton kernel of
+:mod:`.gemm_fp4_moe` (``=new``: that one only; ``=old``: the previous rules; the CUDA C kernel ran 1.14-1.36x as fast
+at 8-64 tokens on a lent H200, scripts/bench_results/nccl_h200x4_session15.txt), and large grouped calls to
+:mod:`.gemm_tc_large` (the same swap-AB MMA over rows sorted by expert, any row count). fp8_block linears with E8M0
+scales of at least :data:`DQ_LINEAR_ROWS` rows that would go to the tiled kernel dequantise the weight to bfloat16
+(exact, :mod:`.dequant_bf16`) and call cuBLAS. ``ATB_CUDA_GEMM`` = ``decode`` / ``tc`` / ``tcl`` / ``fp4moe`` /
 ``fp4mma`` / ``fp4f16`` / ``dq`` / ``tiled`` forces one path where it applies (benchmarks), ``auto`` (default)
-selects by shape
-(:data:`TCL_GROUPED_MIN_ROWS`, :data:`TCL_LINEAR_ROWS`, :data:`TC_LINEAR_ROWS`, :data:`TC_GROUPED_MIN_ROWS` /
-``_MAX_ROWS``, :data:`DECODE_ROWS`).
+selects by shape (:data:`TCL_GROUPED_MIN_ROWS`, :data:`TCL_LINEAR_ROWS`, :data:`TC_LINEAR_ROWS`,
+:data:`TC_GROUPED_MIN_ROWS` / ``_MAX_ROWS``, :data:`DECODE_ROWS`).
 """
 
 from __future__ import annotations
@@ -48,11 +45,8 @@ from ._util import INTERPRET, dot_precision, mma, pow2, tl_dtype, pdl_wait, pdl
 
 _FMT = {"dense": 0, "fp8_block": 1, "fp4": 2}
 
-
-# rows per weight up to which the decode kernel is preferred to the tiled one (measured: see
-# scripts/bench_results/kernels_fp4_h100.txt)
+# rows per weight up to which the decode kernel is preferred to the tiled one (measured: kernels_fp4_h100.txt)
 DECODE_ROWS = {"fp4": 64, "fp8_block": 16}
-
 
 # where the swap-AB tensor-core kernel (gemm_tc.py) is preferred, checked before DECODE_ROWS (measured on the
 # H100: scripts/bench_results/gemm_tc_h100.txt): linears of up to 64 rows (faster than the decode and tiled
@@ -63,27 +57,22 @@ TC_LINEAR_ROWS = 64
 TC_GROUPED_MIN_ROWS = 17
 TC_GROUPED_MAX_ROWS = 384
 
-# where the sorted-rows tensor-core kernel (gemm_tc_large.py, path "tcl") is preferred, checked first (measured on
-# the H100: scripts/bench_results/gemm_h100_session4.txt): grouped calls of at least TCL_GROUPED_MIN_ROWS rows
-# (T = 512 tokens x 6 experts: 1.02-1.47x torch._grouped_mm bf16, 1.4-4.4x the tiled kernel that served them; between
-# 385 and 1024 rows not measured: the old rules), and linears of up to TCL_LINEAR_ROWS[fmt] rows (fp4 at 1 / 32 / 64
-# rows: 5-9 % faster than the tc kernel in both runs; fp8 stays on tc, which was faster)
+# where the sorted-rows tensor-core kernel (gemm_tc_large.py, path "tcl") is preferred, checked first (H100:
+# gemm_h100_session4.txt): grouped calls of at least TCL_GROUPED_MIN_ROWS rows (T = 512 x 6 experts: 1.02-1.47x
+# torch._grouped_mm bf16, 1.4-4.4x the tiled kernel; 385..1024 rows not measured: the old rules), and linears of up
+# to TCL_LINEAR_ROWS[fmt] rows (fp4 at 1 / 32 / 64 rows: 5-9 % faster than tc in both runs; fp8 stays on tc)
 TCL_GROUPED_MIN_ROWS = 1025
 TCL_LINEAR_ROWS = {"fp4": 64}
 
-# fp8_block linears (E8M0 scales, bfloat16 activations) of at least this many rows: the weight dequantised to
-# bfloat16 in one pass (dequant_bf16.py), then cuBLAS (measured on an H200: scripts/bench_results/h200_session20.txt;
-# ATB_CUDA_DQ_ROWS overrides, read at each call)
+# fp8_block linears (E8M0 scales, bfloat16 activations) of at least this many rows: the weight dequantised to bf16
+# in one pass, then cuBLAS (H200: h200_session20.txt; ATB_CUDA_DQ_ROWS overrides, read at each call)
 DQ_LINEAR_ROWS = 256
 
-# fp4 grouped (MoE) calls with more rows per expert than this go to the float16-MMA kernel (fp4_moe_f16.py), the
-# others to the bfloat16 one (fp4_moe_mma.py): on a lent H200 the f16 kernel ran 1.04-1.06x as fast at 64 tokens x
-# top-6 (6 rows per expert; two calls), 0.96-1.03x at 8-32 tokens (the decode step unchanged at batch 8 and 32) and
-# 7-18 % slower at one token (scripts/bench_results/h200_session24.txt)
+# fp4 MoE calls of more rows per expert go to fp4_moe_f16.py, the others to fp4_moe_mma.py (H200: 1.04-1.06x at 64
+# tokens x top-6, 0.96-1.03x at 8-32, 7-18 % slower at one; scripts/bench_results/h200_session24.txt)
 F16_MOE_MIN_ROWS_PER_EXPERT = 3
 
-# fp4 grouped (MoE) calls of up to this many rows go to fp4_moe_mma.py / gemm_fp4_moe.py unless ATB_CUDA_FP4_MOE=old
-# (measured on the H100: scripts/bench_results/fp4_moe_h100_session4.txt)
+# fp4 MoE calls of up to this many rows go to the MoE kernels unless ATB_CUDA_FP4_MOE=old (fp4_moe_h100_session4.txt)
 FP4_MOE_MAX_ROWS = 384
 
 
