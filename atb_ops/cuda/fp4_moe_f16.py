@@ -5,8 +5,8 @@ Same op as :mod:`.fp4_moe_mma` (out[m, :] = x[m, :] @ W[e(m)]^T, bfloat16 x [M, 
 with element 2c in the low nibble of byte c, E8M0 scales uint8 [E, N, K/32]; rows whose id lies outside [0, E)
 are zeros), written against what bounds that kernel: its instruction stream, 73 % of it the e2m1 -> bfloat16
 decode with the scale multiplies (19 operations per 8 codes; 833 instructions per K step at its decode tile,
-scripts/bench_results/h200_session23.txt). Here the K step of the (1, 2) tile is 647 instructions (SASS from NVRTC
-12.9).
+scripts/bench_results/h200_session23.txt). Here the K step of the (1, 2) tile is 639 instructions (SASS from NVRTC
+12.9, the kept 2-step ring; 647 with 3 steps).
 
 - **Weights.** An e2m1 code is the float16 whose high byte is ``sign << 7 | magnitude << 1``, times 2^14 exactly
   (that byte is the e5m2 code of e2m1 x 2^-14; e2m1 0.5 lands on float16's subnormal 2^-15), so a word of 8 codes
@@ -38,7 +38,7 @@ ms, unchanged at 8 and 32. Three ring steps, 4 blocks per SM by a register bound
 (66 registers) were slower. :mod:`.gemm` routes calls of more than :data:`.gemm.F16_MOE_MIN_ROWS_PER_EXPERT` rows
 per expert here.
 
-Numerics: weight codes and scales are exact; x / scale is exact in float16 for every |x| >= amax x 2^-32 of its
+Numerics: weight codes and scales are exact; x / scale is exact in float16 for every |x| >= amax x 2^-31 of its
 block (float16's 11-bit significand holds bfloat16's 8 and its exponent range covers [2^-17, 2^15] of the scaled
 values; below that a value is rounded to float16's subnormal step, an error under 2^-33 of the block's largest
 product -- far below the float32 accumulation's own rounding); products are exact in float32. In
