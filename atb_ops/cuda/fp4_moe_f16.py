@@ -362,7 +362,7 @@ def _scale_kernel(x_ptr, y_ptr, s_ptr, K, PDL: tl.constexpr = False):
 
 def scale_act(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (K a multiple of 256) -> (float16 [M, K] in the kernel's K order, float32 scales [M, K / 128]):
-    x[m, 128 b + i] ~= y[m, position(i)] * scale[m, b] (exact for |x| >= amax x 2^-32 of the block)."""
+    x[m, 128 b + i] ~= y[m, position(i)] * scale[m, b] (exact for |x| >= amax x 2^-31 of the block)."""
     m, k = x.shape
     if k % 256:
         raise ValueError(f"scale_act: K = {k} is not a multiple of 256")

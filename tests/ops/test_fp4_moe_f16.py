@@ -19,15 +19,10 @@ pytest.importorskip("triton")
 import atb_ops  # noqa: E402
 from atb_ops.cuda import fp4_moe_f16 as ff  # noqa: E402
 
-from test_fp4_moe_mma import check_edge_rows  # noqa: E402
+from test_fp4_moe_mma import _built, check_edge_rows  # noqa: E402
 from test_gemm_decode import check_close  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _built():
-    if not ff.available(torch.device(DEV)):
-        pytest.fail(f"fp4_moe_f16 did not build: {ff.PROGRAM.error}")
 
 
 @pytest.mark.parametrize("scale", [1.0, 2.0**-40, 2.0**60])
@@ -87,7 +82,7 @@ def test_fp4_moe_f16_edge_cases(cfg, monkeypatch):
     """M = 0, one row, ids outside [0, E) (zeros) as int32, every byte value of the weights, scale bytes 1 .. 254,
     a zero block, activations spread over 2^-60 .. 2^60 (each block scaled on its own), and x rounded to FP8 per
     128 first (what the model passes in reference numerics)."""
-    _built()
+    _built("f16")
     monkeypatch.setenv("ATB_CUDA_FP4_MMA_CFG", cfg)
     g = torch.Generator().manual_seed(63)
     wq, sq, x, ids2, k = check_edge_rows(ff, [1, 2, 60, 100, 120, 126, 127, 128, 129, 140, 150], g, zero_block=True)
