@@ -86,8 +86,9 @@ GEMM_PATHS = ["[gemm=tiled]", "[gemm=decode]", "[gemm=tc]", "[gemm=tcl]"]  # + "
 # entry; "[gemm=auto]" (the default rules) where --gemm-paths names it
 # tile variants of the attention kernel timed side by side: " [BH,BN,WARPS]" (see atb_ops/cuda/attention.py)
 # and of the second kernel: " [attn=old]" (attention.py's default tiles), " [attn2=BH,BN,ND,WARPS,STAGES]"
-# (attention_v2.py, see its ``tile``); "" = the default (ATB_CUDA_ATTN_IMPL=auto). --attn-variants replaces the list.
-ATTN_VARIANTS = ["", " [attn=old]"]
+# (attention_v2.py, see its ``tile``), " [attn=new]" (attention_v2.py's default tiles), " [attnw=on]"
+# (attention_wgmma.py where it takes the shape); "" = the default (ATB_CUDA_ATTN_IMPL=auto). --attn-variants replaces the list.
+ATTN_VARIANTS = ["", " [attn=new]", " [attn=old]"]
 ROTATE_BYTES = 150e6  # rotated attention inputs: 3x the 50 MB L2
 # indexer_topk variants (ATB_CUDA_INDEXER, see atb_ops/cuda/indexer.py): the selection paths (rank: histogram +
 # bucket by bin + rank within the bin; hist: histogram + compact + sort; split: its compaction over many programs;
@@ -196,7 +197,7 @@ def cases(dev, quick: bool):
     # "-seq" prefill rows: the 2048 tokens of one sequence (sliding window, the causal compressed entries of a
     # 2048-token context): rows shared by the tokens, L2-resident, compute-bound. FLOPs count valid keys only.
     for T, h, ctx, kind in ((1, 64, 8192, "csa"), (4, 64, 8192, "csa"), (8, 64, 8192, "csa"),
-                            (32, 64, 8192, "csa"), (128, 64, 8192, "csa"),
+                            (32, 64, 8192, "csa"), (64, 64, 8192, "csa"), (128, 64, 8192, "csa"),
                             (32, 128, 8192, "csa"), (128, 128, 8192, "csa"), (32, 64, 8192, "hca"),
                             (2048, 64, 2048, "csa-prefill"), (2048, 128, 2048, "csa-prefill"),
                             (2048, 64, 2048, "csa-prefill-seq"), (2048, 128, 2048, "csa-prefill-seq")):
@@ -437,10 +438,14 @@ def main() -> None:
                 os.environ[f"ATB_CUDA_INDEXER_{key.upper()}"] = val
         else:
             os.environ.pop("ATB_CUDA_INDEXER", None)
-        am = re.search(r"\[(attn2?)=([\w,-]+)\]", case_name)
+        am = re.search(r"\[(attn2?|attnw)=([\w,-]+)\]", case_name)
         for var in ("ATB_CUDA_ATTN", "ATB_CUDA_ATTN2", "ATB_CUDA_ATTN_IMPL"):
             os.environ.pop(var, None)
-        if am and am.group(1) == "attn2":
+        if am and am.group(1) == "attnw":
+            os.environ["ATB_CUDA_ATTN_IMPL"] = "wgmma"
+        elif am and am.group(2) == "new":
+            os.environ["ATB_CUDA_ATTN_IMPL"] = "new"
+        elif am and am.group(1) == "attn2":
             os.environ["ATB_CUDA_ATTN_IMPL"] = "new"
             os.environ["ATB_CUDA_ATTN2"] = am.group(2)
         elif am:

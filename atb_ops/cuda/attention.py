@@ -16,7 +16,8 @@ P is rounded to the value dtype for the P.V product (as FlashAttention does); ac
 
 This kernel is the "old" path: attention_v2.py (one pipelined loop, wgmma-sized head tiles, output columns in
 groups) serves the ops by default from T x H >= 512 query rows, where it measured faster on an H100;
-``ATB_CUDA_ATTN_IMPL=old|new|auto`` chooses (see ``_use_v2``).
+``ATB_CUDA_ATTN_IMPL=old|new|wgmma|auto`` chooses (see ``_use_v2`` and ``_use_wgmma``: attention_wgmma.py's kernel
+serves V4's bf16 decode batches on sm_90 GPUs where it measured faster).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import triton
 import triton.language as tl
 
 from .._registry import register
-from . import attention_v2
+from . import attention_v2, attention_wgmma
 from ._util import mma, dot_precision, pow2, sm_count, pdl_wait, pdl
 
 LOG2E = 1.4426950408889634
@@ -141,7 +142,22 @@ def _use_v2(q1) -> bool:
     return q1.shape[0] * q1.shape[1] >= 512
 
 
+def _use_wgmma(q1, q2, kv, idx, kv2, idx2, out_dtype) -> bool:
+    """attention_wgmma.py's kernel where it takes the call (V4's shapes in bf16 on an sm_90 GPU,
+    :func:`.attention_wgmma.eligible`): always with ``ATB_CUDA_ATTN_IMPL=wgmma``, by default (``auto``, no tile
+    override) where it measured faster (:func:`.attention_wgmma.preferred`)."""
+    impl = os.environ.get("ATB_CUDA_ATTN_IMPL", "auto")
+    if impl == "wgmma":
+        return attention_wgmma.eligible(q1, q2, kv, idx, kv2, idx2, out_dtype)
+    if impl != "auto" or os.environ.get("ATB_CUDA_ATTN") or os.environ.get("ATB_CUDA_ATTN2"):
+        return False
+    return (attention_wgmma.preferred(q1.shape[0], q1.shape[1])
+            and attention_wgmma.eligible(q1, q2, kv, idx, kv2, idx2, out_dtype))
+
+
 def _run(q1, q2, kv, idx, kv2, idx2, sink, scale, out_dtype):
+    if _use_wgmma(q1, q2, kv, idx, kv2, idx2, out_dtype):
+        return attention_wgmma.run(q1, kv, idx, kv2, idx2, sink, scale, sm_count(q1.device))
     if _use_v2(q1):
         return attention_v2.run(q1, q2, kv, idx, kv2, idx2, sink, scale, out_dtype)
     t_count, h_count, d1 = q1.shape

@@ -1,9 +1,14 @@
 """CUDA C kernels built at first use by NVRTC, the runtime compiler that torch's CUDA wheels ship (no CUDA toolkit
 needed), cached on disk and loaded through torch's own module loader (``torch.cuda._utils._cuda_load_module``).
 
-Used by the hand-written kernels (:mod:`.fp4_moe_mma`, :mod:`.topk_radix`). Each module keeps one
+Used by the hand-written kernels (:mod:`.fp4_moe_mma`, :mod:`.fp4_moe_f16`, :mod:`.topk_radix`, :mod:`.attention_wgmma`,
+the last built for sm_90a: ``arch_suffix``). Each module keeps one
 :class:`Program`: its source, the template instances to build (C++ name expressions) and a file name for NVRTC's
 messages. A build failure is kept (``Program.error``) and the caller's Triton path serves from then on.
+
+Kernel arguments go through the loader's call: tensors as pointers, Python ints as 32-bit ``int``, Python floats as
+``double``. A kernel parameter of another type (``float``, ``long long``) would read the wrong bytes: declare them
+as ``int`` / ``double`` (session 25's first attention kernel read its float scale as garbage).
 
 Cache: ``$ATB_CUDA_CACHE_DIR`` or ``~/.cache/ascend_dsv4``, one cubin + one JSON of lowered names per (source,
 architecture, torch's CUDA version, instance list); a cache that cannot be written costs a rebuild next time.
@@ -74,8 +79,11 @@ def compile_cubin(source: str, filename: str, names: list[str], arch: str) -> tu
 class Program:
     """A CUDA C source and the template instances it is built for; kernels loaded once per device."""
 
-    def __init__(self, source: str, filename: str, names: list[str]):
+    def __init__(self, source: str, filename: str, names: list[str], arch_suffix: str = ""):
+        """``arch_suffix`` "a": built for the architecture-specific target (sm_90a: wgmma), which runs on that
+        architecture only (see :meth:`available`'s ``max_cc``)."""
         self.source, self.filename, self.names = source, filename, list(names)
+        self.arch_suffix = arch_suffix
         self.error: str | None = None  # the first build failure: callers take their Triton path from then on
         self._loaded: dict = {}
 
@@ -114,21 +122,23 @@ class Program:
             from torch.cuda._utils import _cuda_load_module
 
             major, minor = torch.cuda.get_device_capability(device)
-            cubin, lowered = self._build(f"sm_{major}{minor}")
+            cubin, lowered = self._build(f"sm_{major}{minor}{self.arch_suffix}")
             with torch.cuda.device(device):
                 loaded = _cuda_load_module(cubin, list(lowered.values()))
             self._loaded[key] = {name: loaded[lowered[name]] for name in self.names}
         return self._loaded[key]
 
-    def available(self, device: torch.device, min_cc: tuple[int, int] = (8, 0)) -> bool:
-        """Whether the kernels are loaded on ``device`` (compute capability ``min_cc``+, NVRTC present). Built at the
+    def available(self, device: torch.device, min_cc: tuple[int, int] = (8, 0),
+                  max_cc: tuple[int, int] = (99, 9)) -> bool:
+        """Whether the kernels are loaded on ``device`` (compute capability ``min_cc`` .. ``max_cc``, NVRTC present). Built at the
         first ask outside CUDA-graph capture (under capture: not available until then); the first failure is kept
         in :attr:`error` and the answer is False from then on."""
         if device.type != "cuda" or self.error:
             return False
         if str(device) in self._loaded:
             return True
-        if torch.cuda.get_device_capability(device) < min_cc or torch.cuda.is_current_stream_capturing():
+        cc = torch.cuda.get_device_capability(device)
+        if not min_cc <= cc <= max_cc or torch.cuda.is_current_stream_capturing():
             return False
         try:
             self.kernels(device)

@@ -1,0 +1,464 @@
+"""Sparse attention decode over gathered rows on Hopper's warpgroup MMA (``wgmma``), CUDA C built by NVRTC for
+sm_90a (:mod:`.nvrtc`): V4's shape, bf16 q [T, H, 512] and pool rows [P, >= 512] (K = V = row[:512]), H a multiple of
+64, no rope part. Same math and contract as :mod:`.attention_v2` (one softmax over the main set ``idx`` and the extra
+set ``idx2``, the sink in the denominator, float32 scores and sums, P rounded to bf16 for P.V, -1 = absent key, never
+read), and the same split partials, merged by :func:`.attention_v2._merge_splits_kernel`.
+
+Why: attention_v2's Triton program runs each chunk's copies, Q.K^T, softmax and P.V in order inside one 8-warp
+program per SM and reached 200 TFLOP/s, 44.5 % of an H200's copy bandwidth, at T = 128, h = 64, 128 + 512 keys
+(scripts/bench_results/h200_session16.txt); the issue's goal is 60 %. At that shape a chunk of 64 keys is 64 KB of
+rows (4,000 cycles of an SM's share of the HBM bandwidth) and 8.4 MFLOP (2,100 cycles at the tensor cores' peak).
+
+Measured on a lent H200 (scripts/bench_results/h200_session25.txt, same run, rows from HBM): T = 128, h = 64
+55.6-55.9 % of the copy bandwidth (251 TFLOP/s) against attention_v2's 44.5-44.6 %; h = 128 35.0 against 30.6 %;
+T = 2048 distinct rows, h = 64 61.6-63.7 against 49.7-50.5 %. Random 1 KB rows themselves (torch.index_select of
+the same pattern) move at 80 % of a contiguous copy there, so the kernel is at ~70 % of what the gather allows.
+Clock stamps of one CTA (L2-warm inputs): ~3,400 cycles of work a chunk (Q.K^T ~1,250 of them), against ~7,700 a
+chunk from HBM: the copies of the next chunk, 64 KB in flight an SM, are what it waits for. Timed and not kept:
+48-key chunks in 3 stages with one score buffer (51.6 %), 32-key chunks in 4 stages (47.3 %), refilling a stage
+right after its P.V with a second barrier (53.9 %), an L2 bulk prefetch of the chunk after next (47.8 %).
+:func:`preferred` says where it is the default.
+
+Work layout (one CTA = 64 heads of one token, a range of its key chunks; 2 warpgroups, 256 threads, one CTA per SM):
+
+- shared memory: the 64 x 512 query tile (64 KB) and ST stages of BN key rows (BN KB each), both stored as 8
+  column blocks of 64 elements, each block [rows][128 B] with the 16-byte granules of row r at ``g ^ (r % 8)``:
+  the 128-byte-swizzled canonical layout of wgmma, which serves the key rows as K-major B of Q.K^T and, read with
+  the transpose bit, as the MN-major B of P.V (V = K: the same bytes);
+- rows come by ``cp.async`` (16 bytes a thread, zero-filled for absent keys), ST - 1 chunks ahead of use; warp w
+  copies rows w, w + 8, ... (its 32 lanes 512 contiguous bytes at a time), the row indices one chunk ahead in
+  registers;
+- warpgroup g computes the partial scores of its column half, S_g = Q[:, 256 g : 256 g + 256] . K[:, same]^T
+  (m64nBNk16, both operands from shared memory, 16 steps), the two halves are swapped through shared memory and
+  each warpgroup adds the other's (S_0 + S_1 = S_1 + S_0: both hold the same bits), runs the same online softmax
+  (scores times scale * log2 e, absent keys to -inf, exp2), rescales its own output half and adds
+  P . V[:, its 256 columns] (m64n256k16, P from registers as the A operand, 4 steps of 16 keys): the output tile's
+  64 x 512 float32 accumulator is 128 registers a thread, half in each warpgroup;
+- key-list splits (few tokens): partials normalised per split, o_s = acc_s / l_s in bf16 with (m_s, l_s) float32,
+  exactly as attention_v2 stores them, merged by its merge kernel.
+
+The wgmma operand encodings (shared-memory descriptors: start address, leading / stride byte offsets, 128-byte
+swizzle; the accumulator and register-A fragment layouts) are those of the PTX ISA's "Asynchronous Warpgroup Level
+Matrix" sections (docs.nvidia.com/cuda/parallel-thread-execution, 9.7.15.5).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import nvrtc
+
+NT = 256  # threads: two warpgroups
+D = 512  # head dim (K = V)
+HB = 64  # heads per CTA: the wgmma M
+BN, ST = 64, 2  # keys per chunk, shared-memory stages (the query tile, two 64 KB stages and the score halves fill
+# the 227 KB; session 25 also timed 48 keys x 3 stages with one score buffer and 32 x 4: both slower)
+
+
+def smem_bytes(bn: int, st: int) -> int:
+    """Query tile + ST key stages + the two score halves + the stages' key-valid bytes (+ 1 KB for alignment)."""
+    return HB * D * 2 + st * bn * D * 2 + 2 * HB * bn * 4 + st * bn + 1024
+
+
+def _acc_list(first: int, count: int) -> str:
+    return ", ".join(f"%{first + i}" for i in range(count))
+
+
+def _wgmma_ss(bn: int) -> str:
+    """m64n{bn}k16, A and B from shared memory (K-major both), float32 accumulators d[bn / 2]."""
+    n = bn // 2
+    outs = ", ".join(f'"+f"(d[{i}])' for i in range(n))
+    return f"""
+__device__ __forceinline__ void wgmma_qk(float (&d)[{n}], u64 da, u64 db, int accumulate) {{
+    asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{n + 2}, 0;\\n"
+                 "wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.bf16.bf16 {{{_acc_list(0, n)}}}, %{n}, %{n + 1}, p, 1, 1, 0, 0;\\n}}\\n"
+                 : {outs}
+                 : "l"(da), "l"(db), "r"(accumulate));
+}}
+"""
+
+
+def _wgmma_rs() -> str:
+    """m64n256k16, A (P) from registers, B (V) from shared memory MN-major (transposed), 128 accumulators."""
+    outs = ", ".join(f'"+f"(d[{i}])' for i in range(128))
+    return f"""
+__device__ __forceinline__ void wgmma_pv(float (&d)[128], u32 a0, u32 a1, u32 a2, u32 a3, u64 db) {{
+    asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %133, 0;\\n"
+                 "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {{{_acc_list(0, 128)}}}, "
+                 "{{%128, %129, %130, %131}}, %132, p, 1, 1, 1;\\n}}\\n"
+                 : {outs}
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(db), "r"(1));
+}}
+"""
+
+
+_HEAD = r"""
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef unsigned short u16;
+#define NT 256
+#define D 512
+#define HB 64
+#define NEG_BIG (-1.0e30f)
+#define NEG_INF __int_as_float(0xff800000)
+
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool ok) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(ok ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
+}
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+// the compiler must not move register reads / writes of an accumulator across the asynchronous MMA's fences
+__device__ __forceinline__ void reg_fence(float& x) { asm volatile("" : "+f"(x) :: "memory"); }
+__device__ __forceinline__ void reg_fence_u(u32& x) { asm volatile("" : "+r"(x) :: "memory"); }
+__device__ __forceinline__ void proxy_fence() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// shared-memory matrix descriptor: 128-byte swizzle (bits 62-63 = 1), addresses and offsets in 16-byte units
+__device__ __forceinline__ u64 desc(u32 addr, u32 lbo, u32 sbo) {
+    return (u64)((addr & 0x3FFFF) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32) | (1ull << 62);
+}
+__device__ __forceinline__ float ex2(float x) { float y; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }
+__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
+    u32 r; asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); return r;
+}
+// byte offset of 16-byte granule q (0..63) of row r in a tile of 8 column blocks, each [rows][128 B], swizzled
+__device__ __forceinline__ u32 swz(int r, int q, int rows) {
+    return (u32)((q >> 3) * rows * 128 + r * 128 + (((q & 7) ^ (r & 7)) << 4));
+}
+"""
+
+_KERNEL = r"""
+template <int BN, int ST, bool IDX64>
+__global__ void __launch_bounds__(NT, 1)
+attn_wgmma(const u16* __restrict__ q, const u16* __restrict__ kv, const void* __restrict__ idx,
+           const u16* __restrict__ kv2, const void* __restrict__ idx2, const float* __restrict__ sink,
+           u16* __restrict__ out, u16* __restrict__ part, float* __restrict__ ml,
+           int T, int H, int K1, int K2, int stride_kv, int stride_kv2, double scale2_d,
+           int chunks_per_split, int n_split, int has_sink) {
+    // (scalar arguments as torch's module loader passes them: Python ints as 32-bit int, floats as double)
+    const float scale2 = (float)scale2_d;
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    // the swizzle pattern repeats every 1024 bytes: align the tiles to it (an offset from the shared array, so
+    // that the compiler keeps shared-memory instructions for the accesses below)
+    unsigned char* smem = smem_raw + ((1024u - ((u32)__cvta_generic_to_shared(smem_raw) & 1023u)) & 1023u);
+    unsigned char* s_q = smem;                                   // HB x D bf16, 8 column blocks
+    unsigned char* s_k = smem + HB * D * 2;                      // ST stages of BN x D bf16
+    float4* s_x = (float4*)(s_k + ST * BN * D * 2);                 // score halves, [2][BN / 8][128] float4
+    unsigned char* s_valid = (unsigned char*)(s_x + 2 * HB * BN / 4);  // ST x BN key-valid bytes
+
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int wg = tid >> 7, wt = tid & 127;  // warpgroup, thread in it
+    const int n_hb = H / HB;
+    const int pid = blockIdx.x;
+    const int hb = pid % n_hb;
+    const int sp = (pid / n_hb) % n_split;
+    const long long t = pid / n_hb / n_split;
+    const int h0 = hb * HB;
+
+    const int n1 = (K1 + BN - 1) / BN;
+    const int nc = n1 + (K2 + BN - 1) / BN;
+    const int c_lo = sp * chunks_per_split;
+    const int c_hi = min(c_lo + chunks_per_split, nc);
+
+    const u32 q_base = (u32)__cvta_generic_to_shared(s_q);
+    const u32 k_base = (u32)__cvta_generic_to_shared(s_k);
+
+    // rows r = warp + 8 i of a tile, granules lane and lane + 32: r % 8 = warp, so the swizzled offsets are one
+    // per thread plus 1 KB a row (swz)
+    const u32 off_lo = (u32)(warp * 128 + (((lane & 7) ^ warp) << 4));  // + column block * rows * 128
+    // the query tile: 64 rows of 1 KB, lanes 512 contiguous bytes at a time
+#pragma unroll
+    for (int i = 0; i < HB / 8; ++i) {
+        const u16* src = q + ((t * H + h0 + warp + 8 * i) * D);
+        cp_async16(q_base + (lane >> 3) * HB * 128 + off_lo + i * 1024, src + lane * 8, true);
+        cp_async16(q_base + ((lane >> 3) + 4) * HB * 128 + off_lo + i * 1024, src + (lane + 32) * 8, true);
+    }
+
+    // row indices of the chunks, one chunk ahead in registers (-1: absent or past the list; pools < 2^31 rows)
+    constexpr int RPW = BN / 8;  // rows a warp copies per chunk
+    int nxt[RPW];
+    auto fetch_rows = [&](int c) {
+        const bool main = c < n1;
+        const int lim = main ? K1 : K2;
+        const int n0 = (main ? c : c - n1) * BN + warp;
+        const long long base = t * (long long)(main ? K1 : K2);
+        const void* ip = main ? idx : idx2;
+#pragma unroll
+        for (int i = 0; i < RPW; ++i) {
+            const int n = n0 + 8 * i;
+            nxt[i] = -1;
+            if (c < c_hi && n < lim)
+                nxt[i] = IDX64 ? (int)((const long long*)ip)[base + n] : ((const int*)ip)[base + n];
+        }
+    };
+    const u32 k_off_lo = k_base + (lane >> 3) * BN * 128 + off_lo, k_off_hi = k_off_lo + 4 * BN * 128;
+    auto issue = [&](int c) {  // chunk c into stage (c - c_lo) % ST, with the indices in nxt
+        const int stage = (c - c_lo) % ST;
+        const bool extra = c >= n1;
+        const u16* pool = (extra ? kv2 : kv) + lane * 8;
+        const long long stride = extra ? stride_kv2 : stride_kv;  // (64-bit products below)
+#pragma unroll
+        for (int i = 0; i < RPW; ++i) {
+            const bool ok = nxt[i] >= 0;
+            const u16* src = pool + (ok ? (long long)nxt[i] * stride : 0);
+            const u32 so = stage * BN * D * 2 + i * 1024;
+            cp_async16(k_off_lo + so, src, ok);
+            cp_async16(k_off_hi + so, src + 256, ok);
+            if (lane == 0) s_valid[stage * BN + warp + 8 * i] = ok;
+        }
+    };
+
+    // prologue: chunks c_lo .. c_lo + ST - 2, one commit group each (the query tile in the first)
+    fetch_rows(c_lo);
+#pragma unroll
+    for (int s = 0; s < ST - 1; ++s) {
+        if (c_lo + s < c_hi) issue(c_lo + s);
+        cp_async_commit();
+        fetch_rows(c_lo + s + 1);
+    }
+
+    float o[128];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) o[i] = 0.f;
+    const int g = lane >> 2, cq = lane & 3, wi = warp & 3;
+    const int row_a = 16 * wi + g;  // this thread's two rows (heads): row_a, row_a + 8
+    float m_a = NEG_BIG, m_b = NEG_BIG, l_a = 0.f, l_b = 0.f;
+    if (has_sink && n_split == 1) {
+        m_a = sink[h0 + row_a] * 1.4426950408889634f;
+        m_b = sink[h0 + row_a + 8] * 1.4426950408889634f;
+        // the sink's own term, 2^(sink - m) = 1 at m = sink, counted once per row: by the quad's first thread
+        l_a = l_b = cq == 0 ? 1.f : 0.f;
+    }
+
+    constexpr int NS = BN / 2;  // score accumulators a thread
+    for (int c = c_lo; c < c_hi; ++c) {
+        const int stage = (c - c_lo) % ST;
+        cp_async_wait<ST - 2>();  // this thread's copies of chunk c have landed
+        proxy_fence();            // ... and are visible to the asynchronous proxy (wgmma) after the barrier
+        __syncthreads();          // everyone's copies; everyone is done with chunk c - 1's stage and scores
+        if (c + ST - 1 < c_hi) issue(c + ST - 1);
+        cp_async_commit();  // (empty past the end: the count per chunk stays uniform)
+        fetch_rows(c + ST);
+
+        // S_wg = Q[:, wg half] . K[:, wg half]^T: 16 steps of 16 columns
+        float s[NS];
+        const u32 kst = k_base + stage * BN * D * 2;
+        wg_fence();
+#pragma unroll
+        for (int ks = 0; ks < 16; ++ks) {
+            const int blk = wg * 4 + (ks >> 2);  // column block of 64
+            const u32 off = (ks & 3) * 32;       // 16 columns = 32 bytes into the swizzled 128-byte row
+            wgmma_qk(s, desc(q_base + blk * HB * 128 + off, 16, 1024), desc(kst + blk * BN * 128 + off, 16, 1024),
+                     ks > 0);
+        }
+        wg_commit();
+        wg_wait0();
+#pragma unroll
+        for (int i = 0; i < NS; ++i) reg_fence(s[i]);
+
+        // swap the halves through shared memory: each warpgroup writes its partial and adds the other's (S_0 + S_1 =
+        // S_1 + S_0: the same bits in both); 16-byte accesses, consecutive threads consecutive (no bank conflicts)
+#pragma unroll
+        for (int i = 0; i < NS / 4; ++i)
+            s_x[(wg * NS / 4 + i) * 128 + wt] = make_float4(s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]);
+        __syncthreads();
+#pragma unroll
+        for (int i = 0; i < NS / 4; ++i) {
+            const float4 v = s_x[((1 - wg) * NS / 4 + i) * 128 + wt];
+            s[4 * i] += v.x;
+            s[4 * i + 1] += v.y;
+            s[4 * i + 2] += v.z;
+            s[4 * i + 3] += v.w;
+        }
+
+        // online softmax on rows row_a (s[4j], s[4j+1]) and row_a + 8 (s[4j+2], s[4j+3]), keys 8j + 2cq + {0, 1}
+        const unsigned char* vb = s_valid + stage * BN;
+        float mx_a = NEG_BIG, mx_b = NEG_BIG;
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+            const int k0 = 8 * j + 2 * cq;
+            const u32 vv = *(const u16*)(vb + k0);  // keys k0, k0 + 1
+            const float b0 = (vv & 0xFFu) ? 0.f : NEG_INF, b1 = (vv >> 8) ? 0.f : NEG_INF;
+            s[4 * j] = fmaf(s[4 * j], scale2, b0);
+            s[4 * j + 1] = fmaf(s[4 * j + 1], scale2, b1);
+            s[4 * j + 2] = fmaf(s[4 * j + 2], scale2, b0);
+            s[4 * j + 3] = fmaf(s[4 * j + 3], scale2, b1);
+            mx_a = fmaxf(mx_a, fmaxf(s[4 * j], s[4 * j + 1]));
+            mx_b = fmaxf(mx_b, fmaxf(s[4 * j + 2], s[4 * j + 3]));
+        }
+        mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 1));
+        mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 2));
+        mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 1));
+        mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
+        const float mn_a = fmaxf(m_a, mx_a), mn_b = fmaxf(m_b, mx_b);
+        const float al_a = ex2(m_a - mn_a), al_b = ex2(m_b - mn_b);
+        m_a = mn_a;
+        m_b = mn_b;
+        float sum_a = 0.f, sum_b = 0.f;
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+            s[4 * j] = ex2(s[4 * j] - mn_a);
+            s[4 * j + 1] = ex2(s[4 * j + 1] - mn_a);
+            s[4 * j + 2] = ex2(s[4 * j + 2] - mn_b);
+            s[4 * j + 3] = ex2(s[4 * j + 3] - mn_b);
+            sum_a += s[4 * j] + s[4 * j + 1];
+            sum_b += s[4 * j + 2] + s[4 * j + 3];
+        }
+        l_a = l_a * al_a + sum_a;
+        l_b = l_b * al_b + sum_b;
+        if (__any_sync(0xffffffffu, al_a != 1.f || al_b != 1.f)) {  // (the row maxima rarely move late in the list)
+#pragma unroll
+            for (int i = 0; i < 128; ++i) o[i] *= (i & 2) ? al_b : al_a;
+        }
+
+        // O[:, wg half] += P . V[:, wg half]: 16 keys a step; V = the stage's rows read MN-major (transposed). P in
+        // bf16 pairs as the A fragments (rows row_a / row_a + 8, keys 2cq and 2cq + 8 of each 16), every register
+        // the MMA reads produced before the fence (the compiler must not sink the rescale or the packs past it)
+        u32 pa[BN / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) {
+            const u32 p0 = pack_bf16(s[8 * kk], s[8 * kk + 1]), p1 = pack_bf16(s[8 * kk + 2], s[8 * kk + 3]);
+            const u32 p2 = pack_bf16(s[8 * kk + 4], s[8 * kk + 5]), p3 = pack_bf16(s[8 * kk + 6], s[8 * kk + 7]);
+            pa[kk][0] = p0; pa[kk][1] = p1; pa[kk][2] = p2; pa[kk][3] = p3;
+#pragma unroll
+            for (int r = 0; r < 4; ++r) reg_fence_u(pa[kk][r]);
+        }
+#pragma unroll
+        for (int i = 0; i < 128; ++i) reg_fence(o[i]);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk)
+            // leading byte offset: the next 64-column block (BN rows of 128 B); stride: the next 8 keys (1 KB)
+            wgmma_pv(o, pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3],
+                     desc(kst + (wg * 4) * BN * 128 + kk * 16 * 128, BN * 128, 1024));
+        wg_commit();
+        wg_wait0();
+#pragma unroll
+        for (int i = 0; i < 128; ++i) reg_fence(o[i]);
+    }
+    cp_async_wait<0>();
+
+    // the rows' sums over the quad; out = o / l (one reciprocal a row), or the split's normalised partial
+    l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
+    l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
+    l_b += __shfl_xor_sync(0xffffffffu, l_b, 1);
+    l_b += __shfl_xor_sync(0xffffffffu, l_b, 2);
+    const float r_a = 1.f / (l_a > 0.f ? l_a : 1.f), r_b = 1.f / (l_b > 0.f ? l_b : 1.f);
+    u16* dst = out;
+    long long row0 = t * H + h0;
+    if (n_split > 1) {
+        dst = part;
+        row0 = ((long long)sp * T + t) * H + h0;
+        if (cq == 0 && wg == 0) {
+            ml[(row0 + row_a) * 2] = m_a;
+            ml[(row0 + row_a) * 2 + 1] = l_a;
+            ml[(row0 + row_a + 8) * 2] = m_b;
+            ml[(row0 + row_a + 8) * 2 + 1] = l_b;
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+        const int col = wg * 256 + 8 * j + 2 * cq;
+        *(u32*)(dst + (row0 + row_a) * D + col) = pack_bf16(o[4 * j] * r_a, o[4 * j + 1] * r_a);
+        *(u32*)(dst + (row0 + row_a + 8) * D + col) = pack_bf16(o[4 * j + 2] * r_b, o[4 * j + 3] * r_b);
+    }
+}
+"""
+
+
+def _source() -> str:
+    return _HEAD + _wgmma_ss(BN) + _wgmma_rs() + _KERNEL
+
+
+def _name(bn: int, st: int, idx64: bool) -> str:
+    return f"attn_wgmma<{bn}, {st}, {str(idx64).lower()}>"
+
+
+PROGRAM = nvrtc.Program(_source(), "attention_wgmma.cu", [_name(BN, ST, i64) for i64 in (False, True)],
+                        arch_suffix="a")
+
+
+def preferred(t_count: int, h_count: int) -> bool:
+    """Where the default (``ATB_CUDA_ATTN_IMPL=auto``) takes this kernel over attention_v2's: at least 64 CTAs
+    (tokens x 64-head blocks) and fewer than 256 tokens. Measured on an H200 (scripts/bench_results/
+    h200_session25.txt; 128 + 512 keys from HBM): T = 128, h = 64 55.7-55.9 % of the copy bandwidth against 44.5 %,
+    h = 128 35.0 against 30.7 %, T = 32, h = 128 (64 CTAs) 20.8-20.9 against 20.0-20.2 %; with fewer CTAs its key-
+    list splits lose (T = 32, h = 64: 27.0-28.1 against 25.1 us; T = 8: 26.8-27.2 against 17.5-17.8 us; the split
+    CTAs each load the 64 KB query tile). From 256 tokens (prefill) the rows of one sequence are shared and sit in
+    L2, where the computation bounds it: 160-165 against 218-222 TFLOP/s (one 2048-token sequence); distinct rows
+    would favour it (T = 2048, h = 64: 61.6-63.7 against 49.7-50.5 %), but prefill batches share them."""
+    return t_count * (h_count // HB) >= 64 and t_count < 256
+
+
+def eligible(q1, q2, kv, idx, kv2, idx2, out_dtype) -> bool:
+    """bf16 q1 [T, H, 512] with H a multiple of 64, no rope part, bf16 pools of >= 512 columns with unit column
+    stride, 16-byte aligned rows, index lists int32 / int64 of one dtype, a bf16 output, and the kernels built
+    for this device (compute capability 9.0: wgmma)."""
+    if q2 is not None or q1.dtype != torch.bfloat16 or out_dtype != torch.bfloat16 or not q1.is_cuda:
+        return False
+    if q1.dim() != 3 or q1.shape[-1] != D or q1.shape[1] % HB or q1.shape[1] == 0:
+        return False
+    pools = [kv] + ([kv2] if kv2 is not None and idx2 is not None and idx2.shape[-1] > 0 else [])
+    for p in pools:
+        if p.dtype != torch.bfloat16 or p.dim() != 2 or p.shape[1] < D or p.stride(1) != 1 or p.stride(0) % 8 \
+                or p.data_ptr() % 16 or p.shape[0] >= 2**31 or p.stride(0) >= 2**31:
+            return False
+    idxs = [idx] + ([idx2] if len(pools) == 2 else [])
+    if any(i.dtype not in (torch.int32, torch.int64) or i.dtype != idx.dtype for i in idxs):
+        return False
+    return PROGRAM.available(q1.device, min_cc=(9, 0), max_cc=(9, 0))
+
+
+_CONFIGURED: set = set()
+
+
+def _kernel(device: torch.device, idx64: bool):
+    """The instance, allowed its shared memory (over 48 KB needs the opt-in, once per kernel)."""
+    kern = PROGRAM.kernels(device)[_name(BN, ST, idx64)]
+    key = (str(device), idx64)
+    if key not in _CONFIGURED:
+        kern.set_shared_memory_config(smem_bytes(BN, ST))
+        _CONFIGURED.add(key)
+    return kern
+
+
+def run(q1, kv, idx, kv2, idx2, sink, scale, n_sm: int):
+    """The op (arguments as attention.py's ``_run``; :func:`eligible` holds) -> out [T, H, 512] bf16."""
+    from .attention_v2 import _merge_splits_kernel  # the split partials' merge (same format)
+    from ._util import pow2
+
+    t_count, h_count, _ = q1.shape
+    out = torch.empty(t_count, h_count, D, dtype=torch.bfloat16, device=q1.device)
+    if t_count == 0:
+        return out
+    has_extra = kv2 is not None and idx2 is not None and idx2.shape[-1] > 0
+    k1, k2 = idx.shape[-1], (idx2.shape[-1] if has_extra else 0)
+    nc = -(-k1 // BN) + -(-k2 // BN)
+    n_hb = h_count // HB
+    programs = t_count * n_hb
+    # split the key list only while the CTAs fill less than one wave (one CTA per SM)
+    n_split = max(1, min(nc, 32, n_sm // programs)) if nc else 1
+    cps = max(1, -(-nc // n_split)) if nc else 1
+    n_split = max(1, -(-nc // cps)) if nc else 1
+    q1c, idxc = q1.contiguous(), idx.contiguous()
+    idx2c = idx2.contiguous() if has_extra else idxc
+    kv2c = kv2 if has_extra else kv
+    sinkc = sink.float().contiguous() if sink is not None else out
+    if n_split > 1:
+        part = torch.empty(n_split, t_count, h_count, D, dtype=torch.bfloat16, device=q1.device)
+        ml = torch.empty(n_split, t_count, h_count, 2, dtype=torch.float32, device=q1.device)
+    else:
+        part, ml = out, out
+    kern = _kernel(q1.device, idx.dtype == torch.int64)
+    kern(grid=(programs * n_split, 1, 1), block=(NT, 1, 1), shared_mem=smem_bytes(BN, ST),
+         args=[q1c, kv, idxc, kv2c, idx2c, sinkc, out, part, ml, t_count, h_count, k1, k2, kv.stride(0),
+               kv2c.stride(0), float(scale) * 1.4426950408889634, cps, n_split, int(sink is not None)])
+    if n_split > 1:
+        _merge_splits_kernel[(programs,)](part, ml, sinkc, out, t_count, h_count, D, n_split, n_hb,
+                                          HAS_SINK=sink is not None, BH=HB, DV=D, ND=1, SP=pow2(n_split),
+                                          num_warps=8)
+    return out
