@@ -87,7 +87,8 @@ GEMM_PATHS = ["[gemm=tiled]", "[gemm=decode]", "[gemm=tc]", "[gemm=tcl]"]  # + "
 # tile variants of the attention kernel timed side by side: " [BH,BN,WARPS]" (see atb_ops/cuda/attention.py)
 # and of the second kernel: " [attn=old]" (attention.py's default tiles), " [attn2=BH,BN,ND,WARPS,STAGES]"
 # (attention_v2.py, see its ``tile``), " [attn=new]" (attention_v2.py's default tiles), " [attnw=on]"
-# (attention_wgmma.py where it takes the shape); "" = the default (ATB_CUDA_ATTN_IMPL=auto). --attn-variants replaces the list.
+# (attention_wgmma.py where it takes the shape); "" = the default (ATB_CUDA_ATTN_IMPL=auto). --attn-variants
+# replaces the list.
 ATTN_VARIANTS = ["", " [attn=new]", " [attn=old]"]
 ROTATE_BYTES = 150e6  # rotated attention inputs: 3x the 50 MB L2
 # indexer_topk variants (ATB_CUDA_INDEXER, see atb_ops/cuda/indexer.py): the selection paths (rank: histogram +

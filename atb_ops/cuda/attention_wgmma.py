@@ -46,7 +46,8 @@ from __future__ import annotations
 
 import torch
 
-from . import nvrtc
+from . import attention_v2, nvrtc
+from ._util import pdl, pow2
 
 NT = 256  # threads: two warpgroups
 D = 512  # head dim (K = V)
@@ -428,9 +429,6 @@ def _kernel(device: torch.device, idx64: bool):
 
 def run(q1, kv, idx, kv2, idx2, sink, scale, n_sm: int):
     """The op (arguments as attention.py's ``_run``; :func:`eligible` holds) -> out [T, H, 512] bf16."""
-    from .attention_v2 import _merge_splits_kernel  # the split partials' merge (same format)
-    from ._util import pow2
-
     t_count, h_count, _ = q1.shape
     out = torch.empty(t_count, h_count, D, dtype=torch.bfloat16, device=q1.device)
     if t_count == 0:
@@ -458,7 +456,8 @@ def run(q1, kv, idx, kv2, idx2, sink, scale, n_sm: int):
          args=[q1c, kv, idxc, kv2c, idx2c, sinkc, out, part, ml, t_count, h_count, k1, k2, kv.stride(0),
                kv2c.stride(0), float(scale) * 1.4426950408889634, cps, n_split, int(sink is not None)])
     if n_split > 1:
-        _merge_splits_kernel[(programs,)](part, ml, sinkc, out, t_count, h_count, D, n_split, n_hb,
-                                          HAS_SINK=sink is not None, BH=HB, DV=D, ND=1, SP=pow2(n_split),
-                                          num_warps=8)
+        # the split partials' merge (attention_v2's format)
+        attention_v2._merge_splits_kernel[(programs,)](part, ml, sinkc, out, t_count, h_count, D, n_split, n_hb,
+                                                       HAS_SINK=sink is not None, BH=HB, DV=D, ND=1,
+                                                       SP=pow2(n_split), num_warps=8, **pdl())
     return out

@@ -130,9 +130,9 @@ class Program:
 
     def available(self, device: torch.device, min_cc: tuple[int, int] = (8, 0),
                   max_cc: tuple[int, int] = (99, 9)) -> bool:
-        """Whether the kernels are loaded on ``device`` (compute capability ``min_cc`` .. ``max_cc``, NVRTC present). Built at the
-        first ask outside CUDA-graph capture (under capture: not available until then); the first failure is kept
-        in :attr:`error` and the answer is False from then on."""
+        """Whether the kernels are loaded on ``device`` (compute capability ``min_cc`` .. ``max_cc``, NVRTC present).
+        Built at the first ask outside CUDA-graph capture (under capture: not available until then); the first failure
+        is kept in :attr:`error` and the answer is False from then on."""
         if device.type != "cuda" or self.error:
             return False
         if str(device) in self._loaded:
