@@ -388,7 +388,7 @@ def preferred(t_count: int, h_count: int) -> bool:
     (tokens x 64-head blocks) and fewer than 256 tokens. Measured on an H200 (scripts/bench_results/
     h200_session25.txt; 128 + 512 keys from HBM): T = 128, h = 64 55.7-55.9 % of the copy bandwidth against 44.5 %,
     h = 128 35.0 against 30.7 %, T = 32, h = 128 (64 CTAs) 20.8-20.9 against 20.0-20.2 %; with fewer CTAs its key-
-    list splits lose (T = 32, h = 64: 27.0-28.1 against 25.1 us; T = 8: 26.8-27.2 against 17.5-17.8 us; the split
+    list splits lose (T = 32, h = 64: 27.0-28.2 against 25.0-25.3 us; T = 8: 26.8-27.2 against 17.5-17.8 us; the split
     CTAs each load the 64 KB query tile). From 256 tokens (prefill) the rows of one sequence are shared and sit in
     L2, where the computation bounds it: 160-165 against 218-222 TFLOP/s (one 2048-token sequence); distinct rows
     would favour it (T = 2048, h = 64: 61.6-63.7 against 49.7-50.5 %), but prefill batches share them."""
