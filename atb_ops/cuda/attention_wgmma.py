@@ -16,7 +16,8 @@ the same pattern) move at 80 % of a contiguous copy there, so the kernel is at ~
 Clock stamps of one CTA (L2-warm inputs): ~3,400 cycles of work a chunk (Q.K^T ~1,250 of them), against ~7,700 a
 chunk from HBM: the copies of the next chunk, 64 KB in flight an SM, are what it waits for. Timed and not kept:
 48-key chunks in 3 stages with one score buffer (51.6 %), 32-key chunks in 4 stages (47.3 %), refilling a stage
-right after its P.V with a second barrier (53.9 %), an L2 bulk prefetch of the chunk after next (47.8 %).
+right after its P.V with a second barrier (53.9 %), an L2 bulk prefetch of the chunk after next (47.8 %), the
+next chunk's copies issued after the Q.K^T MMAs instead of before (54.9 %).
 :func:`preferred` says where it is the default.
 
 Work layout (one CTA = 64 heads of one token, a range of its key chunks; 2 warpgroups, 256 threads, one CTA per SM):
