@@ -16,6 +16,15 @@ except ImportError:  # pragma: no cover - older Triton
     _gdc_wait = None
 
 
+def env_choice(var: str, default: str, choices: tuple[str, ...]) -> str:
+    """The value of the path switch ``var`` (``default`` when unset or empty); one outside ``choices`` is a ValueError
+    naming the variable and what it takes (a typo must not quietly pick another kernel)."""
+    v = os.environ.get(var, "") or default
+    if v not in choices:
+        raise ValueError(f"{var}={v!r}: expected one of {', '.join(choices)}")
+    return v
+
+
 def env_overrides(var: str, cfg: dict, choices: dict | None = None) -> dict:
     """Apply the benchmark override ``var="key=value,..."`` (integers) to the kernel settings ``cfg`` in place and
     return it. An entry that is not ``key=integer``, a key ``cfg`` does not have, or a value outside ``choices[key]``

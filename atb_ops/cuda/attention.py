@@ -30,7 +30,7 @@ import triton.language as tl
 
 from .._registry import register
 from . import attention_v2, attention_wgmma
-from ._util import mma, dot_precision, pow2, sm_count, pdl_wait, pdl
+from ._util import env_choice, mma, dot_precision, pow2, sm_count, pdl_wait, pdl
 
 LOG2E = 1.4426950408889634
 
@@ -128,13 +128,18 @@ def _tile(h_count: int, bd1: int, bd2: int, t_count: int = 1, n_keys: int = 0) -
     return bh, bn, 8 if bd1 >= 256 else 4
 
 
+def _impl() -> str:
+    """``ATB_CUDA_ATTN_IMPL``: auto (default) | old | new | wgmma; another value is a ValueError naming it."""
+    return env_choice("ATB_CUDA_ATTN_IMPL", "auto", ("auto", "old", "new", "wgmma"))
+
+
 def _use_v2(q1) -> bool:
     """Which kernel serves a call: ``ATB_CUDA_ATTN_IMPL`` = ``old`` (this module's kernel), ``new``
     (attention_v2.py) or ``auto`` (default): attention_v2 where it measured faster on an H100
     (scripts/bench_results/attention_h100.txt: from T x H = 512 query rows on), this kernel below (a single
     decode token: its 16-head blocks split over more programs). ``ATB_CUDA_ATTN`` (tile override) implies
     ``old``, ``ATB_CUDA_ATTN2`` ``new``."""
-    impl = os.environ.get("ATB_CUDA_ATTN_IMPL", "auto")
+    impl = _impl()
     if impl == "old" or (impl == "auto" and os.environ.get("ATB_CUDA_ATTN")):
         return False
     if impl == "new" or os.environ.get("ATB_CUDA_ATTN2"):
@@ -146,7 +151,7 @@ def _use_wgmma(q1, q2, kv, idx, kv2, idx2, out_dtype) -> bool:
     """attention_wgmma.py's kernel where it takes the call (V4's shapes in bf16 on an sm_90 GPU,
     :func:`.attention_wgmma.eligible`): always with ``ATB_CUDA_ATTN_IMPL=wgmma``, by default (``auto``, no tile
     override) where it measured faster (:func:`.attention_wgmma.preferred`)."""
-    impl = os.environ.get("ATB_CUDA_ATTN_IMPL", "auto")
+    impl = _impl()
     if impl == "wgmma":
         return attention_wgmma.eligible(q1, q2, kv, idx, kv2, idx2, out_dtype)
     if impl != "auto" or os.environ.get("ATB_CUDA_ATTN") or os.environ.get("ATB_CUDA_ATTN2"):

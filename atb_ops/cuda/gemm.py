@@ -41,7 +41,7 @@ from .._registry import register
 from . import dequant_bf16, fp4_moe_f16, fp4_moe_mma, gemm_decode, gemm_fp4_moe, gemm_tc, gemm_tc_large
 from .group_rows import tile_table
 from .routing import stable_order
-from ._util import INTERPRET, dot_precision, mma, pow2, tl_dtype, pdl_wait, pdl
+from ._util import INTERPRET, dot_precision, env_choice, mma, pow2, tl_dtype, pdl_wait, pdl
 
 _FMT = {"dense": 0, "fp8_block": 1, "fp4": 2}
 
@@ -74,11 +74,13 @@ F16_MOE_MIN_ROWS_PER_EXPERT = 3
 
 # fp4 MoE calls of up to this many rows go to the MoE kernels unless ATB_CUDA_FP4_MOE=old (fp4_moe_h100_session4.txt)
 FP4_MOE_MAX_ROWS = 384
+GEMM_MODES = ("auto", "decode", "tc", "tcl", "fp4moe", "fp4mma", "fp4f16", "dq", "tiled")  # ATB_CUDA_GEMM
+FP4_MOE_IMPLS = ("mma", "f16", "bf16", "new", "old")  # ATB_CUDA_FP4_MOE
 
 
 def _mode() -> str:
-    """ATB_CUDA_GEMM (see the module docstring)."""
-    return os.environ.get("ATB_CUDA_GEMM", "auto")
+    """ATB_CUDA_GEMM (see the module docstring; another value is a ValueError naming it)."""
+    return env_choice("ATB_CUDA_GEMM", "auto", GEMM_MODES)
 
 
 def dq_rows() -> int:
@@ -111,7 +113,7 @@ def _path(x: torch.Tensor, fmt: str, w_scale, rows: int, rows_per_weight: float,
     small = gemm_decode.eligible(x, fmt, w_scale, rows)  # the decode / tc kernels' row limit
     if mode in ("tc", "decode"):
         return mode if small else "tiled"
-    moe_impl = os.environ.get("ATB_CUDA_FP4_MOE", "mma")
+    moe_impl = env_choice("ATB_CUDA_FP4_MOE", "mma", FP4_MOE_IMPLS)
     if moe and rows <= FP4_MOE_MAX_ROWS and moe_impl != "old":
         f16 = moe_impl == "f16" or (moe_impl == "mma" and rows_per_weight > F16_MOE_MIN_ROWS_PER_EXPERT)
         if f16 and _f16_ok(x, w_scale, rows):
@@ -146,7 +148,7 @@ def _use_decode(x: torch.Tensor, fmt: str, w_scale, rows: int, rows_per_weight: 
 
 def _fp4_split() -> bool:
     """FP4 kernel variant: ATB_CUDA_FP4=split (two dots over even / odd columns) or join (default)."""
-    return os.environ.get("ATB_CUDA_FP4", "join") == "split"
+    return env_choice("ATB_CUDA_FP4", "join", ("join", "split")) == "split"
 
 
 @triton.jit

@@ -487,6 +487,26 @@ def test_attention_offset_knob_is_checked(monkeypatch):
         cu(q, kv, idx, sink, 0.1)
 
 
+@pytest.mark.parametrize("var,bad", [("ATB_CUDA_ATTN_IMPL", "wgma"), ("ATB_CUDA_GEMM", "fp4"),
+                                     ("ATB_CUDA_FP4", "splt"), ("ATB_CUDA_FP4_MOE", "f32")])
+def test_path_switches_refuse_unknown_values(monkeypatch, var, bad):
+    """A typo in a kernel-path switch is a ValueError naming the variable and its values, not another kernel."""
+    from atb_ops.cuda import _util, attention, gemm
+
+    monkeypatch.setenv(var, bad)
+    read = {"ATB_CUDA_ATTN_IMPL": attention._impl, "ATB_CUDA_GEMM": gemm._mode, "ATB_CUDA_FP4": gemm._fp4_split,
+            "ATB_CUDA_FP4_MOE": lambda: _util.env_choice(var, "mma", gemm.FP4_MOE_IMPLS)}[var]
+    with pytest.raises(ValueError, match=f"{var}='{bad}': expected one of"):
+        read()
+    if var == "ATB_CUDA_ATTN_IMPL":  # through the op as well
+        cu, _ = impls("sparse_attention")
+        q, kv, idx, sink = _attn_inputs(gen(3), 2, 4, 32, 30, 8, torch.float32)
+        with pytest.raises(ValueError, match="ATB_CUDA_ATTN_IMPL"):
+            cu(q, kv, idx, sink, 0.1)
+    monkeypatch.setenv(var, "")  # empty = the default
+    read()
+
+
 def test_attention_default_tiles(monkeypatch):
     """The measured defaults (attention_v2.tile): key-list splits for a few tokens; 64 heads x 64-key chunks in 2
     stages for prefill (every head count), h = 64 decode and V3's MLA decode; h = 128 decode keeps 128 heads x
