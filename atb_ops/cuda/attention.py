@@ -133,13 +133,12 @@ def _impl() -> str:
     return env_choice("ATB_CUDA_ATTN_IMPL", "auto", ("auto", "old", "new", "wgmma"))
 
 
-def _use_v2(q1) -> bool:
+def _use_v2(q1, impl: str) -> bool:
     """Which kernel serves a call: ``ATB_CUDA_ATTN_IMPL`` = ``old`` (this module's kernel), ``new``
     (attention_v2.py) or ``auto`` (default): attention_v2 where it measured faster on an H100
     (scripts/bench_results/attention_h100.txt: from T x H = 512 query rows on), this kernel below (a single
     decode token: its 16-head blocks split over more programs). ``ATB_CUDA_ATTN`` (tile override) implies
-    ``old``, ``ATB_CUDA_ATTN2`` ``new``."""
-    impl = _impl()
+    ``old``, ``ATB_CUDA_ATTN2`` ``new``. ``impl``: :func:`_impl`, read once per call by ``_run``."""
     if impl == "old" or (impl == "auto" and os.environ.get("ATB_CUDA_ATTN")):
         return False
     if impl == "new" or os.environ.get("ATB_CUDA_ATTN2"):
@@ -147,11 +146,10 @@ def _use_v2(q1) -> bool:
     return q1.shape[0] * q1.shape[1] >= 512
 
 
-def _use_wgmma(q1, q2, kv, idx, kv2, idx2, out_dtype) -> bool:
+def _use_wgmma(q1, q2, kv, idx, kv2, idx2, out_dtype, impl: str) -> bool:
     """attention_wgmma.py's kernel where it takes the call (V4's shapes in bf16 on an sm_90 GPU,
     :func:`.attention_wgmma.eligible`): always with ``ATB_CUDA_ATTN_IMPL=wgmma``, by default (``auto``, no tile
     override) where it measured faster (:func:`.attention_wgmma.preferred`)."""
-    impl = _impl()
     if impl == "wgmma":
         return attention_wgmma.eligible(q1, q2, kv, idx, kv2, idx2, out_dtype)
     if impl != "auto" or os.environ.get("ATB_CUDA_ATTN") or os.environ.get("ATB_CUDA_ATTN2"):
@@ -161,9 +159,10 @@ def _use_wgmma(q1, q2, kv, idx, kv2, idx2, out_dtype) -> bool:
 
 
 def _run(q1, q2, kv, idx, kv2, idx2, sink, scale, out_dtype):
-    if _use_wgmma(q1, q2, kv, idx, kv2, idx2, out_dtype):
+    impl = _impl()
+    if _use_wgmma(q1, q2, kv, idx, kv2, idx2, out_dtype, impl):
         return attention_wgmma.run(q1, kv, idx, kv2, idx2, sink, scale, sm_count(q1.device))
-    if _use_v2(q1):
+    if _use_v2(q1, impl):
         return attention_v2.run(q1, q2, kv, idx, kv2, idx2, sink, scale, out_dtype)
     t_count, h_count, d1 = q1.shape
     d2 = 0 if q2 is None else q2.shape[-1]

@@ -314,6 +314,14 @@ def tile(h_count: int, d1: int, d2: int, elem: int, t_count: int, n_keys: int, n
 _STAGES: dict = {}  # launch configuration -> the pipeline depth that fit
 
 
+def key_splits(nc: int, slots: int, programs: int) -> tuple[int, int]:
+    """(splits, chunks per split) of a key list of ``nc`` chunks: split only while the ``programs`` fill fewer than
+    ``slots`` resident programs (at most 32 splits), every split non-empty (also used by attention_wgmma.py)."""
+    n_split = max(1, min(nc, 32, slots // programs)) if nc else 1
+    cps = max(1, triton.cdiv(nc, n_split))
+    return max(1, triton.cdiv(nc, cps)), cps
+
+
 def merge_in_kernel() -> bool:
     """Whether key-list splits are merged by the split that finishes last (an arrival counter per token, head
     block and column group; ``ATB_CUDA_ATTN_MERGE=kernel``) or by a separate launch of the same merge
@@ -350,9 +358,7 @@ def run(q1, q2, kv, idx, kv2, idx2, sink, scale, out_dtype):
     n_hb = triton.cdiv(h_count, bh)
     programs = t_count * n_hb * nd
     # split the key list only while the programs fill less than one wave (ctas programs per SM)
-    n_split = max(1, min(nc, 32, ctas * n_sm // programs)) if nc else 1
-    cps = max(1, triton.cdiv(nc, n_split))
-    n_split = max(1, triton.cdiv(nc, cps))
+    n_split, cps = key_splits(nc, ctas * n_sm, programs)
     split = n_split > 1
     # trimming reads the token's whole index lists first: worth it for prefill (many programs, -1 tails)
     if trim < 0:

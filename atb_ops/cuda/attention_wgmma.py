@@ -439,10 +439,7 @@ def run(q1, kv, idx, kv2, idx2, sink, scale, n_sm: int):
     nc = -(-k1 // BN) + -(-k2 // BN)
     n_hb = h_count // HB
     programs = t_count * n_hb
-    # split the key list only while the CTAs fill less than one wave (one CTA per SM)
-    n_split = max(1, min(nc, 32, n_sm // programs)) if nc else 1
-    cps = max(1, -(-nc // n_split)) if nc else 1
-    n_split = max(1, -(-nc // cps)) if nc else 1
+    n_split, cps = attention_v2.key_splits(nc, n_sm, programs)  # one CTA per SM
     q1c, idxc = q1.contiguous(), idx.contiguous()
     idx2c = idx2.contiguous() if has_extra else idxc
     kv2c = kv2 if has_extra else kv
@@ -455,7 +452,7 @@ def run(q1, kv, idx, kv2, idx2, sink, scale, n_sm: int):
     kern = _kernel(q1.device, idx.dtype == torch.int64)
     kern(grid=(programs * n_split, 1, 1), block=(NT, 1, 1), shared_mem=smem_bytes(BN, ST),
          args=[q1c, kv, idxc, kv2c, idx2c, sinkc, out, part, ml, t_count, h_count, k1, k2, kv.stride(0),
-               kv2c.stride(0), float(scale) * 1.4426950408889634, cps, n_split, int(sink is not None)])
+               kv2c.stride(0), float(scale) * attention_v2.LOG2E, cps, n_split, int(sink is not None)])
     if n_split > 1:
         # the split partials' merge (attention_v2's format)
         attention_v2._merge_splits_kernel[(programs,)](part, ml, sinkc, out, t_count, h_count, D, n_split, n_hb,
