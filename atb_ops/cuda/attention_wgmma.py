@@ -5,42 +5,40 @@ set ``idx2``, the sink in the denominator, float32 scores and sums, P rounded to
 read), and the same split partials, merged by :func:`.attention_v2._merge_splits_kernel`.
 
 Why: attention_v2's Triton program runs each chunk's copies, Q.K^T, softmax and P.V in order inside one 8-warp
-program per SM and reached 200 TFLOP/s, 44.5 % of an H200's copy bandwidth, at T = 128, h = 64, 128 + 512 keys
-(scripts/bench_results/h200_session16.txt); the issue's goal is 60 %. At that shape a chunk of 64 keys is 64 KB of
-rows (4,000 cycles of an SM's share of the HBM bandwidth) and 8.4 MFLOP (2,100 cycles at the tensor cores' peak).
+program per SM: 44.5 % of an H200's copy bandwidth at T = 128, h = 64, 128 + 512 keys; the issue's goal is 60 %.
+Measured on a lent H200 (scripts/bench_results/h200_session26.txt, rows from HBM): 66.8-67.9 % there (35.4 against
+53.7 us), 2048 tokens of distinct rows 69.8-70.1 % against 49.5-50.7 %, h = 128 334 against 237 TFLOP/s; where it
+is the default: :func:`preferred`. Session 25's first form (all 256 threads copying, then a CTA barrier a chunk;
+the output stored straight from the accumulator fragments) ran at 55.4-55.9 %: a producer warpgroup (session 26)
+took it to 57.8-58.4 %, and the output staged through shared memory to 67.6 % (the fragments' 4-byte stores, 8 rows
+a warp instruction, had cost ~6 us of a 41 us call, in which every CTA stores at the same moment). Timed and not
+kept (h200_session25.txt, h200_session26.txt): 48- or 32-key chunks in 3-4 stages, an L2 bulk prefetch, cp.async
+L2 prefetch-size / eviction hints (within 1 %).
 
-Measured on a lent H200 (scripts/bench_results/h200_session25.txt, same run, rows from HBM): T = 128, h = 64
-55.6-55.9 % of the copy bandwidth (251 TFLOP/s) against attention_v2's 44.5-44.6 %; h = 128 35.0 against 30.6 %;
-T = 2048 distinct rows, h = 64 61.6-63.7 against 49.7-50.5 %. Random 1 KB rows themselves (torch.index_select of
-the same pattern) move at 80 % of a contiguous copy there, so the kernel is at ~70 % of what the gather allows.
-Clock stamps of one CTA (L2-warm inputs): ~3,400 cycles of work a chunk (Q.K^T ~1,250 of them), against ~7,700 a
-chunk from HBM: the copies of the next chunk, 64 KB in flight an SM, are what it waits for. Timed and not kept:
-48-key chunks in 3 stages with one score buffer (51.6 %), 32-key chunks in 4 stages (47.3 %), refilling a stage
-right after its P.V with a second barrier (53.9 %), an L2 bulk prefetch of the chunk after next (47.8 %), the
-next chunk's copies issued after the Q.K^T MMAs instead of before (54.9 %).
-:func:`preferred` says where it is the default.
+Work layout (one CTA = 64 heads of one token, a range of its key chunks; one CTA per SM; 384 threads):
 
-Work layout (one CTA = 64 heads of one token, a range of its key chunks; 2 warpgroups, 256 threads, one CTA per SM):
-
-- shared memory: the 64 x 512 query tile (64 KB) and ST stages of BN key rows (BN KB each), both stored as 8
-  column blocks of 64 elements, each block [rows][128 B] with the 16-byte granules of row r at ``g ^ (r % 8)``:
+- shared memory: the 64 x 512 query tile (64 KB) and ST = 2 stages of BN = 64 key rows (64 KB each), both stored as
+  8 column blocks of 64 elements, each block [rows][128 B] with the 16-byte granules of row r at ``g ^ (r % 8)``:
   the 128-byte-swizzled canonical layout of wgmma, which serves the key rows as K-major B of Q.K^T and, read with
   the transpose bit, as the MN-major B of P.V (V = K: the same bytes);
-- rows come by ``cp.async`` (16 bytes a thread, zero-filled for absent keys), ST - 1 chunks ahead of use; warp w
-  copies rows w, w + 8, ... (its 32 lanes 512 contiguous bytes at a time), the row indices one chunk ahead in
-  registers;
-- warpgroup g computes the partial scores of its column half, S_g = Q[:, 256 g : 256 g + 256] . K[:, same]^T
-  (m64nBNk16, both operands from shared memory, 16 steps), the two halves are swapped through shared memory and
-  each warpgroup adds the other's (S_0 + S_1 = S_1 + S_0: both hold the same bits), runs the same online softmax
-  (scores times scale * log2 e, absent keys to -inf, exp2), rescales its own output half and adds
-  P . V[:, its 256 columns] (m64n256k16, P from registers as the A operand, 4 steps of 16 keys): the output tile's
-  64 x 512 float32 accumulator is 128 registers a thread, half in each warpgroup;
+- warpgroup 2, the producer (``setmaxnreg`` 40 registers), copies the query tile and then each chunk's rows by
+  ``cp.async`` (16 bytes a thread, zero-filled for absent keys; a warp 512 contiguous bytes at a time) into a stage
+  as soon as the consumers release it (mbarrier ``empty``), and signals the stage full by
+  ``cp.async.mbarrier.arrive`` when its copies land (mbarrier ``full``, which also releases the key-valid bytes);
+- warpgroups 0 and 1, the consumers (232 registers), each own a column half: warpgroup g computes the partial scores
+  S_g = Q[:, 256 g : 256 g + 256] . K[:, same]^T (m64nBNk16, both operands from shared memory, 16 steps), the
+  halves are swapped through shared memory and each adds the other's (S_0 + S_1 = S_1 + S_0: both hold the same
+  bits; named barriers order the swap), runs the same online softmax (scores times scale * log2 e, absent keys to
+  -inf, exp2), rescales its output half and adds P . V[:, its 256 columns] (m64n256k16, P from registers as the A
+  operand, 4 steps of 16 keys): the 64 x 512 float32 output is 128 registers a thread, half in each warpgroup.
+  After the last chunk each writes its half to shared memory (rows 528 bytes apart) and stores it 16 bytes a thread;
 - key-list splits (few tokens): partials normalised per split, o_s = acc_s / l_s in bf16 with (m_s, l_s) float32,
   exactly as attention_v2 stores them, merged by its merge kernel.
 
 The wgmma operand encodings (shared-memory descriptors: start address, leading / stride byte offsets, 128-byte
-swizzle; the accumulator and register-A fragment layouts) are those of the PTX ISA's "Asynchronous Warpgroup Level
-Matrix" sections (docs.nvidia.com/cuda/parallel-thread-execution, 9.7.15.5).
+swizzle; the accumulator and register-A fragment layouts), mbarriers, ``cp.async.mbarrier.arrive`` and
+``setmaxnreg`` are those of the PTX ISA (docs.nvidia.com/cuda/parallel-thread-execution: "Asynchronous Warpgroup
+Level Matrix" 9.7.15, "mbarrier", "cp.async.mbarrier.arrive", "setmaxnreg").
 """
 
 from __future__ import annotations
@@ -50,16 +48,17 @@ import torch
 from . import attention_v2, nvrtc
 from ._util import pdl, pow2
 
-NT = 256  # threads: two warpgroups
+NT = 384  # threads: two consumer warpgroups and a producer warpgroup
 D = 512  # head dim (K = V)
 HB = 64  # heads per CTA: the wgmma M
 BN, ST = 64, 2  # keys per chunk, shared-memory stages (the query tile, two 64 KB stages and the score halves fill
-# the 227 KB; session 25 also timed 48 keys x 3 stages with one score buffer and 32 x 4: both slower)
+# the 227 KB; 48 keys x 3 stages and 32 x 4 were slower, sessions 25-26)
 
 
 def smem_bytes(bn: int, st: int) -> int:
-    """Query tile + ST key stages + the two score halves + the stages' key-valid bytes (+ 1 KB for alignment)."""
-    return HB * D * 2 + st * bn * D * 2 + 2 * HB * bn * 4 + st * bn + 1024
+    """Query tile + ST key stages + the two score halves + the stages' key-valid bytes + 2 ST mbarriers + 1 KB of
+    alignment (the output's staging, 2 x 64 rows of 528 bytes, reuses the tiles after the last chunk)."""
+    return HB * D * 2 + st * bn * D * 2 + 2 * HB * bn * 4 + st * bn + 16 * st + 8 + 1024
 
 
 def _acc_list(first: int, count: int) -> str:
@@ -98,7 +97,7 @@ _HEAD = r"""
 typedef unsigned int u32;
 typedef unsigned long long u64;
 typedef unsigned short u16;
-#define NT 256
+#define NT 384
 #define D 512
 #define HB 64
 #define NEG_BIG (-1.0e30f)
@@ -107,7 +106,6 @@ typedef unsigned short u16;
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool ok) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(ok ? 16 : 0) : "memory");
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
 }
@@ -127,10 +125,22 @@ __device__ __forceinline__ float ex2(float x) { float y; asm("ex2.approx.ftz.f32
 __device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
     u32 r; asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); return r;
 }
-// byte offset of 16-byte granule q (0..63) of row r in a tile of 8 column blocks, each [rows][128 B], swizzled
-__device__ __forceinline__ u32 swz(int r, int q, int rows) {
-    return (u32)((q >> 3) * rows * 128 + r * 128 + (((q & 7) ^ (r & 7)) << 4));
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(count) : "memory");
 }
+__device__ __forceinline__ void mbar_arrive(u32 bar) {
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}" :: "r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_cp_async(u32 bar) {  // when this thread's earlier cp.async complete
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    asm volatile("{\n.reg .pred p;\nWAIT_%=:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+                 "@!p bra WAIT_%=;\n}" :: "r"(bar), "r"(parity) : "memory");
+}
+__device__ __forceinline__ void bar_sync(int id, int n) { asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(n) : "memory"); }
+__device__ __forceinline__ void bar_arrive(int id, int n) { asm volatile("bar.arrive %0, %1;" :: "r"(id), "r"(n) : "memory"); }
 """
 
 _KERNEL = r"""
@@ -147,82 +157,96 @@ attn_wgmma(const u16* __restrict__ q, const u16* __restrict__ kv, const void* __
     // the swizzle pattern repeats every 1024 bytes: align the tiles to it (an offset from the shared array, so
     // that the compiler keeps shared-memory instructions for the accesses below)
     unsigned char* smem = smem_raw + ((1024u - ((u32)__cvta_generic_to_shared(smem_raw) & 1023u)) & 1023u);
-    unsigned char* s_q = smem;                                   // HB x D bf16, 8 column blocks
-    unsigned char* s_k = smem + HB * D * 2;                      // ST stages of BN x D bf16
-    float4* s_x = (float4*)(s_k + ST * BN * D * 2);                 // score halves, [2][BN / 8][128] float4
+    unsigned char* s_q = smem;                                          // HB x D bf16, 8 column blocks
+    unsigned char* s_k = smem + HB * D * 2;                             // ST stages of BN x D bf16
+    float4* s_x = (float4*)(s_k + ST * BN * D * 2);                     // score halves, [2][BN / 8][128] float4
     unsigned char* s_valid = (unsigned char*)(s_x + 2 * HB * BN / 4);  // ST x BN key-valid bytes
+    const u32 bars = ((u32)__cvta_generic_to_shared(s_valid + ST * BN) + 7u) & ~7u;  // mbarriers full[ST], empty[ST]
+    #define FULL(s) (bars + 8u * (s))
+    #define EMPTY(s) (bars + 8u * (ST + (s)))
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int wg = tid >> 7, wt = tid & 127;  // warpgroup, thread in it
+    const int wg = tid >> 7, wt = tid & 127;  // warpgroup (0, 1: consumers; 2: producer), thread in it
     const int n_hb = H / HB;
     const int pid = blockIdx.x;
     const int hb = pid % n_hb;
     const int sp = (pid / n_hb) % n_split;
     const long long t = pid / n_hb / n_split;
     const int h0 = hb * HB;
-
     const int n1 = (K1 + BN - 1) / BN;
     const int nc = n1 + (K2 + BN - 1) / BN;
     const int c_lo = sp * chunks_per_split;
     const int c_hi = min(c_lo + chunks_per_split, nc);
-
     const u32 q_base = (u32)__cvta_generic_to_shared(s_q);
     const u32 k_base = (u32)__cvta_generic_to_shared(s_k);
 
-    // rows r = warp + 8 i of a tile, granules lane and lane + 32: r % 8 = warp, so the swizzled offsets are one
-    // per thread plus 1 KB a row (swz)
-    const u32 off_lo = (u32)(warp * 128 + (((lane & 7) ^ warp) << 4));  // + column block * rows * 128
-    // the query tile: 64 rows of 1 KB, lanes 512 contiguous bytes at a time
+    if (tid == 0) {
 #pragma unroll
-    for (int i = 0; i < HB / 8; ++i) {
-        const u16* src = q + ((t * H + h0 + warp + 8 * i) * D);
-        cp_async16(q_base + (lane >> 3) * HB * 128 + off_lo + i * 1024, src + lane * 8, true);
-        cp_async16(q_base + ((lane >> 3) + 4) * HB * 128 + off_lo + i * 1024, src + (lane + 32) * 8, true);
-    }
-
-    // row indices of the chunks, one chunk ahead in registers (-1: absent or past the list; pools < 2^31 rows)
-    constexpr int RPW = BN / 8;  // rows a warp copies per chunk
-    int nxt[RPW];
-    auto fetch_rows = [&](int c) {
-        const bool main = c < n1;
-        const int lim = main ? K1 : K2;
-        const int n0 = (main ? c : c - n1) * BN + warp;
-        const long long base = t * (long long)(main ? K1 : K2);
-        const void* ip = main ? idx : idx2;
-#pragma unroll
-        for (int i = 0; i < RPW; ++i) {
-            const int n = n0 + 8 * i;
-            nxt[i] = -1;
-            if (c < c_hi && n < lim)
-                nxt[i] = IDX64 ? (int)((const long long*)ip)[base + n] : ((const int*)ip)[base + n];
+        for (int s = 0; s < ST; ++s) {
+            mbar_init(FULL(s), 256);   // 128 producer threads x 2: a thread's copies landed; its valid bytes written
+            mbar_init(EMPTY(s), 256);  // 256 consumer threads: done reading the stage (both P.V complete)
         }
-    };
-    const u32 k_off_lo = k_base + (lane >> 3) * BN * 128 + off_lo, k_off_hi = k_off_lo + 4 * BN * 128;
-    auto issue = [&](int c) {  // chunk c into stage (c - c_lo) % ST, with the indices in nxt
-        const int stage = (c - c_lo) % ST;
-        const bool extra = c >= n1;
-        const u16* pool = (extra ? kv2 : kv) + lane * 8;
-        const long long stride = extra ? stride_kv2 : stride_kv;  // (64-bit products below)
-#pragma unroll
-        for (int i = 0; i < RPW; ++i) {
-            const bool ok = nxt[i] >= 0;
-            const u16* src = pool + (ok ? (long long)nxt[i] * stride : 0);
-            const u32 so = stage * BN * D * 2 + i * 1024;
-            cp_async16(k_off_lo + so, src, ok);
-            cp_async16(k_off_hi + so, src + 256, ok);
-            if (lane == 0) s_valid[stage * BN + warp + 8 * i] = ok;
-        }
-    };
-
-    // prologue: chunks c_lo .. c_lo + ST - 2, one commit group each (the query tile in the first)
-    fetch_rows(c_lo);
-#pragma unroll
-    for (int s = 0; s < ST - 1; ++s) {
-        if (c_lo + s < c_hi) issue(c_lo + s);
-        cp_async_commit();
-        fetch_rows(c_lo + s + 1);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
+    __syncthreads();
 
+    if (wg == 2) {
+        // producer: the query tile, then each chunk's rows into its stage as soon as the consumers release it
+        // (40 registers; the consumers take the rest of the register file: 232)
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+        const int pw = warp - 8;  // 0..3: rows pw + 4 i (i < BN / 4) of a chunk; lanes 512 contiguous bytes at a time
+        // swizzled offsets: row r = pw + 4 i has r % 8 = pw + 4 (i % 2)
+        const u32 offe = (u32)((pw * 128) + (((lane & 7) ^ pw) << 4));
+        const u32 offo = (u32)(((pw + 4) * 128) + (((lane & 7) ^ (pw + 4)) << 4));
+        // the query tile (64 rows): rows pw + 4 i
+#pragma unroll 4
+        for (int i = 0; i < HB / 4; ++i) {
+            const u16* src = q + ((t * H + h0 + pw + 4 * i) * D);
+            const u32 o = q_base + (i >> 1) * 1024 + ((i & 1) ? offo : offe) + (lane >> 3) * HB * 128;
+            cp_async16(o, src + lane * 8, true);
+            cp_async16(o + 4 * HB * 128, src + (lane + 32) * 8, true);
+        }
+        // this lane's row index of a chunk (lanes < BN / 4: row pw + 4 lane; -1: absent or past the list; pools
+        // < 2^31 rows), loaded one chunk ahead and broadcast by shuffles
+        auto row_of = [&](int c) -> int {
+            if (c >= c_hi || lane >= BN / 4) return -1;
+            const bool main = c < n1;
+            const int lim = main ? K1 : K2;
+            const int n = (main ? c : c - n1) * BN + pw + 4 * lane;
+            if (n >= lim) return -1;
+            const long long base = t * (long long)lim;
+            const void* ip = main ? idx : idx2;
+            return IDX64 ? (int)((const long long*)ip)[base + n] : ((const int*)ip)[base + n];
+        };
+        int nxt = row_of(c_lo);
+        for (int c = c_lo; c < c_hi; ++c) {
+            const int it = c - c_lo, stage = it % ST;
+            const int cur = nxt;
+            nxt = row_of(c + 1);
+            if (it >= ST) mbar_wait(EMPTY(stage), ((it / ST) - 1) & 1);
+            const bool extra = c >= n1;
+            const u16* pool = (extra ? kv2 : kv) + lane * 8;
+            const long long stride = extra ? stride_kv2 : stride_kv;
+            if (lane < BN / 4) s_valid[stage * BN + pw + 4 * lane] = cur >= 0;
+            const u32 sb = k_base + stage * BN * D * 2 + (lane >> 3) * BN * 128;
+#pragma unroll
+            for (int i = 0; i < BN / 4; ++i) {
+                const int r = __shfl_sync(0xffffffffu, cur, i);
+                const bool ok = r >= 0;
+                const u16* src = pool + (ok ? (long long)r * stride : 0);
+                const u32 o = sb + (i >> 1) * 1024 + ((i & 1) ? offo : offe);
+                cp_async16(o, src, ok);
+                cp_async16(o + 4 * BN * 128, src + 256, ok);
+            }
+            mbar_arrive_cp_async(FULL(stage));  // (the first also covers the query tile's copies)
+            mbar_arrive(FULL(stage));           // releases the valid bytes
+        }
+        cp_async_wait<0>();
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+
+    // consumers: warpgroup wg owns the column half 256 wg .. 256 wg + 255 of Q.K^T's sum and of the output
     float o[128];
 #pragma unroll
     for (int i = 0; i < 128; ++i) o[i] = 0.f;
@@ -236,15 +260,11 @@ attn_wgmma(const u16* __restrict__ q, const u16* __restrict__ kv, const void* __
         l_a = l_b = cq == 0 ? 1.f : 0.f;
     }
 
-    constexpr int NS = BN / 2;  // score accumulators a thread
+    constexpr int NS = BN / 2;
     for (int c = c_lo; c < c_hi; ++c) {
-        const int stage = (c - c_lo) % ST;
-        cp_async_wait<ST - 2>();  // this thread's copies of chunk c have landed
-        proxy_fence();            // ... and are visible to the asynchronous proxy (wgmma) after the barrier
-        __syncthreads();          // everyone's copies; everyone is done with chunk c - 1's stage and scores
-        if (c + ST - 1 < c_hi) issue(c + ST - 1);
-        cp_async_commit();  // (empty past the end: the count per chunk stays uniform)
-        fetch_rows(c + ST);
+        const int it = c - c_lo, stage = it % ST;
+        mbar_wait(FULL(stage), (it / ST) & 1);  // the chunk's rows (and the query tile) have landed
+        proxy_fence();                          // ... and are visible to the asynchronous proxy (wgmma)
 
         // S_wg = Q[:, wg half] . K[:, wg half]^T: 16 steps of 16 columns
         float s[NS];
@@ -263,11 +283,13 @@ attn_wgmma(const u16* __restrict__ q, const u16* __restrict__ kv, const void* __
         for (int i = 0; i < NS; ++i) reg_fence(s[i]);
 
         // swap the halves through shared memory: each warpgroup writes its partial and adds the other's (S_0 + S_1 =
-        // S_1 + S_0: the same bits in both); 16-byte accesses, consecutive threads consecutive (no bank conflicts)
+        // S_1 + S_0: the same bits in both); 16-byte accesses, consecutive threads consecutive (no bank conflicts).
+        // Its buffer s_x[wg] is rewritten once the other warpgroup has read the last chunk's (named barrier 2 + wg)
+        if (it > 0) bar_sync(2 + wg, 256);
 #pragma unroll
         for (int i = 0; i < NS / 4; ++i)
             s_x[(wg * NS / 4 + i) * 128 + wt] = make_float4(s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]);
-        __syncthreads();
+        bar_sync(1, 256);
 #pragma unroll
         for (int i = 0; i < NS / 4; ++i) {
             const float4 v = s_x[((1 - wg) * NS / 4 + i) * 128 + wt];
@@ -276,6 +298,7 @@ attn_wgmma(const u16* __restrict__ q, const u16* __restrict__ kv, const void* __
             s[4 * i + 2] += v.z;
             s[4 * i + 3] += v.w;
         }
+        if (c + 1 < c_hi) bar_arrive(2 + (1 - wg), 256);  // the other's half is read: it may overwrite it
 
         // online softmax on rows row_a (s[4j], s[4j+1]) and row_a + 8 (s[4j+2], s[4j+3]), keys 8j + 2cq + {0, 1}
         const unsigned char* vb = s_valid + stage * BN;
@@ -341,8 +364,10 @@ attn_wgmma(const u16* __restrict__ q, const u16* __restrict__ kv, const void* __
         wg_wait0();
 #pragma unroll
         for (int i = 0; i < 128; ++i) reg_fence(o[i]);
+        mbar_arrive(EMPTY(stage));  // this thread's reads of the stage are done
     }
-    cp_async_wait<0>();
+
+    bar_sync(1, 256);  // both warpgroups are done with every stage, score buffer and the query tile
 
     // the rows' sums over the quad; out = o / l (one reciprocal a row), or the split's normalised partial
     l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
@@ -362,11 +387,21 @@ attn_wgmma(const u16* __restrict__ q, const u16* __restrict__ kv, const void* __
             ml[(row0 + row_a + 8) * 2 + 1] = l_b;
         }
     }
+    // this warpgroup's 64 x 256 half through shared memory (rows 528 bytes apart: the 8 rows of a store in
+    // distinct banks), then 16-byte stores, a warp 512 contiguous bytes (one row half) at a time: session 26
+    // measured the direct 4-byte stores of the fragments (8 rows a warp instruction) at ~6 us of a 41 us call
+    unsigned char* s_o = smem + wg * (HB * 528);
 #pragma unroll
     for (int j = 0; j < 32; ++j) {
-        const int col = wg * 256 + 8 * j + 2 * cq;
-        *(u32*)(dst + (row0 + row_a) * D + col) = pack_bf16(o[4 * j] * r_a, o[4 * j + 1] * r_a);
-        *(u32*)(dst + (row0 + row_a + 8) * D + col) = pack_bf16(o[4 * j + 2] * r_b, o[4 * j + 3] * r_b);
+        const int cb = (8 * j + 2 * cq) * 2;
+        *(u32*)(s_o + row_a * 528 + cb) = pack_bf16(o[4 * j] * r_a, o[4 * j + 1] * r_a);
+        *(u32*)(s_o + (row_a + 8) * 528 + cb) = pack_bf16(o[4 * j + 2] * r_b, o[4 * j + 3] * r_b);
+    }
+    bar_sync(4 + wg, 128);
+#pragma unroll 4
+    for (int k = wt; k < HB * 32; k += 128) {
+        const int r = k >> 5, gr = k & 31;
+        *(uint4*)(dst + (row0 + r) * D + wg * 256 + gr * 8) = *(const uint4*)(s_o + r * 528 + gr * 16);
     }
 }
 """
@@ -384,16 +419,20 @@ PROGRAM = nvrtc.Program(_source(), "attention_wgmma.cu", [_name(BN, ST, i64) for
                         arch_suffix="a")
 
 
-def preferred(t_count: int, h_count: int) -> bool:
-    """Where the default (``ATB_CUDA_ATTN_IMPL=auto``) takes this kernel over attention_v2's: at least 64 CTAs
-    (tokens x 64-head blocks) and fewer than 256 tokens. Measured on an H200 (scripts/bench_results/
-    h200_session25.txt; 128 + 512 keys from HBM): T = 128, h = 64 55.7-55.9 % of the copy bandwidth against 44.5 %,
-    h = 128 35.0 against 30.7 %, T = 32, h = 128 (64 CTAs) 20.8-20.9 against 20.0-20.2 %; with fewer CTAs its key-
-    list splits lose (T = 32, h = 64: 27.0-28.2 against 25.0-25.3 us; T = 8: 26.8-27.2 against 17.5-17.8 us; the split
-    CTAs each load the 64 KB query tile). From 256 tokens (prefill) the rows of one sequence are shared and sit in
-    L2, where the computation bounds it: 160-165 against 218-222 TFLOP/s (one 2048-token sequence); distinct rows
-    would favour it (T = 2048, h = 64: 61.6-63.7 against 49.7-50.5 %), but prefill batches share them."""
-    return t_count * (h_count // HB) >= 64 and t_count < 256
+def preferred(t_count: int, h_count: int, k1: int, k2: int, n_sm: int) -> bool:
+    """Where the default (``ATB_CUDA_ATTN_IMPL=auto``) takes this kernel over attention_v2's: when the CTAs (tokens x
+    64-head blocks) need no key-list split, or each split keeps at least 3 chunks (192 keys; splits as
+    :func:`.attention_v2.key_splits` makes them for ``n_sm`` SMs): every split CTA loads the 64 KB query tile, which
+    fewer chunks do not amortise. H200, us against attention_v2's (h200_session26.txt; 128 + 512 keys unless said):
+    T = 128, h = 64 35.4 / 53.7; T = 64 27.8 / 34.8; T = 32 (4 splits of 3) 22.2 / 25.1; h = 128, T = 32 26.2 / 34.7;
+    128 + 64 keys, T = 128 16.8 / 23.3; one 2048-token sequence 465 / 466. It loses at T = 16 (5 splits of 2) 19.6
+    / 19.1, T = 8 22.5 / 17.7, h = 128, T = 8 19.0 / 18.2, 128 + 64 keys at T = 32 / 64 15.6 / 14.6, 18.6 / 14.9."""
+    programs = t_count * (h_count // HB)
+    if programs == 0:
+        return False
+    nc = -(-k1 // BN) + -(-k2 // BN)
+    n_split, cps = attention_v2.key_splits(nc, max(n_sm, 1), programs)
+    return n_split == 1 or cps >= 3
 
 
 def eligible(q1, q2, kv, idx, kv2, idx2, out_dtype) -> bool:

@@ -29,10 +29,16 @@ def test_source_has_one_kernel_per_index_dtype():
     assert aw.PROGRAM.arch_suffix == "a"  # wgmma: the sm_90a target
 
 
-def test_default_takes_it_for_decode_batches_only():
-    assert aw.preferred(128, 64) and aw.preferred(64, 64) and aw.preferred(32, 128) and aw.preferred(255, 64)
-    assert not aw.preferred(32, 64) and not aw.preferred(8, 128) and not aw.preferred(256, 64)
-    assert not aw.preferred(2048, 128)
+def test_default_takes_it_unsplit_or_with_three_chunks_a_split():
+    """The rule of ``preferred`` on a 132-SM H200 at the shapes session 26 timed (128 + 512 keys: 10 chunks)."""
+    sm = 132
+    for t, h in ((128, 64), (64, 64), (32, 64), (32, 128), (2048, 64), (2048, 128), (300, 64)):
+        assert aw.preferred(t, h, 128, 512, sm), (t, h)  # unsplit, or 4 splits of 3 chunks at T = 32
+    for t, h in ((16, 64), (8, 64), (4, 64), (1, 64), (8, 128)):
+        assert not aw.preferred(t, h, 128, 512, sm), (t, h)  # splits of 1-2 chunks
+    assert aw.preferred(128, 64, 128, 64, sm)  # 3 chunks, unsplit
+    assert not aw.preferred(64, 64, 128, 64, sm) and not aw.preferred(32, 64, 128, 64, sm)
+    assert not aw.preferred(1, 64, 64 * 64, 0, sm) and aw.preferred(1, 64, 128 * 64, 0, sm)  # 32 splits of 2 / 4
 
 
 def test_arch_specific_build_only_on_its_architecture(monkeypatch):
