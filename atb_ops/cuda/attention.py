@@ -154,9 +154,8 @@ def _use_wgmma(q1, q2, kv, idx, kv2, idx2, out_dtype, impl: str) -> bool:
         return attention_wgmma.eligible(q1, q2, kv, idx, kv2, idx2, out_dtype)
     if impl != "auto" or os.environ.get("ATB_CUDA_ATTN") or os.environ.get("ATB_CUDA_ATTN2"):
         return False
-    k2 = idx2.shape[-1] if kv2 is not None and idx2 is not None else 0
-    return (attention_wgmma.eligible(q1, q2, kv, idx, kv2, idx2, out_dtype)
-            and attention_wgmma.preferred(q1.shape[0], q1.shape[1], idx.shape[-1], k2, sm_count(q1.device)))
+    return (attention_wgmma.preferred(q1.shape[0], q1.shape[1])
+            and attention_wgmma.eligible(q1, q2, kv, idx, kv2, idx2, out_dtype))
 
 
 def _run(q1, q2, kv, idx, kv2, idx2, sink, scale, out_dtype):

@@ -4,16 +4,14 @@ sm_90a (:mod:`.nvrtc`): V4's shape, bf16 q [T, H, 512] and pool rows [P, >= 512]
 set ``idx2``, the sink in the denominator, float32 scores and sums, P rounded to bf16 for P.V, -1 = absent key, never
 read), and the same split partials, merged by :func:`.attention_v2._merge_splits_kernel`.
 
-Why: attention_v2's Triton program runs each chunk's copies, Q.K^T, softmax and P.V in order inside one 8-warp
-program per SM: 44.5 % of an H200's copy bandwidth at T = 128, h = 64, 128 + 512 keys; the issue's goal is 60 %.
-Measured on a lent H200 (scripts/bench_results/h200_session26.txt, rows from HBM): 66.8-67.9 % there (35.4 against
-53.7 us), 2048 tokens of distinct rows 69.8-70.1 % against 49.5-50.7 %, h = 128 334 against 237 TFLOP/s; where it
-is the default: :func:`preferred`. Session 25's first form (all 256 threads copying, then a CTA barrier a chunk;
-the output stored straight from the accumulator fragments) ran at 55.4-55.9 %: a producer warpgroup (session 26)
-took it to 57.8-58.4 %, and the output staged through shared memory to 67.6 % (the fragments' 4-byte stores, 8 rows
-a warp instruction, had cost ~6 us of a 41 us call, in which every CTA stores at the same moment). Timed and not
-kept (h200_session25.txt, h200_session26.txt): 48- or 32-key chunks in 3-4 stages, an L2 bulk prefetch, cp.async
-L2 prefetch-size / eviction hints (within 1 %).
+Why: attention_v2's Triton program (copies, Q.K^T, softmax, P.V in order in one 8-warp program per SM) reached
+44.5 % of an H200's copy bandwidth at T = 128, h = 64, 128 + 512 keys; the issue's goal is 60 %. This kernel, on a lent
+H200 (scripts/bench_results/h200_session26.txt, rows from HBM): 66.8-67.9 % there, 2048 distinct-row tokens 69.8-70.1
+against 49.5-50.7 %, h = 128 334 against 237 TFLOP/s (default: :func:`preferred`). Its first form (session 25: every
+thread copying, a CTA barrier a chunk, the output stored from the accumulator fragments) ran at 55.4-55.9 %; the
+producer warpgroup took it to 57.8-58.4 %, the staged output to 67.6 % (the fragments' 4-byte stores, 8 rows a warp
+instruction, had cost ~6 us of 41, every CTA storing at once). Slower or no better: 48- or 32-key chunks in 3-4
+stages, an L2 bulk prefetch, cp.async L2 prefetch-size / eviction hints.
 
 Work layout (one CTA = 64 heads of one token, a range of its key chunks; one CTA per SM; 384 threads):
 
@@ -21,10 +19,9 @@ Work layout (one CTA = 64 heads of one token, a range of its key chunks; one CTA
   8 column blocks of 64 elements, each block [rows][128 B] with the 16-byte granules of row r at ``g ^ (r % 8)``:
   the 128-byte-swizzled canonical layout of wgmma, which serves the key rows as K-major B of Q.K^T and, read with
   the transpose bit, as the MN-major B of P.V (V = K: the same bytes);
-- warpgroup 2, the producer (``setmaxnreg`` 40 registers), copies the query tile and then each chunk's rows by
-  ``cp.async`` (16 bytes a thread, zero-filled for absent keys; a warp 512 contiguous bytes at a time) into a stage
-  as soon as the consumers release it (mbarrier ``empty``), and signals the stage full by
-  ``cp.async.mbarrier.arrive`` when its copies land (mbarrier ``full``, which also releases the key-valid bytes);
+- warpgroup 2, the producer (``setmaxnreg`` 40 registers), copies the query tile, then each chunk's rows by
+  ``cp.async`` (16 bytes a thread, zero-filled for absent keys) into a stage once the consumers release it (mbarrier
+  ``empty``); ``cp.async.mbarrier.arrive`` marks it full when the copies land (mbarrier ``full``);
 - warpgroups 0 and 1, the consumers (232 registers), each own a column half: warpgroup g computes the partial scores
   S_g = Q[:, 256 g : 256 g + 256] . K[:, same]^T (m64nBNk16, both operands from shared memory, 16 steps), the
   halves are swapped through shared memory and each adds the other's (S_0 + S_1 = S_1 + S_0: both hold the same
@@ -32,13 +29,12 @@ Work layout (one CTA = 64 heads of one token, a range of its key chunks; one CTA
   -inf, exp2), rescales its output half and adds P . V[:, its 256 columns] (m64n256k16, P from registers as the A
   operand, 4 steps of 16 keys): the 64 x 512 float32 output is 128 registers a thread, half in each warpgroup.
   After the last chunk each writes its half to shared memory (rows 528 bytes apart) and stores it 16 bytes a thread;
-- key-list splits (few tokens): partials normalised per split, o_s = acc_s / l_s in bf16 with (m_s, l_s) float32,
-  exactly as attention_v2 stores them, merged by its merge kernel.
+- key-list splits (:func:`splits`): partials o_s = acc_s / l_s in bf16 with (m_s, l_s) float32, exactly as
+  attention_v2 stores them, merged by its merge kernel.
 
-The wgmma operand encodings (shared-memory descriptors: start address, leading / stride byte offsets, 128-byte
-swizzle; the accumulator and register-A fragment layouts), mbarriers, ``cp.async.mbarrier.arrive`` and
-``setmaxnreg`` are those of the PTX ISA (docs.nvidia.com/cuda/parallel-thread-execution: "Asynchronous Warpgroup
-Level Matrix" 9.7.15, "mbarrier", "cp.async.mbarrier.arrive", "setmaxnreg").
+The wgmma operand encodings (shared-memory descriptors, 128-byte swizzle, the accumulator and register-A fragment
+layouts), mbarriers, ``cp.async.mbarrier.arrive`` and ``setmaxnreg`` are the PTX ISA's
+(docs.nvidia.com/cuda/parallel-thread-execution: "Asynchronous Warpgroup Level Matrix" 9.7.15, "mbarrier").
 """
 
 from __future__ import annotations
@@ -51,8 +47,7 @@ from ._util import pdl, pow2
 NT = 384  # threads: two consumer warpgroups and a producer warpgroup
 D = 512  # head dim (K = V)
 HB = 64  # heads per CTA: the wgmma M
-BN, ST = 64, 2  # keys per chunk, shared-memory stages (the query tile, two 64 KB stages and the score halves fill
-# the 227 KB; 48 keys x 3 stages and 32 x 4 were slower, sessions 25-26)
+BN, ST = 64, 2  # keys per chunk, stages (with the query tile and score halves: 227 KB; 48 x 3, 32 x 4 were slower)
 
 
 def smem_bytes(bn: int, st: int) -> int:
@@ -417,22 +412,27 @@ def _name(bn: int, st: int, idx64: bool) -> str:
 
 PROGRAM = nvrtc.Program(_source(), "attention_wgmma.cu", [_name(BN, ST, i64) for i64 in (False, True)],
                         arch_suffix="a")
+MIN_SPLIT_CHUNKS = 3  # key chunks a split at least (each split CTA loads the 64 KB query tile)
 
 
-def preferred(t_count: int, h_count: int, k1: int, k2: int, n_sm: int) -> bool:
-    """Where the default (``ATB_CUDA_ATTN_IMPL=auto``) takes this kernel over attention_v2's: when the CTAs (tokens x
-    64-head blocks) need no key-list split, or each split keeps at least 3 chunks (192 keys; splits as
-    :func:`.attention_v2.key_splits` makes them for ``n_sm`` SMs): every split CTA loads the 64 KB query tile, which
-    fewer chunks do not amortise. H200, us against attention_v2's (h200_session26.txt; 128 + 512 keys unless said):
-    T = 128, h = 64 35.4 / 53.7; T = 64 27.8 / 34.8; T = 32 (4 splits of 3) 22.2 / 25.1; h = 128, T = 32 26.2 / 34.7;
-    128 + 64 keys, T = 128 16.8 / 23.3; one 2048-token sequence 465 / 466. It loses at T = 16 (5 splits of 2) 19.6
-    / 19.1, T = 8 22.5 / 17.7, h = 128, T = 8 19.0 / 18.2, 128 + 64 keys at T = 32 / 64 15.6 / 14.6, 18.6 / 14.9."""
-    programs = t_count * (h_count // HB)
-    if programs == 0:
-        return False
-    nc = -(-k1 // BN) + -(-k2 // BN)
-    n_split, cps = attention_v2.key_splits(nc, max(n_sm, 1), programs)
-    return n_split == 1 or cps >= 3
+def splits(nc: int, n_sm: int, programs: int) -> tuple[int, int]:
+    """(splits, chunks per split) of ``nc`` key chunks over ``programs`` CTAs: :func:`.attention_v2.key_splits` with at
+    least MIN_SPLIT_CHUNKS chunks a split (H200, h200_session26.txt, call 11: 128 + 64 keys at T = 32 / 64 unsplit
+    13.4 / 14.2 us against 2-3 splits' 15.6 / 18.6)."""
+    n, c = attention_v2.key_splits(nc, max(n_sm, 1), programs)
+    if n > 1 and c < MIN_SPLIT_CHUNKS:
+        c = -(-nc // max(1, min(n, nc // MIN_SPLIT_CHUNKS)))
+        n = -(-nc // c)
+    return n, c
+
+
+def preferred(t_count: int, h_count: int) -> bool:
+    """Where the default (``ATB_CUDA_ATTN_IMPL=auto``) takes this kernel over attention_v2's: from 32 CTAs (tokens x
+    64-head blocks). H200, us against attention_v2's (h200_session26.txt; 128 + 512 keys unless said): T = 128, h = 64
+    35.4 / 53.7; T = 64 27.8 / 34.8; T = 32 22.2 / 25.1; h = 128, T = 32 26.2 / 34.7; 128 + 64 keys at T = 32 / 64 /
+    128 13.4 / 14.2 / 16.8 against 14.6 / 14.9 / 23.3. Below 32 CTAs it loses with any split: T = 16 19.7 (5 x 2) or
+    22.2 (3 x 4) against 19.1; T = 8 18.4-22.5 against 17.7; h = 128, T = 8 18.8 against 18.2."""
+    return t_count * (h_count // HB) >= 32
 
 
 def eligible(q1, q2, kv, idx, kv2, idx2, out_dtype) -> bool:
@@ -478,7 +478,7 @@ def run(q1, kv, idx, kv2, idx2, sink, scale, n_sm: int):
     nc = -(-k1 // BN) + -(-k2 // BN)
     n_hb = h_count // HB
     programs = t_count * n_hb
-    n_split, cps = attention_v2.key_splits(nc, n_sm, programs)  # one CTA per SM
+    n_split, cps = splits(nc, n_sm, programs)  # one CTA per SM
     q1c, idxc = q1.contiguous(), idx.contiguous()
     idx2c = idx2.contiguous() if has_extra else idxc
     kv2c = kv2 if has_extra else kv

@@ -29,16 +29,25 @@ def test_source_has_one_kernel_per_index_dtype():
     assert aw.PROGRAM.arch_suffix == "a"  # wgmma: the sm_90a target
 
 
-def test_default_takes_it_unsplit_or_with_three_chunks_a_split():
-    """The rule of ``preferred`` on a 132-SM H200 at the shapes session 26 timed (128 + 512 keys: 10 chunks)."""
-    sm = 132
-    for t, h in ((128, 64), (64, 64), (32, 64), (32, 128), (2048, 64), (2048, 128), (300, 64)):
-        assert aw.preferred(t, h, 128, 512, sm), (t, h)  # unsplit, or 4 splits of 3 chunks at T = 32
-    for t, h in ((16, 64), (8, 64), (4, 64), (1, 64), (8, 128)):
-        assert not aw.preferred(t, h, 128, 512, sm), (t, h)  # splits of 1-2 chunks
-    assert aw.preferred(128, 64, 128, 64, sm)  # 3 chunks, unsplit
-    assert not aw.preferred(64, 64, 128, 64, sm) and not aw.preferred(32, 64, 128, 64, sm)
-    assert not aw.preferred(1, 64, 64 * 64, 0, sm) and aw.preferred(1, 64, 128 * 64, 0, sm)  # 32 splits of 2 / 4
+def test_default_takes_it_from_32_ctas():
+    assert aw.preferred(32, 64) and aw.preferred(16, 128) and aw.preferred(128, 64) and aw.preferred(2048, 128)
+    assert not aw.preferred(16, 64) and not aw.preferred(8, 128) and not aw.preferred(1, 64)
+    assert not aw.preferred(64, 32)  # fewer than 64 heads: not this kernel's shape
+
+
+def test_splits_keep_three_chunks():
+    """attention_v2's split rule, with at least 3 chunks a split (132 SMs, the shapes session 26 timed)."""
+    assert aw.splits(10, 132, 128) == (1, 10)  # T = 128: one CTA per token
+    assert aw.splits(10, 132, 64) == (2, 5)
+    assert aw.splits(10, 132, 32) == (4, 3)
+    assert aw.splits(3, 132, 32) == (1, 3) and aw.splits(3, 132, 64) == (1, 3)  # HCA's 128 + 64 keys: unsplit
+    assert aw.splits(10, 132, 1) == (3, 4)  # splits of 4, 4 and 2 chunks
+    assert aw.splits(2, 132, 5) == (1, 2) and aw.splits(0, 132, 4) == (1, 1)
+    for nc in range(0, 80):
+        for programs in (1, 3, 16, 32, 64, 200):
+            n, c = aw.splits(nc, 132, programs)
+            assert n >= 1 and (n - 1) * c < max(nc, 1) <= n * c  # every split non-empty, every chunk covered
+            assert n == 1 or c >= aw.MIN_SPLIT_CHUNKS
 
 
 def test_arch_specific_build_only_on_its_architecture(monkeypatch):
