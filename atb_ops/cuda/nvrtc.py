@@ -10,6 +10,12 @@ Kernel arguments go through the loader's call: tensors as pointers, Python ints 
 ``double``. A kernel parameter of another type (``float``, ``long long``) would read the wrong bytes: declare them
 as ``int`` / ``double`` (session 25's first attention kernel read its float scale as garbage).
 
+Measured on these kernels (H200, scripts/bench_results/h200_session26.txt), worth applying to the next: outputs held
+in MMA accumulator fragments go out through shared memory as 16-byte, row-contiguous stores (attention_wgmma's 4-byte
+fragment stores, 8 rows a warp instruction, cost ~6 of its 41 us); a producer warpgroup that copies into stages
+released by mbarriers beat copies issued by the compute warps behind a CTA barrier. CUDA's ``compute-sanitizer``
+(racecheck, synccheck, memcheck) runs on them as on any kernel: ``--kernel-name kns=<name>`` selects one.
+
 Cache: ``$ATB_CUDA_CACHE_DIR`` or ``~/.cache/ascend_dsv4``, one cubin + one JSON of lowered names per (source,
 architecture, torch's CUDA version, instance list); a cache that cannot be written costs a rebuild next time.
 """
