@@ -471,11 +471,11 @@ def run(q1, kv, idx, kv2, idx2, sink, scale, n_sm: int):
     """The op (arguments as attention.py's ``_run``; :func:`eligible` holds) -> out [T, H, 512] bf16."""
     t_count, h_count, _ = q1.shape
     out = torch.empty(t_count, h_count, D, dtype=torch.bfloat16, device=q1.device)
-    if t_count == 0:
-        return out
     has_extra = kv2 is not None and idx2 is not None and idx2.shape[-1] > 0
     k1, k2 = idx.shape[-1], (idx2.shape[-1] if has_extra else 0)
     nc = -(-k1 // BN) + -(-k2 // BN)
+    if t_count == 0 or nc == 0:  # no key: zeros (a CTA without chunks would race its query-tile copies with the
+        return out.zero_()      # output's staging in the same shared memory)
     n_hb = h_count // HB
     programs = t_count * n_hb
     n_split, cps = splits(nc, n_sm, programs)  # one CTA per SM

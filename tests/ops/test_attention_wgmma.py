@@ -73,6 +73,21 @@ def test_not_eligible_off_gpu_or_off_shape():
     assert not aw.eligible(q.float(), None, kv, idx, None, None, torch.float32)
 
 
+def test_empty_key_lists_give_zeros_without_a_launch():
+    """No key at all (K1 = 0, no extra set): zeros, as the reference's empty softmax sum gives, returned before any
+    launch (so this runs on CPU tensors)."""
+    q = torch.randn(3, 64, 512).to(torch.bfloat16)
+    kv = torch.randn(10, 512).to(torch.bfloat16)
+    idx = torch.zeros(3, 0, dtype=torch.int32)
+    out = aw.run(q, kv, idx, None, None, torch.zeros(64), 0.05, n_sm=132)
+    assert out.shape == (3, 64, 512) and out.dtype == torch.bfloat16 and not out.float().abs().any()
+    out = aw.run(q, kv, idx, kv, idx[:, :0], None, 0.05, n_sm=132)  # an empty extra set too
+    assert not out.float().abs().any()
+    ref = atb_ops.implementations("sparse_attention")["reference"](q.float(), kv.float(), idx.long(), torch.zeros(64),
+                                                                   0.05, None, None)
+    assert not ref.abs().any()
+
+
 def _inputs(g, t, h, k1, k2, idx_dtype, dev="cuda"):
     def rnd(*s):
         return torch.randn(*s, generator=g).to(dev, torch.bfloat16)
