@@ -197,11 +197,10 @@ def cases(dev, quick: bool):
     # are rotated so that the rows come from HBM. Bytes = the rows gathered once per token + q + out (+ indices).
     # "-seq" prefill rows: the 2048 tokens of one sequence (sliding window, the causal compressed entries of a
     # 2048-token context): rows shared by the tokens, L2-resident, compute-bound. FLOPs count valid keys only.
-    for T, h, ctx, kind in ((1, 64, 8192, "csa"), (4, 64, 8192, "csa"), (8, 64, 8192, "csa"),
-                            (16, 64, 8192, "csa"), (32, 64, 8192, "csa"), (64, 64, 8192, "csa"),
-                            (128, 64, 8192, "csa"), (8, 128, 8192, "csa"), (32, 128, 8192, "csa"),
-                            (128, 128, 8192, "csa"), (32, 64, 8192, "hca"), (64, 64, 8192, "hca"),
-                            (128, 64, 8192, "hca"),
+    for T, h, ctx, kind in ((1, 64, 8192, "csa"), (4, 64, 8192, "csa"), (8, 64, 8192, "csa"), (16, 64, 8192, "csa"),
+                            (32, 64, 8192, "csa"), (64, 64, 8192, "csa"), (128, 64, 8192, "csa"), (8, 128, 8192, "csa"),
+                            (32, 128, 8192, "csa"), (128, 128, 8192, "csa"), (32, 64, 8192, "hca"),
+                            (64, 64, 8192, "hca"), (128, 64, 8192, "hca"),
                             (2048, 64, 2048, "csa-prefill"), (2048, 128, 2048, "csa-prefill"),
                             (2048, 64, 2048, "csa-prefill-seq"), (2048, 128, 2048, "csa-prefill-seq")):
         if quick and T not in (32,):
