@@ -48,6 +48,7 @@ NT = 384  # threads: two consumer warpgroups and a producer warpgroup
 D = 512  # head dim (K = V)
 HB = 64  # heads per CTA: the wgmma M
 BN, ST = 64, 2  # keys per chunk, stages (with the query tile and score halves: 227 KB; 48 x 3, 32 x 4 were slower)
+MIN_SPLIT_CHUNKS = 3  # key chunks a split at least (each split CTA loads the 64 KB query tile): :func:`splits`
 
 
 def smem_bytes(bn: int, st: int) -> int:
@@ -412,7 +413,6 @@ def _name(bn: int, st: int, idx64: bool) -> str:
 
 PROGRAM = nvrtc.Program(_source(), "attention_wgmma.cu", [_name(BN, ST, i64) for i64 in (False, True)],
                         arch_suffix="a")
-MIN_SPLIT_CHUNKS = 3  # key chunks a split at least (each split CTA loads the 64 KB query tile)
 
 
 def splits(nc: int, n_sm: int, programs: int) -> tuple[int, int]:
