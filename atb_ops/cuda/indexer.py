@@ -25,10 +25,11 @@ places each by its rank inside its bin (no sort); ``hist`` compacts and sorts th
 rank among them, counted by many programs a token (no sort). All fall back to the exact bit search when the threshold
 bin holds too many keys (thousands of exact ties).
 
-ATB_CUDA_INDEXER = "PATH[,BN,WARPS,STAGES,CTAS_PER_SM[,PRE]]" or just the tiles: PATH ``auto`` (default: bits,
-split or place by the candidate count N, see ``_AUTO_BITS_MAX``), ``fused`` (``indexer_fused``: score, bucket and
-sort programs in one launch), ``radix`` (``topk_radix``: a CUDA C block per token, N <= 16384; counts its own
-top bits unless ATB_CUDA_INDEXER_RADIX_HIST=1; opt-in: as fast as split at N = 16384), ``rank``, ``hist``,
+ATB_CUDA_INDEXER = "PATH[,BN,WARPS,STAGES,CTAS_PER_SM[,PRE]]" or just the tiles: PATH ``auto`` (default: radix
+where it takes the rows, else bits, split or place by the candidate count N, see ``_AUTO_BITS_MAX``), ``fused``
+(``indexer_fused``: score, bucket and sort programs in one launch), ``radix`` (``topk_radix``: a CUDA C block per
+token, N <= 16384, k <= 2048; counts its own top bits unless ATB_CUDA_INDEXER_RADIX_HIST=1; the fastest path at
+every N <= 16384 since session 27's merge sort, see that module), ``rank``, ``hist``,
 ``split``, ``place``, ``bits`` (the
 previous selection: ``_select_kernel``, one program per token finding the k-th largest key by a 32-step MSB-first
 bit search of counts; rows over 16384 keys through torch.topk) or ``old`` (the first path: int64 keys +
@@ -198,8 +199,10 @@ DEFAULT_PATH = "auto"
 # vs 82.6 on the previous grid, fused 104.7, rank 84.7; N = 65536 rank 258.1 us vs fused 274.3 (the previous
 # default), split 339.2; scripts/bench_results/indexer_h100_session11.txt). Since session 19 longer rows take place
 # (H200, T = 32, N = 65536, two calls: 183.5 / 181.9 us vs rank 189.0 / 187.9, split 266.7 / 264.6; at N = 16384
-# split stays the fastest: 59.5-60.5 us vs place 62.2-63.3; scripts/bench_results/h200_session19.txt). The
-# interpreter switches at small N so that CPU tests cover every path.
+# split stays the fastest: 59.5-60.5 us vs place 62.2-63.3; scripts/bench_results/h200_session19.txt). Since
+# session 27 auto takes the CUDA C radix selection first (N <= 16384, built, not interpreted): on an H200 it beat
+# bits, split and place at every (T, N) timed, T = 1-2048, N = 2048-16384 (h200_session27.txt); these thresholds
+# pick the Triton path where it cannot run. The interpreter switches at small N so that CPU tests cover every path.
 _AUTO_BITS_MAX, _AUTO_SPLIT_MAX = (64, 128) if INTERPRET else (8192, 16384)
 
 
@@ -211,9 +214,15 @@ def _mode(n):
         path = parts.pop(0)
         if path not in PATHS:
             raise ValueError(f"ATB_CUDA_INDEXER path {path!r} not in {PATHS}")
-    if path == "auto":
-        path = "bits" if n <= _AUTO_BITS_MAX else "split" if n <= _AUTO_SPLIT_MAX else "place"
     return path, ([int(v) for v in parts] or None)
+
+
+def _fallback(path, n):
+    """The Triton selection path for N candidates where ``radix`` / ``auto`` do not take the CUDA C one: auto's
+    rule by N (see _AUTO_BITS_MAX); radix: split or place (so the CPU tests of radix cover the split path)."""
+    if path == "radix":
+        return "split" if n <= _AUTO_SPLIT_MAX else "place"
+    return "bits" if n <= _AUTO_BITS_MAX else "split" if n <= _AUTO_SPLIT_MAX else "place"
 
 
 def _score_cfg(device, n, t_count, tiles=None, wave=False):
@@ -395,20 +404,20 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, 
         kc = kc.float()
     cand = cand.contiguous()
     q, weights = q.contiguous(), weights.contiguous()
-    if path == "bits":
-        keys = score_keys(q, weights, kc, cand, tiles=tiles)
-        if pow2(n, 16) <= _SELECT_MAX:
-            return select_topk(keys, cand, k)
-        return _select_torch(keys, cand, k)
     hb = hist_bits()
-    if path == "radix":  # the CUDA C selection (topk_radix); rows it does not take: split / place as auto
-        if topk_radix.eligible(cand, k):
+    if path in ("auto", "radix"):  # the CUDA C selection (topk_radix) where it takes the rows (auto: not interpreted)
+        if (path == "radix" or not INTERPRET) and topk_radix.eligible(cand, k):
             if radix_hist():
                 hist = torch.zeros(t_count, (1 << hb) + 32, dtype=torch.int32, device=q.device)
                 keys = score_keys(q, weights, kc, cand, hist, hb, tiles, wave=True)
                 return topk_radix.select(keys, cand, k, hist, hb)
             return topk_radix.select(score_keys(q, weights, kc, cand, tiles=tiles, wave=True), cand, k)
-        path = "split" if n <= _AUTO_SPLIT_MAX else "place"
+        path = _fallback(path, n)
+    if path == "bits":
+        keys = score_keys(q, weights, kc, cand, tiles=tiles)
+        if pow2(n, 16) <= _SELECT_MAX:
+            return select_topk(keys, cand, k)
+        return _select_torch(keys, cand, k)
     if path == "fused":
         from .indexer_fused import topk_fused
 

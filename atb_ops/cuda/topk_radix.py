@@ -1,5 +1,5 @@
 """indexer_topk's selection as one CUDA C block per token (NVRTC, :mod:`.nvrtc`): an exact radix select of the
-threshold bin (and, when too many keys sit at or above it, of the threshold key), then a bitonic sort of the keys taken.
+threshold bin (and, when too many keys sit at or above it, of the threshold key), then a merge sort of the keys taken.
 
 Same contract as the selections of :mod:`.indexer_select`. Inputs: ``keys`` [T, N] int32 order keys (larger key =
 larger score; ``ORD_NEG_INF`` = absent candidate / -inf score), optionally ``hist`` [T, >= 2^HB] int32, the count
@@ -22,22 +22,25 @@ N / 1024 rounded up to a power of two, at most 16: N <= 16384), as unsigned imag
    the whole key, then every key above the prefix and the first ``need`` matching it in candidate order (a block
    scan; thread-major order is candidate order). Slots by block scans of per-thread counts (no atomics). Stored as
    64-bit composites (u << 32) | (2^32 - 1 - n), all distinct, whose descending order is the reference's;
-3. bitonic sort of P = next power of two >= max(|S|, 128) composites, descending, by P / 128 warps of 4 per thread:
-   partners 1, 2 apart in registers, 4 .. 64 apart by warp shuffles, farther through shared memory (two buffers in
-   turn, a named barrier of the sorting warps); zeros pad (no finite key has u = 0);
+3. merge sort of P = next power of two >= max(|S|, 32) composites, descending, on all 32 warps (1 or 2 a thread):
+   runs of 32 sorted in each warp by shuffles (bitonic), then log2(P / 32) merge rounds through two shared-memory
+   buffers, one barrier a round: the element at index i of its run moves to i + (elements of the partner run above
+   it, a binary search) from the run pair's start. Pads P - p (distinct, below every key's composite) keep every
+   value distinct, so those positions form a permutation (the rank rule of a merge: Satish, Harris and Garland,
+   "Designing efficient sorting algorithms for manycore GPUs", IPDPS 2009, its merge sort);
 4. out[t, j] = cand[t, n_j] for the first min(KW, |S|) keys, else -1.
 
 No host synchronisation, static shapes, no scratch memory: CUDA-graph safe. Every key distribution is exact (many
 equal keys only add digits); there is no capacity fallback. Larger N (or KW > 2048) take the Triton paths.
 
-Measured on a lent H200 (scripts/bench_results/h200_session22.txt; clock64 stamps of one block per phase): the
-selection alone takes 15.5-16.5 us at T = 32, N = 16384 against the split path's 17.4, and the whole op 57.7 us
-against 58.3 (39.1 against 40.4 at N = 8192; at N = 2048 the bits path stays faster), so it is opt-in
-(``ATB_CUDA_INDEXER=radix``). Its sort is the limit: 1024 64-bit composites take ~17,000 cycles, issue-bound (~100
-instructions per compare step and warp; the first form, one element per thread on all 32 warps, took 19,600 cycles
-for 512). Loading the keys takes ~2,000, the block's own histogram ~6,500 (one atomic per warp and distinct bin by
-``__match_any_sync``: ~31,000), the compaction ~3,300; sorting exactly KW = 512 after the extra digits (5,300
-cycles) took as long in all.
+Measured on lent H200s: session 22's form (a bitonic sort on P / 4 threads, 4 elements each) selected in 15.5-16.5 us
+at T = 32, N = 16384, its sort ~17,000 cycles (clock64 stamps; h200_session22.txt). Session 27
+(h200_session27.txt; Nsight Compute kernel times): the block 19.0 us with that sort, 8.6-8.8 us with no sort at all
+(a timing probe), 18.0 us with a stable 4-bit LSD radix sort on all warps (8 passes), **14.1-15.8 us with this
+merge sort** (~950 instructions a thread: issue-bound; a pad word every 16 entries removed 36 % of the searches'
+bank conflicts and no time). The whole op at T = 32 with this sort: N = 16384 52.5-55.0 us
+against the split path's 59.4, N = 8192 33.1-37.1 against bits 44.5, N = 2048 16.5-18.2 against 18.9: the default
+(``ATB_CUDA_INDEXER=auto``) since, at every N <= 16384 and token count timed (1 to 2048).
 """
 
 from __future__ import annotations
@@ -115,13 +118,11 @@ __device__ __forceinline__ u64 shfl_xor64(u64 v, int m) {
     return ((u64)hi << 32) | lo;
 }
 
-__device__ __forceinline__ void bar_named(int threads) { asm volatile("bar.sync 1, %0;" :: "r"(threads) : "memory"); }
-
 template <int KPT, bool VEC, bool HIST>
 __global__ void __launch_bounds__(NT) topk_radix(const int* __restrict__ keys, const int* __restrict__ hist, int hs,
                                                   const long long* __restrict__ cand, long long* __restrict__ out,
                                                   int N, int KW, int HB) {
-    __shared__ int s_h[4096];  // histograms; the sort's second buffer
+    __shared__ __align__(16) int s_h[4096];  // histograms; the sort's second buffer (2048 composites)
     __shared__ u64 s_v[MAXP];  // the keys taken, as composites
     __shared__ int s_w[NWARP];
     __shared__ int s_r[4];
@@ -212,53 +213,64 @@ __global__ void __launch_bounds__(NT) topk_radix(const int* __restrict__ keys, c
         if (takes >> j & 1u) s_v[slot++] = ((u64)u[j] << 32) | (u64)(0xFFFFFFFFu - (u32)(tid * KPT + j));
     __syncthreads();
 
-    // 3. bitonic sort of P = next power of two >= max(count, 128) composites, descending, by P / 128 warps: element
-    //    e = 4 tid + r in register r of thread tid; partners 1, 2 apart in the thread, 4 .. 64 apart by warp
-    //    shuffles, farther through shared memory (two buffers in turn, one barrier of the sorting warps each)
-    int P = 128;
+    // 3. merge sort of P = next power of two >= max(count, 32) composites, descending, E = P / NT (1 or 2)
+    //    elements a thread (positions tid, tid + NT): each warp sorts its runs of 32 by shuffles (bitonic), then
+    //    log2(P / 32) merge rounds through shared memory, one barrier each: the element at index i of a run goes to
+    //    i + the elements of the partner run above it (a binary search) from the pair's first position. The values
+    //    are distinct (the pads too: P - p, below every composite of a key), so that sum is a permutation
+    int P = 32;
     while (P < count) P <<= 1;
-    const int sorters = P / 4;
-    for (int i = P + tid; i < KW; i += NT) out[t * KW + i] = -1;  // rows with fewer than KW keys: -1 past P
-    if (tid >= sorters) return;
-    u64 v[4];
+    const int E = P > NT ? P / NT : 1;
+    u64* A = s_v;
+    u64* B = reinterpret_cast<u64*>(s_h);
+    u64 v[2];
 #pragma unroll
-    for (int r = 0; r < 4; ++r) v[r] = 4 * tid + r < count ? s_v[4 * tid + r] : 0ull;  // zeros: below any key
-    bool flip = false;
-    for (int k = 2; k <= P; k <<= 1) {
-        for (int j = k >> 1; j > 0; j >>= 1) {
-            u64 pv[4];
-            if (j >= 128) {
-                u64* buf = flip ? s_v : reinterpret_cast<u64*>(s_h);
-                flip = !flip;
+    for (int e = 0; e < 2; ++e) {
+        const int p = tid + e * NT;
+        v[e] = e < E && p < count ? s_v[p] : (u64)(P - p);  // pads < 2^32 <= any key's composite (u > 0)
+        if (e < E && p < P) {  // whole warps (P is a multiple of 32): the shuffles see every lane
 #pragma unroll
-                for (int r = 0; r < 4; ++r) buf[4 * tid + r] = v[r];
-                bar_named(sorters);
+            for (int k = 2; k <= 32; k <<= 1)
 #pragma unroll
-                for (int r = 0; r < 4; ++r) pv[r] = buf[(4 * tid + r) ^ j];
-            } else if (j >= 4) {
-#pragma unroll
-                for (int r = 0; r < 4; ++r) pv[r] = shfl_xor64(v[r], j >> 2);
-            } else if (j == 2) {
-                pv[0] = v[2]; pv[1] = v[3]; pv[2] = v[0]; pv[3] = v[1];
-            } else {
-                pv[0] = v[1]; pv[1] = v[0]; pv[2] = v[3]; pv[3] = v[2];
-            }
-#pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                const int e = 4 * tid + r;
-                const bool keep_max = ((e & k) == 0) == ((e & j) == 0);
-                const u64 a = v[r], b = pv[r];
-                v[r] = keep_max ? (a > b ? a : b) : (a < b ? a : b);
-            }
+                for (int j = k >> 1; j > 0; j >>= 1) {
+                    const u64 pv = shfl_xor64(v[e], j);
+                    const bool keep_max = ((lane & k) == 0) == ((lane & j) == 0);
+                    v[e] = keep_max ? (v[e] > pv ? v[e] : pv) : (v[e] < pv ? v[e] : pv);
+                }
+            A[p] = v[e];  // the position this thread read: no other thread reads it
         }
     }
-    // 4. the cand rows of the first KW, -1 past the keys taken
-    const int taken = count < KW ? count : KW;
+    __syncthreads();
+    for (int L = 32; L < P; L <<= 1) {
+        const bool last = 2 * L == P;
 #pragma unroll
-    for (int r = 0; r < 4; ++r) {
-        const int i = 4 * tid + r;
-        if (i < KW) out[t * KW + i] = i < taken ? cand[t * N + (long long)(0xFFFFFFFFu - (u32)v[r])] : -1ll;
+        for (int e = 0; e < 2; ++e) {
+            const int p = tid + e * NT;
+            const int i = p & (L - 1);
+            if (e < E && p < P && !(last && i >= KW)) {  // last round: an index >= KW lands at or past KW
+                const bool right = (p & L) != 0;
+                const int base = p & ~(2 * L - 1);
+                const u64* q = A + (right ? base : base + L);  // the partner run, descending
+                const u64 x = v[e];
+                int c = 0;  // partner elements above x: a prefix of q
+                for (int s = L >> 1; s > 0; s >>= 1)
+                    if (q[c + s - 1] > x) c += s;
+                c += q[c] > x ? 1 : 0;
+                B[base + i + c] = x;
+            }
+        }
+        __syncthreads();
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int p = tid + e * NT;
+            if (e < E && p < P) v[e] = B[p];
+        }
+        u64* tmp = A; A = B; B = tmp;
     }
+    // 4. the cand rows of the first KW (in A), -1 past the keys taken
+    const int taken = count < KW ? count : KW;
+    for (int i = tid; i < KW; i += NT)
+        out[t * KW + i] = i < taken ? cand[t * N + (long long)(0xFFFFFFFFu - (u32)A[i])] : -1ll;
 }
 """
 

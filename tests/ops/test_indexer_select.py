@@ -103,7 +103,7 @@ def _radix_built():
                                       (4, 300, 5, 3), (3, 1500, 1024, 7), (3, 4100, 512, 12), (2, 16384, 512, 12),
                                       (2, 16383, 2048, 11), (3, 8190, 777, 12)])
 def test_radix_select_matches_stable_sort(own, case, t, n, k, hb):
-    # every keys-per-thread tier (1 .. 16, vector and scalar loads), sort sizes 8 .. 2048 (two per thread), the
+    # every keys-per-thread tier (1 .. 16, vector and scalar loads), sort sizes 32 .. 2048 (two a thread), the
     # score kernel's histogram at 3 .. 12 bits or the block's own 12-bit count, ties resolved down to the last bit
     topk_radix = _radix_built()
     g = gen(t * n + k * 7 + hb * 131 + len(case))
@@ -234,8 +234,37 @@ def test_indexer_topk_fused_program_counts(monkeypatch, p, q, hb, cap, frank):
     _check(q_[:1], w[:1], kc, cand[:1], 1)  # k = 1
 
 
+def test_auto_fallback_paths():
+    # where the CUDA C selection cannot run (no build, interpreted, N > 16384): auto's Triton path by N; an explicit
+    # radix request: split / place (what the CPU runs of the radix cases exercise)
+    assert ix._fallback("auto", ix._AUTO_BITS_MAX) == "bits"
+    assert ix._fallback("auto", ix._AUTO_BITS_MAX + 1) == "split"
+    assert ix._fallback("auto", ix._AUTO_SPLIT_MAX + 1) == "place"
+    assert ix._fallback("radix", 1) == "split"
+    assert ix._fallback("radix", ix._AUTO_SPLIT_MAX + 1) == "place"
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("path", ["radix", "fused", "rank", "hist", "split", "place"])
+@pytest.mark.parametrize("n,radix", [(2048, True), (16384, True), (16385, False)])
+def test_auto_takes_radix_where_it_runs(monkeypatch, n, radix):
+    # the default path selects with topk_radix up to 16384 candidates (session 27: the fastest at every shape timed)
+    topk_radix = _radix_built()
+    monkeypatch.delenv("ATB_CUDA_INDEXER", raising=False)
+    calls = []
+    real = topk_radix.select
+    monkeypatch.setattr(topk_radix, "select", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    g = gen(n)
+    q, kc, w = torch.randn(2, 64, 128, generator=g).to(torch.bfloat16), \
+        torch.randn(2 * n, 128, generator=g).to(torch.bfloat16), torch.randn(2, 64, generator=g)
+    cand = torch.arange(2 * n).view(2, n)
+    qd, wd, kd, cd = q.to(DEV), w.to(DEV), kc.to(DEV), cand.to(DEV)
+    got = atb_ops.implementations("indexer_topk")["cuda"](qd, wd, kd, cd, 512)
+    assert bool(calls) == radix
+    assert torch.equal(got.cpu(), want_from_keys(ix.score_keys(qd, wd, kd, cd).cpu(), cand, 512))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("path", ["auto", "radix", "fused", "rank", "hist", "split", "place"])
 @pytest.mark.parametrize("t,n", [(1, 2048), (32, 2048), (32, 16384), (4, 65536), (32, 65536), (5, 300), (64, 8192)])
 def test_indexer_topk_paths_real_shapes(monkeypatch, path, t, n):
     # 64 heads x 128 dims bf16; integer inputs: exact scores with many ties, so the selection must equal the
