@@ -35,12 +35,15 @@ equal keys only add digits); there is no capacity fallback. Larger N (or KW > 20
 
 Measured on lent H200s: session 22's form (a bitonic sort on P / 4 threads, 4 elements each) selected in 15.5-16.5 us
 at T = 32, N = 16384, its sort ~17,000 cycles (clock64 stamps; h200_session22.txt). Session 27
-(h200_session27.txt; Nsight Compute kernel times): the block 19.0 us with that sort, 8.6-8.8 us with no sort at all
-(a timing probe), 18.0 us with a stable 4-bit LSD radix sort on all warps (8 passes), **14.1-15.8 us with this
-merge sort** (~950 instructions a thread: issue-bound; a pad word every 16 entries removed 36 % of the searches'
-bank conflicts and no time). The whole op at T = 32 with this sort: N = 16384 52.5-55.0 us
-against the split path's 59.4, N = 8192 33.1-37.1 against bits 44.5, N = 2048 16.5-18.2 against 18.9: the default
-(``ATB_CUDA_INDEXER=auto``) since, at every N <= 16384 and token count timed (1 to 2048).
+(h200_session27.txt; Nsight Compute kernel times at T = 32, N = 16384): the block 19.0 us with that sort, 8.6-8.8 us
+with no sort at all (a timing probe), 18.0 us with a stable 4-bit LSD radix sort on all warps (8 passes), 14.1-15.8 us
+with this merge sort as first written (~950 instructions a thread; a pad word every 16 entries removed 36 % of the
+searches' bank conflicts and no time). The kept form unrolls each search for its run length (6 instead of 12
+instructions a step) and compares once per bitonic step: the op 16.6 -> 15.2 us at N = 2048, 33.1 -> 32.7 at 8192,
+52.4 -> 50.7 (64.7 % of the copy bandwidth) at 16384 against the first form in the same run; the previous default
+(bits, bits, split) took 18.7-18.9 / 44.5-44.6 / 58.6-62.3 us there in this session's calls. Counting the block's own histogram from a sample
+first (every KPT-th key, then only the bins at or above the sample's) was exact and no faster: not kept. The
+default (``ATB_CUDA_INDEXER=auto``) since, at every N <= 16384 and token count timed (1 to 2048).
 """
 
 from __future__ import annotations
@@ -116,6 +119,30 @@ __device__ __forceinline__ void find_digit(const int* h, int nb, int need, int* 
 __device__ __forceinline__ u64 shfl_xor64(u64 v, int m) {
     u32 lo = __shfl_xor_sync(0xffffffffu, (u32)v, m), hi = __shfl_xor_sync(0xffffffffu, (u32)(v >> 32), m);
     return ((u64)hi << 32) | lo;
+}
+
+// elements of the descending run q[0, L) above x: a binary search unrolled for this L, its offset kept in bytes so
+// that each step is one load at a constant displacement, a 64-bit compare and three adds / selects (12 instructions
+// a step as a loop)
+template <int L>
+__device__ __forceinline__ int count_above(const u64* q, u64 x) {
+    const char* b = reinterpret_cast<const char*>(q);
+    int cb = 0;
+#pragma unroll
+    for (int s = L >> 1; s > 0; s >>= 1)
+        if (*reinterpret_cast<const u64*>(b + cb + (s - 1) * 8) > x) cb += s * 8;
+    return (cb >> 3) + (*reinterpret_cast<const u64*>(b + cb) > x ? 1 : 0);
+}
+
+__device__ __forceinline__ int count_above_run(const u64* q, int L, u64 x) {
+    switch (L) {
+        case 32: return count_above<32>(q, x);
+        case 64: return count_above<64>(q, x);
+        case 128: return count_above<128>(q, x);
+        case 256: return count_above<256>(q, x);
+        case 512: return count_above<512>(q, x);
+        default: return count_above<1024>(q, x);  // L < P <= MAXP = 2048
+    }
 }
 
 template <int KPT, bool VEC, bool HIST>
@@ -235,7 +262,7 @@ __global__ void __launch_bounds__(NT) topk_radix(const int* __restrict__ keys, c
                 for (int j = k >> 1; j > 0; j >>= 1) {
                     const u64 pv = shfl_xor64(v[e], j);
                     const bool keep_max = ((lane & k) == 0) == ((lane & j) == 0);
-                    v[e] = keep_max ? (v[e] > pv ? v[e] : pv) : (v[e] < pv ? v[e] : pv);
+                    v[e] = (v[e] > pv) == keep_max ? v[e] : pv;  // values distinct: the larger or the smaller
                 }
             A[p] = v[e];  // the position this thread read: no other thread reads it
         }
@@ -251,12 +278,7 @@ __global__ void __launch_bounds__(NT) topk_radix(const int* __restrict__ keys, c
                 const bool right = (p & L) != 0;
                 const int base = p & ~(2 * L - 1);
                 const u64* q = A + (right ? base : base + L);  // the partner run, descending
-                const u64 x = v[e];
-                int c = 0;  // partner elements above x: a prefix of q
-                for (int s = L >> 1; s > 0; s >>= 1)
-                    if (q[c + s - 1] > x) c += s;
-                c += q[c] > x ? 1 : 0;
-                B[base + i + c] = x;
+                B[base + i + count_above_run(q, L, v[e])] = v[e];
             }
         }
         __syncthreads();
