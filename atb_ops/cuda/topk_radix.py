@@ -41,9 +41,10 @@ with this merge sort as first written (~950 instructions a thread; a pad word ev
 searches' bank conflicts and no time). The kept form unrolls each search for its run length (6 instead of 12
 instructions a step) and compares once per bitonic step: the op 16.6 -> 15.2 us at N = 2048, 33.1 -> 32.7 at 8192,
 52.4 -> 50.7 (64.7 % of the copy bandwidth) at 16384 against the first form in the same run; the previous default
-(bits, bits, split) took 18.7-18.9 / 44.5-44.6 / 58.6-62.3 us there in this session's calls. Counting the block's own histogram from a sample
-first (every KPT-th key, then only the bins at or above the sample's) was exact and no faster: not kept. The
-default (``ATB_CUDA_INDEXER=auto``) since, at every N <= 16384 and token count timed (1 to 2048).
+(bits, bits, split) took 18.7-18.9 / 44.5-44.6 / 58.6-62.3 us there in this session's calls. Counting the block's
+own histogram from a sample first (every KPT-th key, then only the bins at or above the sample's) was exact and no
+faster: not kept. The default (``ATB_CUDA_INDEXER=auto``) since, at every N <= 16384 and token count timed (1 to
+2048).
 """
 
 from __future__ import annotations

@@ -103,7 +103,7 @@ def _radix_built():
                                       (4, 300, 5, 3), (3, 1500, 1024, 7), (3, 4100, 512, 12), (2, 16384, 512, 12),
                                       (2, 16383, 2048, 11), (3, 8190, 777, 12)])
 def test_radix_select_matches_stable_sort(own, case, t, n, k, hb):
-    # every keys-per-thread tier (1 .. 16, vector and scalar loads), sort sizes 32 .. 2048 (two a thread), the
+    # every keys-per-thread tier (1 .. 16, vector and scalar loads), sort sizes 32 .. 2048 (one or two a thread), the
     # score kernel's histogram at 3 .. 12 bits or the block's own 12-bit count, ties resolved down to the last bit
     topk_radix = _radix_built()
     g = gen(t * n + k * 7 + hb * 131 + len(case))
