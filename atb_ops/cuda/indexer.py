@@ -404,10 +404,10 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, 
         kc = kc.float()
     cand = cand.contiguous()
     q, weights = q.contiguous(), weights.contiguous()
-    hb = hist_bits()
     if path in ("auto", "radix"):  # the CUDA C selection (topk_radix) where it takes the rows (auto: not interpreted)
         if (path == "radix" or not INTERPRET) and topk_radix.eligible(cand, k):
             if radix_hist():
+                hb = hist_bits()
                 hist = torch.zeros(t_count, (1 << hb) + 32, dtype=torch.int32, device=q.device)
                 keys = score_keys(q, weights, kc, cand, hist, hb, tiles, wave=True)
                 return topk_radix.select(keys, cand, k, hist, hb)
@@ -418,6 +418,7 @@ def indexer_topk(q: torch.Tensor, weights: torch.Tensor, k_cache: torch.Tensor, 
         if pow2(n, 16) <= _SELECT_MAX:
             return select_topk(keys, cand, k)
         return _select_torch(keys, cand, k)
+    hb = hist_bits()  # the histogram paths' bin width (the default radix and bits paths above need none)
     if path == "fused":
         from .indexer_fused import topk_fused
 
