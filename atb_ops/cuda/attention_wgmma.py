@@ -7,11 +7,9 @@ read), and the same split partials, merged by :func:`.attention_v2._merge_splits
 Why: attention_v2's Triton program (copies, Q.K^T, softmax, P.V in order in one 8-warp program per SM) reached
 44.5 % of an H200's copy bandwidth at T = 128, h = 64, 128 + 512 keys; the issue's goal is 60 %. This kernel, on a lent
 H200 (scripts/bench_results/h200_session26.txt, rows from HBM): 66.8-67.9 % there, 2048 distinct-row tokens 69.8-70.1
-against 49.5-50.7 %, h = 128 334 against 237 TFLOP/s (default: :func:`preferred`). Its first form (session 25: every
-thread copying, a CTA barrier a chunk, the output stored from the accumulator fragments) ran at 55.4-55.9 %; the
-producer warpgroup took it to 57.8-58.4 %, the staged output to 67.6 % (the fragments' 4-byte stores, 8 rows a warp
-instruction, had cost ~6 us of 41, every CTA storing at once). Slower or no better: 48- or 32-key chunks in 3-4
-stages, an L2 bulk prefetch, cp.async L2 prefetch-size / eviction hints.
+against 49.5-50.7 %, h = 128 334 against 237 TFLOP/s (default: :func:`preferred`; its forms and what was not kept:
+scripts/bench_results/HISTORY.md, sessions 25-28). What bounds it (h200_session28.txt, call 6): with no global read
+or store it still takes 11.2 of 15.4 us at T = 32 and 29.3 of 38.1 at T = 128: the consumers' path through a chunk.
 
 Work layout (one CTA = 64 heads of one token, a range of its key chunks; one CTA per SM; 384 threads):
 
@@ -30,7 +28,7 @@ Work layout (one CTA = 64 heads of one token, a range of its key chunks; one CTA
   operand, 4 steps of 16 keys): the 64 x 512 float32 output is 128 registers a thread, half in each warpgroup.
   After the last chunk each writes its half to shared memory (rows 528 bytes apart) and stores it 16 bytes a thread;
 - key-list splits (:func:`splits`): partials o_s = acc_s / l_s in bf16 with (m_s, l_s) float32, exactly as
-  attention_v2 stores them, merged by its merge kernel.
+  attention_v2 stores them, merged by its merge kernel over 64-column programs.
 
 The wgmma operand encodings (shared-memory descriptors, 128-byte swizzle, the accumulator and register-A fragment
 layouts), mbarriers, ``cp.async.mbarrier.arrive`` and ``setmaxnreg`` are the PTX ISA's
@@ -48,7 +46,8 @@ NT = 384  # threads: two consumer warpgroups and a producer warpgroup
 D = 512  # head dim (K = V)
 HB = 64  # heads per CTA: the wgmma M
 BN, ST = 64, 2  # keys per chunk, stages (with the query tile and score halves: 227 KB; 48 x 3, 32 x 4 were slower)
-MIN_SPLIT_CHUNKS = 3  # key chunks a split at least (each split CTA loads the 64 KB query tile): :func:`splits`
+MERGE_CHUNKS = 1.5  # what the split merge costs, in chunks of one CTA's time: :func:`splits`
+MERGE_COLS = 64  # output columns a program of the split merge: D / MERGE_COLS programs per CTA's 64 heads (run())
 
 
 def smem_bytes(bn: int, st: int) -> int:
@@ -416,23 +415,22 @@ PROGRAM = nvrtc.Program(_source(), "attention_wgmma.cu", [_name(BN, ST, i64) for
 
 
 def splits(nc: int, n_sm: int, programs: int) -> tuple[int, int]:
-    """(splits, chunks per split) of ``nc`` key chunks over ``programs`` CTAs: :func:`.attention_v2.key_splits` with at
-    least MIN_SPLIT_CHUNKS chunks a split (H200, h200_session26.txt, call 11: 128 + 64 keys at T = 32 / 64 unsplit
-    13.4 / 14.2 us against 2-3 splits' 15.6 / 18.6)."""
+    """(splits, chunks per split) of ``nc`` key chunks over ``programs`` CTAs: :func:`.attention_v2.key_splits`
+    (split while the CTAs fill less than a wave), kept where ``chunks + MERGE_CHUNKS < nc``. H200, us
+    (h200_session28.txt, call 3): 128 + 512 keys at T = 8 / 16: 10 x 1 15.9 (3 x 4 19.5), 5 x 2 18.2 (3 x 4 20.2);
+    HCA's 128 + 64 keys at T = 8: 3 x 1 10.7 (unsplit 13.0), at T = 64 unsplit 14.8 (2 x 2 17.1)."""
     n, c = attention_v2.key_splits(nc, max(n_sm, 1), programs)
-    if n > 1 and c < MIN_SPLIT_CHUNKS:
-        c = -(-nc // max(1, min(n, nc // MIN_SPLIT_CHUNKS)))
-        n = -(-nc // c)
+    if n > 1 and c + MERGE_CHUNKS >= nc:
+        return 1, max(nc, 1)
     return n, c
 
 
 def preferred(t_count: int, h_count: int) -> bool:
-    """Where the default (``ATB_CUDA_ATTN_IMPL=auto``) takes this kernel over attention_v2's: from 32 CTAs (tokens x
-    64-head blocks). H200, us against attention_v2's (h200_session26.txt; 128 + 512 keys unless said): T = 128, h = 64
-    35.4 / 53.7; T = 64 27.8 / 34.8; T = 32 22.2 / 25.1; h = 128, T = 32 26.2 / 34.7; 128 + 64 keys at T = 32 / 64 /
-    128 13.4 / 14.2 / 16.8 against 14.6 / 14.9 / 23.3. Below 32 CTAs it loses with any split: T = 16 19.7 (5 x 2) or
-    22.2 (3 x 4) against 19.1; T = 8 18.4-22.5 against 17.7; h = 128, T = 8 18.8 against 18.2."""
-    return t_count * (h_count // HB) >= 32
+    """Where the default (``ATB_CUDA_ATTN_IMPL=auto``) takes this kernel over attention_v2's / attention.py's: from 8
+    CTAs (tokens x 64-head blocks). H200, h200_session28.txt (call 4), us against the other path: 128 + 512 keys,
+    h = 64, T = 8 / 32 / 128: 17.0 / 20.5 / 38.7 against 18.6 / 26.5 / 57.3; h = 128, T = 4: 16.2 against 17.8;
+    HCA's 128 + 64 keys, T = 8: 11.1 against 13.3. At 4 CTAs: T = 4, h = 64 14.3 against 15.1, HCA 10.9 against 8.5."""
+    return t_count * (h_count // HB) >= 8
 
 
 def eligible(q1, q2, kv, idx, kv2, idx2, out_dtype) -> bool:
@@ -493,8 +491,10 @@ def run(q1, kv, idx, kv2, idx2, sink, scale, n_sm: int):
          args=[q1c, kv, idxc, kv2c, idx2c, sinkc, out, part, ml, t_count, h_count, k1, k2, kv.stride(0),
                kv2c.stride(0), float(scale) * attention_v2.LOG2E, cps, n_split, int(sink is not None)])
     if n_split > 1:
-        # the split partials' merge (attention_v2's format)
-        attention_v2._merge_splits_kernel[(programs,)](part, ml, sinkc, out, t_count, h_count, D, n_split, n_hb,
-                                                       HAS_SINK=sink is not None, BH=HB, DV=D, ND=1,
-                                                       SP=pow2(n_split), num_warps=8, **pdl())
+        # attention_v2's merge, MERGE_COLS columns a program (h200_session28.txt, call 3: at T = 32 19.4 us a call
+        # against 22.3 over one 512-column program per 64 heads, the kernel alone 15.3)
+        nd = D // MERGE_COLS
+        attention_v2._merge_splits_kernel[(programs * nd,)](part, ml, sinkc, out, t_count, h_count, D, n_split,
+                                                            n_hb, HAS_SINK=sink is not None, BH=HB, DV=MERGE_COLS,
+                                                            ND=nd, SP=pow2(n_split), num_warps=4, **pdl())
     return out

@@ -29,25 +29,28 @@ def test_source_has_one_kernel_per_index_dtype():
     assert aw.PROGRAM.arch_suffix == "a"  # wgmma: the sm_90a target
 
 
-def test_default_takes_it_from_32_ctas():
-    assert aw.preferred(32, 64) and aw.preferred(16, 128) and aw.preferred(128, 64) and aw.preferred(2048, 128)
-    assert not aw.preferred(16, 64) and not aw.preferred(8, 128) and not aw.preferred(1, 64)
+def test_default_takes_it_from_8_ctas():
+    assert aw.preferred(8, 64) and aw.preferred(4, 128) and aw.preferred(32, 64) and aw.preferred(2048, 128)
+    assert not aw.preferred(4, 64) and not aw.preferred(2, 128) and not aw.preferred(1, 64)
     assert not aw.preferred(64, 32)  # fewer than 64 heads: not this kernel's shape
 
 
-def test_splits_keep_three_chunks():
-    """attention_v2's split rule, with at least 3 chunks a split (132 SMs, the shapes session 26 timed)."""
+def test_splits_only_where_the_merge_pays():
+    """attention_v2's split rule, kept where the longest split plus the merge (MERGE_CHUNKS) is shorter than the
+    whole list (132 SMs, the shapes session 28 timed)."""
     assert aw.splits(10, 132, 128) == (1, 10)  # T = 128: one CTA per token
     assert aw.splits(10, 132, 64) == (2, 5)
     assert aw.splits(10, 132, 32) == (4, 3)
-    assert aw.splits(3, 132, 32) == (1, 3) and aw.splits(3, 132, 64) == (1, 3)  # HCA's 128 + 64 keys: unsplit
-    assert aw.splits(10, 132, 1) == (3, 4)  # splits of 4, 4 and 2 chunks
+    assert aw.splits(10, 132, 16) == (5, 2)
+    assert aw.splits(10, 132, 8) == (10, 1) and aw.splits(10, 132, 1) == (10, 1)
+    assert aw.splits(3, 132, 32) == (3, 1) and aw.splits(3, 132, 8) == (3, 1)  # HCA's 128 + 64 keys
+    assert aw.splits(3, 132, 64) == (1, 3)  # 2 x 2 + the merge: longer than unsplit
     assert aw.splits(2, 132, 5) == (1, 2) and aw.splits(0, 132, 4) == (1, 1)
     for nc in range(0, 80):
         for programs in (1, 3, 16, 32, 64, 200):
             n, c = aw.splits(nc, 132, programs)
             assert n >= 1 and (n - 1) * c < max(nc, 1) <= n * c  # every split non-empty, every chunk covered
-            assert n == 1 or c >= aw.MIN_SPLIT_CHUNKS
+            assert n == 1 or c + aw.MERGE_CHUNKS < nc
 
 
 def test_arch_specific_build_only_on_its_architecture(monkeypatch):
@@ -88,6 +91,43 @@ def test_empty_key_lists_give_zeros_without_a_launch():
     assert not ref.abs().any()
 
 
+@pytest.mark.parametrize("n_split,h,with_sink", [(2, 64, True), (3, 128, False), (10, 64, True), (17, 64, True)])
+def test_split_merge_matches_its_formula(n_split, h, with_sink):
+    """The split merge as run() launches it (attention_v2's kernel over MERGE_COLS-column programs; on CPU through
+    the interpreter) against its formula in float64: out = sum_s w_s l_s
+    o_s / (sum_s w_s l_s + 2^(sink - M)), w_s = 2^(m_s - M), M = max(m_s, sink); a split without keys (m = -1e30,
+    l = 0) adds nothing, a token whose splits are all empty and has no sink gives zeros."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(n_split * 10 + h)
+    t = 3
+    part = torch.randn(n_split, t, h, 512, generator=g).to(torch.bfloat16)
+    m = torch.randn(n_split, t, h, generator=g) * 4
+    l_ = torch.rand(n_split, t, h, generator=g) * 30 + 0.5
+    m[0, 0], l_[0, 0] = -1.0e30, 0.0  # split 0 of token 0: no key
+    if not with_sink:
+        m[:, 2], l_[:, 2] = -1.0e30, 0.0  # token 2: no key in any split
+    ml = torch.stack([m, l_], -1)
+    sink = torch.randn(h, generator=g) if with_sink else None
+    out = torch.empty(t, h, 512, dtype=torch.bfloat16)
+    part, ml, out = part.to(dev), ml.to(dev), out.to(dev)
+    sinkc = sink.to(dev) if with_sink else out
+    nd = 512 // aw.MERGE_COLS  # run()'s launch: one program per (token, 64 heads, MERGE_COLS columns)
+    aw.attention_v2._merge_splits_kernel[(t * (h // 64) * nd,)](part, ml, sinkc, out, t, h, 512, n_split, h // 64,
+                                                                HAS_SINK=with_sink, BH=64, DV=aw.MERGE_COLS, ND=nd,
+                                                                SP=aw.pow2(n_split), num_warps=4)
+    m64, l64, o64 = m.double(), l_.double(), part.double().cpu()
+    big = m64.amax(0)
+    if with_sink:
+        big = torch.maximum(big, sink.double()[None, :] * 1.4426950408889634)
+    w = torch.exp2(m64 - big[None]) * l64
+    den = w.sum(0) + (torch.exp2(sink.double()[None, :] * 1.4426950408889634 - big) if with_sink else 0.0)
+    want = (w[..., None] * o64).sum(0) / torch.where(den > 0, den, torch.ones_like(den))[..., None]
+    got = out.double().cpu()
+    assert torch.allclose(got, want, rtol=1e-2, atol=1e-2), float((got - want).abs().max())
+    if not with_sink:
+        assert not got[2].abs().any()
+
+
 def _inputs(g, t, h, k1, k2, idx_dtype, dev="cuda"):
     def rnd(*s):
         return torch.randn(*s, generator=g).to(dev, torch.bfloat16)
@@ -114,6 +154,7 @@ def _inputs(g, t, h, k1, k2, idx_dtype, dev="cuda"):
     (128, 64, 128, 512, True, torch.int32),   # one CTA per token: unsplit
     (200, 64, 100, 77, True, torch.int64),    # lists not multiples of the chunk, unsplit
     (5, 64, 128, 0, True, torch.int32),       # main set only (V4's sliding-window layers)
+    (8, 64, 128, 64, True, torch.int32),      # HCA's 128 + 64 keys: 3 splits of one chunk
 ])
 def test_matches_reference(monkeypatch, t, h, k1, k2, with_sink, idx_dtype):
     monkeypatch.setenv("ATB_CUDA_ATTN_IMPL", "wgmma")
