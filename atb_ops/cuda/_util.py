@@ -96,6 +96,9 @@ def mma(a, b, PREC: tl.constexpr):
 # Off by default: the FP8 + FP4 decode step of scripts/bench_decode.py did not move with it (H200, graph replay, PDL
 # off / on alternated twice in one call: batch 8 1.15 / 1.16, 1.15 / 1.15 ms; batch 32 1.62 / 1.63, 1.63 / 1.61 ms),
 # where most launches follow a torch op, a CUDA C kernel or another stream's event rather than a Triton kernel.
+# On by default at the launch sites that pass ``pdl(default_on=True)``, where it measured faster on its own: the
+# split merge right after attention_wgmma.py's kernel (H200, h200_session28.txt, call 13: 0.3-1.0 us of 13-27 us a
+# call at T = 8-64). ``ATB_CUDA_PDL`` set (0 / 1) overrides every site either way.
 
 
 @triton.jit
@@ -109,13 +112,14 @@ def pdl_wait(PDL: tl.constexpr):
 _PDL_DEVICE: dict = {}  # device index -> compute capability >= 9.0
 
 
-def pdl_enabled() -> bool:
-    """Whether launches use PDL: ``ATB_CUDA_PDL=1`` (default 0: off), a CUDA device of compute capability >= 9.0
-    (Hopper) current, not the CPU interpreter, and a Triton that has ``gdc_wait``."""
-    v = os.environ.get("ATB_CUDA_PDL", "0")
-    if v not in ("0", "1"):
+def pdl_enabled(default_on: bool = False) -> bool:
+    """Whether a launch uses PDL: ``ATB_CUDA_PDL=1`` (or, unset, the launch site's ``default_on``; ``=0``: never), a
+    CUDA device of compute capability >= 9.0 (Hopper) current, not the CPU interpreter, and a Triton that has
+    ``gdc_wait``."""
+    v = os.environ.get("ATB_CUDA_PDL")
+    if v not in (None, "0", "1"):
         raise ValueError(f"ATB_CUDA_PDL={v!r}: expected 0 or 1")
-    if v == "0" or INTERPRET or _gdc_wait is None:
+    if not (v == "1" or (v is None and default_on)) or INTERPRET or _gdc_wait is None:
         return False
     dev = torch.cuda.current_device()
     ok = _PDL_DEVICE.get(dev)
@@ -124,7 +128,7 @@ def pdl_enabled() -> bool:
     return ok
 
 
-def pdl() -> dict:
+def pdl(default_on: bool = False) -> dict:
     """Launch keywords of a kernel that starts with ``pdl_wait(PDL)``: the kernel's PDL switch and Triton's
-    ``launch_pdl`` together (both or neither), ``{}`` where PDL is off."""
-    return {"PDL": True, "launch_pdl": True} if pdl_enabled() else {}
+    ``launch_pdl`` together (both or neither), ``{}`` where PDL is off (:func:`pdl_enabled`)."""
+    return {"PDL": True, "launch_pdl": True} if pdl_enabled(default_on) else {}

@@ -77,6 +77,24 @@ def test_pdl_switch(monkeypatch):
         assert _util.pdl() == ({"PDL": True, "launch_pdl": True} if on else {})
 
 
+def test_pdl_per_site_default(monkeypatch):
+    """``ATB_CUDA_PDL`` unset: a launch site's ``default_on`` decides; set, it overrides every site (where PDL can run
+    at all: here made to look like a Hopper GPU with Triton's gdc_wait)."""
+    monkeypatch.setattr(_util, "INTERPRET", False)
+    monkeypatch.setattr(_util, "_gdc_wait", lambda: None)
+    monkeypatch.setattr(_util, "_PDL_DEVICE", {0: True})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    on = {"PDL": True, "launch_pdl": True}
+    monkeypatch.delenv("ATB_CUDA_PDL", raising=False)
+    assert _util.pdl() == {} and _util.pdl(default_on=True) == on
+    monkeypatch.setenv("ATB_CUDA_PDL", "0")
+    assert _util.pdl() == {} and _util.pdl(default_on=True) == {}
+    monkeypatch.setenv("ATB_CUDA_PDL", "1")
+    assert _util.pdl() == on and _util.pdl(default_on=True) == on
+    monkeypatch.setattr(_util, "_PDL_DEVICE", {0: False})  # an older GPU: never
+    assert _util.pdl(default_on=True) == {}
+
+
 @pytest.mark.cuda
 def test_pdl_chain_in_cuda_graph_equals_plain(monkeypatch):
     # 64 dependent launches of the norm kernel (each reads what the previous launch wrote; half of them follow the
