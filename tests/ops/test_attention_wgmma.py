@@ -94,9 +94,9 @@ def test_empty_key_lists_give_zeros_without_a_launch():
 @pytest.mark.parametrize("n_split,h,with_sink", [(2, 64, True), (3, 128, False), (10, 64, True), (17, 64, True)])
 def test_split_merge_matches_its_formula(n_split, h, with_sink):
     """The split merge as run() launches it (attention_v2's kernel over MERGE_COLS-column programs; on CPU through
-    the interpreter) against its formula in float64: out = sum_s w_s l_s
-    o_s / (sum_s w_s l_s + 2^(sink - M)), w_s = 2^(m_s - M), M = max(m_s, sink); a split without keys (m = -1e30,
-    l = 0) adds nothing, a token whose splits are all empty and has no sink gives zeros."""
+    the interpreter) against its formula in float64: out = sum_s w_s l_s o_s / (sum_s w_s l_s + 2^(sink - M)),
+    w_s = 2^(m_s - M), M = max(m_s, sink); a split without keys (m = -1e30, l = 0) adds nothing, a token whose splits
+    are all empty and has no sink gives zeros."""
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(n_split * 10 + h)
     t = 3
