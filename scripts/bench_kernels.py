@@ -86,9 +86,9 @@ GEMM_PATHS = ["[gemm=tiled]", "[gemm=decode]", "[gemm=tc]", "[gemm=tcl]"]  # + "
 # entry; "[gemm=auto]" (the default rules) where --gemm-paths names it
 # tile variants of the attention kernel timed side by side: " [BH,BN,WARPS]" (see atb_ops/cuda/attention.py)
 # and of the second kernel: " [attn=old]" (attention.py's default tiles), " [attn2=BH,BN,ND,WARPS,STAGES]"
-# (attention_v2.py, see its ``tile``), " [attn=new]" (attention_v2.py's default tiles), " [attnw=on]"
-# (attention_wgmma.py where it takes the shape); "" = the default (ATB_CUDA_ATTN_IMPL=auto). --attn-variants
-# replaces the list.
+# (attention_v2.py, see its ``tile``), " [attn=new]" (attention_v2.py's default tiles), " [attnw=on]" / " [attnw=
+# seesaw]" (attention_wgmma.py / attention_seesaw.py where they take the shape); "" = the default
+# (ATB_CUDA_ATTN_IMPL=auto). --attn-variants replaces the list.
 ATTN_VARIANTS = ["", " [attn=new]", " [attn=old]"]
 ROTATE_BYTES = 150e6  # rotated attention inputs: 3x the 50 MB L2
 # indexer_topk variants (ATB_CUDA_INDEXER, see atb_ops/cuda/indexer.py): the selection paths (rank: histogram +
@@ -443,8 +443,8 @@ def main() -> None:
         am = re.search(r"\[(attn2?|attnw)=([\w,-]+)\]", case_name)
         for var in ("ATB_CUDA_ATTN", "ATB_CUDA_ATTN2", "ATB_CUDA_ATTN_IMPL"):
             os.environ.pop(var, None)
-        if am and am.group(1) == "attnw":
-            os.environ["ATB_CUDA_ATTN_IMPL"] = "wgmma"
+        if am and am.group(1) == "attnw":  # " [attnw=on]" / " [attnw=seesaw]"
+            os.environ["ATB_CUDA_ATTN_IMPL"] = "seesaw" if am.group(2) == "seesaw" else "wgmma"
         elif am and am.group(2) == "new":
             os.environ["ATB_CUDA_ATTN_IMPL"] = "new"
         elif am and am.group(1) == "attn2":

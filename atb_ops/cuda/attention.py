@@ -16,8 +16,9 @@ P is rounded to the value dtype for the P.V product (as FlashAttention does); ac
 
 This kernel is the "old" path: attention_v2.py (one pipelined loop, wgmma-sized head tiles, output columns in
 groups) serves the ops by default from T x H >= 512 query rows, where it measured faster on an H100;
-``ATB_CUDA_ATTN_IMPL=old|new|wgmma|auto`` chooses (see ``_use_v2`` and ``_use_wgmma``: attention_wgmma.py's kernel
-serves V4's bf16 decode batches on sm_90 GPUs where it measured faster).
+``ATB_CUDA_ATTN_IMPL=old|new|wgmma|seesaw|auto`` chooses (see ``_use_v2``, ``_use_wgmma`` and ``_use_seesaw``:
+attention_wgmma.py's kernel, or its seesaw schedule in attention_seesaw.py, serves V4's bf16 decode batches on sm_90
+GPUs where it measured faster).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .._registry import register
-from . import attention_v2, attention_wgmma
+from . import attention_seesaw, attention_v2, attention_wgmma
 from ._util import env_choice, mma, dot_precision, pow2, sm_count, pdl_wait, pdl
 
 LOG2E = 1.4426950408889634
@@ -129,8 +130,8 @@ def _tile(h_count: int, bd1: int, bd2: int, t_count: int = 1, n_keys: int = 0) -
 
 
 def _impl() -> str:
-    """``ATB_CUDA_ATTN_IMPL``: auto (default) | old | new | wgmma; another value is a ValueError naming it."""
-    return env_choice("ATB_CUDA_ATTN_IMPL", "auto", ("auto", "old", "new", "wgmma"))
+    """``ATB_CUDA_ATTN_IMPL``: auto (default) | old | new | wgmma | seesaw; another value is a ValueError naming it."""
+    return env_choice("ATB_CUDA_ATTN_IMPL", "auto", ("auto", "old", "new", "wgmma", "seesaw"))
 
 
 def _use_v2(q1, impl: str) -> bool:
@@ -150,7 +151,7 @@ def _use_wgmma(q1, q2, kv, idx, kv2, idx2, out_dtype, impl: str) -> bool:
     """attention_wgmma.py's kernel where it takes the call (V4's shapes in bf16 on an sm_90 GPU,
     :func:`.attention_wgmma.eligible`): always with ``ATB_CUDA_ATTN_IMPL=wgmma``, by default (``auto``, no tile
     override) where it measured faster (:func:`.attention_wgmma.preferred`)."""
-    if impl == "wgmma":
+    if impl in ("wgmma", "seesaw"):
         return attention_wgmma.eligible(q1, q2, kv, idx, kv2, idx2, out_dtype)
     if impl != "auto" or os.environ.get("ATB_CUDA_ATTN") or os.environ.get("ATB_CUDA_ATTN2"):
         return False
@@ -158,10 +159,20 @@ def _use_wgmma(q1, q2, kv, idx, kv2, idx2, out_dtype, impl: str) -> bool:
             and attention_wgmma.eligible(q1, q2, kv, idx, kv2, idx2, out_dtype))
 
 
+def _use_seesaw(q1, impl: str) -> bool:
+    """For a call on the wgmma path: attention_seesaw.py's schedule, forced by ``ATB_CUDA_ATTN_IMPL=seesaw``, by default
+    where :func:`.attention_seesaw.preferred` and it is built, never with ``=wgmma``."""
+    if impl != "auto":
+        return impl == "seesaw"
+    return attention_seesaw.preferred(q1.shape[0], q1.shape[1]) and \
+        attention_seesaw.PROGRAM.available(q1.device, min_cc=(9, 0), max_cc=(9, 0))
+
+
 def _run(q1, q2, kv, idx, kv2, idx2, sink, scale, out_dtype):
     impl = _impl()
     if _use_wgmma(q1, q2, kv, idx, kv2, idx2, out_dtype, impl):
-        return attention_wgmma.run(q1, kv, idx, kv2, idx2, sink, scale, sm_count(q1.device))
+        return attention_wgmma.run(q1, kv, idx, kv2, idx2, sink, scale, sm_count(q1.device),
+                                   seesaw=_use_seesaw(q1, impl))
     if _use_v2(q1, impl):
         return attention_v2.run(q1, q2, kv, idx, kv2, idx2, sink, scale, out_dtype)
     t_count, h_count, d1 = q1.shape

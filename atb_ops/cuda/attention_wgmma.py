@@ -8,8 +8,7 @@ Why: attention_v2's Triton program (copies, Q.K^T, softmax, P.V in order in one 
 44.5 % of an H200's copy bandwidth at T = 128, h = 64, 128 + 512 keys; the issue's goal is 60 %. This kernel, on a lent
 H200 (scripts/bench_results/h200_session26.txt, rows from HBM): 66.8-67.9 % there, 2048 distinct-row tokens 69.8-70.1
 against 49.5-50.7 %, h = 128 334 against 237 TFLOP/s (default: :func:`preferred`; its forms and what was not kept:
-scripts/bench_results/HISTORY.md, sessions 25-28). What bounds it (h200_session28.txt, call 6): with no global read
-or store it still takes 11.2 of 15.4 us at T = 32 and 29.3 of 38.1 at T = 128: the consumers' path through a chunk.
+scripts/bench_results/HISTORY.md, sessions 25-28); a second schedule of the same contract: :mod:`.attention_seesaw`.
 
 Work layout (one CTA = 64 heads of one token, a range of its key chunks; one CTA per SM; 384 threads):
 
@@ -415,10 +414,9 @@ PROGRAM = nvrtc.Program(_source(), "attention_wgmma.cu", [_name(BN, ST, i64) for
 
 
 def splits(nc: int, n_sm: int, programs: int) -> tuple[int, int]:
-    """(splits, chunks per split) of ``nc`` key chunks over ``programs`` CTAs: :func:`.attention_v2.key_splits`
-    (split while the CTAs fill less than a wave), kept where ``chunks + MERGE_CHUNKS < nc``. H200, us
-    (h200_session28.txt, call 3): 128 + 512 keys at T = 8 / 16: 10 x 1 15.9 (3 x 4 19.5), 5 x 2 18.2 (3 x 4 20.2);
-    HCA's 128 + 64 keys at T = 8: 3 x 1 10.7 (unsplit 13.0), at T = 64 unsplit 14.8 (2 x 2 17.1)."""
+    """(splits, chunks per split) of ``nc`` key chunks over ``programs`` CTAs: :func:`.attention_v2.key_splits`, kept
+    where ``chunks + MERGE_CHUNKS < nc`` (H200, us, h200_session28.txt call 3: 128 + 512 keys, T = 8: 10 x 1 15.9, 3 x 4
+    19.5; HCA's 128 + 64 keys, T = 8: 3 x 1 10.7, unsplit 13.0; T = 64: unsplit 14.8, 2 x 2 17.1)."""
     n, c = attention_v2.key_splits(nc, max(n_sm, 1), programs)
     if n > 1 and c + MERGE_CHUNKS >= nc:
         return 1, max(nc, 1)
@@ -427,9 +425,8 @@ def splits(nc: int, n_sm: int, programs: int) -> tuple[int, int]:
 
 def preferred(t_count: int, h_count: int) -> bool:
     """Where the default (``ATB_CUDA_ATTN_IMPL=auto``) takes this kernel over attention_v2's / attention.py's: from 8
-    CTAs (tokens x 64-head blocks). H200, h200_session28.txt (call 4), us against the other path: 128 + 512 keys,
-    h = 64, T = 8 / 32 / 128: 17.0 / 20.5 / 38.7 against 18.6 / 26.5 / 57.3; h = 128, T = 4: 16.2 against 17.8;
-    HCA's 128 + 64 keys, T = 8: 11.1 against 13.3. At 4 CTAs: T = 4, h = 64 14.3 against 15.1, HCA 10.9 against 8.5."""
+    CTAs (tokens x 64-head blocks). H200, us (h200_session28.txt call 4): h = 64, T = 8 / 32 / 128 17.0 / 20.5 / 38.7
+    against 18.6 / 26.5 / 57.3; HCA T = 8 11.1 against 13.3; 4 CTAs: T = 4 14.3 against 15.1, HCA 10.9 against 8.5."""
     return t_count * (h_count // HB) >= 8
 
 
@@ -455,18 +452,21 @@ def eligible(q1, q2, kv, idx, kv2, idx2, out_dtype) -> bool:
 _CONFIGURED: set = set()
 
 
-def _kernel(device: torch.device, idx64: bool):
-    """The instance, allowed its shared memory (over 48 KB needs the opt-in, once per kernel)."""
-    kern = PROGRAM.kernels(device)[_name(BN, ST, idx64)]
-    key = (str(device), idx64)
-    if key not in _CONFIGURED:
-        kern.set_shared_memory_config(smem_bytes(BN, ST))
-        _CONFIGURED.add(key)
-    return kern
+def _kernel(device: torch.device, idx64: bool, seesaw: bool):
+    """(instance, its shared memory, its split rule); the instance allowed that memory once (over 48 KB: opt-in)."""
+    from . import attention_seesaw as S  # (it imports this module)
+    prog, name, smem, rule = (S.PROGRAM, S.name(idx64), S.smem_bytes(), S.splits) if seesaw else \
+        (PROGRAM, _name(BN, ST, idx64), smem_bytes(BN, ST), splits)
+    kern = prog.kernels(device)[name]
+    if (str(device), name) not in _CONFIGURED:
+        kern.set_shared_memory_config(smem)
+        _CONFIGURED.add((str(device), name))
+    return kern, smem, rule
 
 
-def run(q1, kv, idx, kv2, idx2, sink, scale, n_sm: int):
-    """The op (arguments as attention.py's ``_run``; :func:`eligible` holds) -> out [T, H, 512] bf16."""
+def run(q1, kv, idx, kv2, idx2, sink, scale, n_sm: int, seesaw: bool = False):
+    """The op (arguments as attention.py's ``_run``; :func:`eligible` holds) -> out [T, H, 512] bf16 (``seesaw``:
+    on :mod:`.attention_seesaw`'s kernel)."""
     t_count, h_count, _ = q1.shape
     out = torch.empty(t_count, h_count, D, dtype=torch.bfloat16, device=q1.device)
     has_extra = kv2 is not None and idx2 is not None and idx2.shape[-1] > 0
@@ -476,7 +476,8 @@ def run(q1, kv, idx, kv2, idx2, sink, scale, n_sm: int):
         return out.zero_()      # output's staging in the same shared memory)
     n_hb = h_count // HB
     programs = t_count * n_hb
-    n_split, cps = splits(nc, n_sm, programs)  # one CTA per SM
+    kern, smem, rule = _kernel(q1.device, idx.dtype == torch.int64, seesaw)
+    n_split, cps = rule(nc, n_sm, programs)  # one CTA per SM
     q1c, idxc = q1.contiguous(), idx.contiguous()
     idx2c = idx2.contiguous() if has_extra else idxc
     kv2c = kv2 if has_extra else kv
@@ -486,8 +487,7 @@ def run(q1, kv, idx, kv2, idx2, sink, scale, n_sm: int):
         ml = torch.empty(n_split, t_count, h_count, 2, dtype=torch.float32, device=q1.device)
     else:
         part, ml = out, out
-    kern = _kernel(q1.device, idx.dtype == torch.int64)
-    kern(grid=(programs * n_split, 1, 1), block=(NT, 1, 1), shared_mem=smem_bytes(BN, ST),
+    kern(grid=(programs * n_split, 1, 1), block=(NT, 1, 1), shared_mem=smem,
          args=[q1c, kv, idxc, kv2c, idx2c, sinkc, out, part, ml, t_count, h_count, k1, k2, kv.stride(0),
                kv2c.stride(0), float(scale) * attention_v2.LOG2E, cps, n_split, int(sink is not None)])
     if n_split > 1:

@@ -53,6 +53,26 @@ def test_splits_only_where_the_merge_pays():
             assert n == 1 or c + aw.MERGE_CHUNKS < nc
 
 
+def test_seesaw_fits_and_routes(monkeypatch):
+    """attention_seesaw.py: its shared memory fits, one instance per index dtype, splits of an even chunk count, and
+    attention.py's choice between the two schedules (forced by ATB_CUDA_ATTN_IMPL, by default where preferred)."""
+    from atb_ops.cuda import attention as att
+    from atb_ops.cuda import attention_seesaw as ss
+
+    assert ss.smem_bytes() <= SMEM_MAX and ss.PROGRAM.arch_suffix == "a" and len(ss.PROGRAM.names) == 2
+    for nc in range(0, 40):
+        for programs in (1, 8, 32, 64, 256):
+            n, c = ss.splits(nc, 132, programs)
+            assert n >= 1 and (n - 1) * c < max(nc, 1) <= n * c and (n == 1 or c % 2 == 0)
+    assert ss.preferred(128, 128) and not ss.preferred(32, 128) and not ss.preferred(2048, 64)
+    q = torch.zeros(128, 128, 512, dtype=torch.bfloat16)
+    assert att._use_seesaw(q, "seesaw") and not att._use_seesaw(q, "wgmma")
+    monkeypatch.setattr(ss.PROGRAM, "available", lambda *a, **k: True)
+    assert att._use_seesaw(q, "auto") and not att._use_seesaw(q[:32], "auto") and not att._use_seesaw(q[:, :64], "auto")
+    monkeypatch.setattr(ss.PROGRAM, "available", lambda *a, **k: False)  # not built here: the wgmma kernel
+    assert not att._use_seesaw(q, "auto")
+
+
 def test_arch_specific_build_only_on_its_architecture(monkeypatch):
     """An sm_90a program is neither built nor loaded on another compute capability (a Blackwell GPU has no wgmma)."""
     from atb_ops.cuda import nvrtc
@@ -156,8 +176,9 @@ def _inputs(g, t, h, k1, k2, idx_dtype, dev="cuda"):
     (5, 64, 128, 0, True, torch.int32),       # main set only (V4's sliding-window layers)
     (8, 64, 128, 64, True, torch.int32),      # HCA's 128 + 64 keys: 3 splits of one chunk
 ])
-def test_matches_reference(monkeypatch, t, h, k1, k2, with_sink, idx_dtype):
-    monkeypatch.setenv("ATB_CUDA_ATTN_IMPL", "wgmma")
+@pytest.mark.parametrize("impl", ["wgmma", "seesaw"])
+def test_matches_reference(monkeypatch, t, h, k1, k2, with_sink, idx_dtype, impl):
+    monkeypatch.setenv("ATB_CUDA_ATTN_IMPL", impl)
     impl = atb_ops.implementations("sparse_attention")
     cu, ref = impl["cuda"], impl["reference"]
     g = torch.Generator().manual_seed(t * 1000 + h + k2)
@@ -182,8 +203,9 @@ def test_matches_reference(monkeypatch, t, h, k1, k2, with_sink, idx_dtype):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not HOPPER, reason="wgmma needs compute capability 9.0")
-def test_graph_replay_matches_eager(monkeypatch):
-    monkeypatch.setenv("ATB_CUDA_ATTN_IMPL", "wgmma")
+@pytest.mark.parametrize("impl", ["wgmma", "seesaw"])
+def test_graph_replay_matches_eager(monkeypatch, impl):
+    monkeypatch.setenv("ATB_CUDA_ATTN_IMPL", impl)
     cu = atb_ops.implementations("sparse_attention")["cuda"]
     g = torch.Generator().manual_seed(3)
     q, kv, idx, ent, ex, sink = _inputs(g, 8, 64, 128, 512, torch.int32)
