@@ -432,6 +432,10 @@ def splits(nc: int, n_sm: int, programs: int) -> tuple[int, int]:
 
 
 def preferred(t_count: int, h_count: int) -> bool:
-    """Where the default takes this kernel over attention_wgmma's: 128+ heads and a full wave of CTAs (T = 128,
-    h = 128: 62.4 against 68.0 us; T = 32 equal; 64 heads slower). Prefill shapes not yet timed."""
-    return h_count >= 128 and t_count * (h_count // W.HB) >= 256
+    """Where the default takes this kernel over attention_wgmma's (both only where attention_wgmma.preferred): 128+
+    heads, or 64 heads from 512 CTAs. H200, us, forced side by side (scripts/bench_results/h200_session29.txt):
+    h = 128, T = 8 / 32 / 128 decode 13.9 / 24.6 / 59.0 against 15.2 / 24.6 / 64.7, 2048-token prefill (distinct
+    rows / one sequence) 934 / 789 against 993 / 905; h = 64, T = 32 / 64 / 128 decode 19.9 / 28.8 / 36.4 against
+    19.3 / 26.3 / 35.7 (slower), prefill 525 / 401 against 542 / 466 (faster). Between 128 and 2048 tokens at 64
+    heads nothing was timed: 512 is their geometric middle."""
+    return h_count >= 128 or t_count * (h_count // W.HB) >= 512

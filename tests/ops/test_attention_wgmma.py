@@ -64,11 +64,12 @@ def test_seesaw_fits_and_routes(monkeypatch):
         for programs in (1, 8, 32, 64, 256):
             n, c = ss.splits(nc, 132, programs)
             assert n >= 1 and (n - 1) * c < max(nc, 1) <= n * c and (n == 1 or c % 2 == 0)
-    assert ss.preferred(128, 128) and not ss.preferred(32, 128) and not ss.preferred(2048, 64)
+    assert ss.preferred(8, 128) and ss.preferred(128, 256) and ss.preferred(2048, 64) and ss.preferred(512, 64)
+    assert not ss.preferred(128, 64) and not ss.preferred(511, 64)
     q = torch.zeros(128, 128, 512, dtype=torch.bfloat16)
     assert att._use_seesaw(q, "seesaw") and not att._use_seesaw(q, "wgmma")
     monkeypatch.setattr(ss.PROGRAM, "available", lambda *a, **k: True)
-    assert att._use_seesaw(q, "auto") and not att._use_seesaw(q[:32], "auto") and not att._use_seesaw(q[:, :64], "auto")
+    assert att._use_seesaw(q, "auto") and att._use_seesaw(q[:8], "auto") and not att._use_seesaw(q[:, :64], "auto")
     monkeypatch.setattr(ss.PROGRAM, "available", lambda *a, **k: False)  # not built here: the wgmma kernel
     assert not att._use_seesaw(q, "auto")
 
