@@ -96,14 +96,19 @@ def _config(fmt: str, rows_per_weight: float, grouped: bool) -> dict:
     fp4 bytes decoded in order (xsplit=2) stay opt-in: in the same session a 4096 x 4096 fp4 linear at M = 64 took
     16.3 us with it (3 stages) against 17.9 by the default path (gemm_tc_large), but 32768 x 1024 at M = 64 19.2
     against 18.9, M <= 32 was slower than the default paths, and grouped calls ran at 28-34 % of the copy bandwidth
-    against 39-45 % with the 4 column phases (Triton reads the weight bytes one at a time in that layout)."""
+    against 39-45 % with the 4 column phases (Triton reads the weight bytes one at a time in that layout).
+
+    fp8 linears of at most 16 rows add their split-K partials in the kernel (fixup=1) since session 29 (H200,
+    scripts/bench_results/h200_session29.txt, the FP8 linears of a Flash decode step at 8 rows): wq_a + wkv, wq_b,
+    wo_b, shared w13 / w2 7.4 / 12.4 / 16.0 / 10.0 / 7.3 us against 8.0 / 12.4 / 16.3 / 10.4 / 7.6 with the second
+    kernel; at 32 rows the second kernel stays (there fixup=1 measured 0-10 % slower)."""
     bt = 16 if rows_per_weight <= 16 else (32 if rows_per_weight <= 32 else 64)
     cfg = dict(bw=64, bt=bt, bk=128, warps=4, stages=3 if fmt == "fp8_block" else 4, ctas=3, regs=0, fixup=1, xsplit=0,
                d8=0)
     if grouped:
         cfg.update(regs=128 if bt == 16 else 0, xsplit=int(fmt == "fp4"), stages=3, d8=2 * (fmt == "fp8_block"))
     elif fmt == "fp8_block":
-        cfg.update(ctas=2, d8=2, fixup=0)
+        cfg.update(ctas=2, d8=2, fixup=int(bt == 16))
     elif bt <= 32:
         cfg.update(ctas=2)
     else:

@@ -89,6 +89,14 @@ def test_cfg_override_errors_name_the_variable(monkeypatch, var, bad):
         config("fp8_block", 8, False)
 
 
+def test_fp8_linear_split_k_epilogue_by_rows(monkeypatch):
+    """fp8 linears of up to 16 rows add their split-K partials in the kernel (fixup=1, measured faster at 8 rows),
+    more rows in a second kernel (fixup=0); grouped calls always in the kernel."""
+    monkeypatch.delenv("ATB_CUDA_TC_CFG", raising=False)
+    assert [tc._config("fp8_block", m, False)["fixup"] for m in (1, 8, 16, 17, 32, 64)] == [1, 1, 1, 0, 0, 0]
+    assert tc._config("fp8_block", 32, True)["fixup"] == 1
+
+
 @pytest.mark.parametrize("cfg", ["", "xsplit=1,regs=168", "xsplit=2"])
 @pytest.mark.parametrize("fmt", ["fp4", "fp8_block"])
 @pytest.mark.parametrize("m", [1, 5, 37])
