@@ -43,6 +43,31 @@ __device__ __forceinline__ void wgmma_pv_ss(float (&d)[128], u64 da, u64 db) {
                  : """ + ", ".join(f'"+f"(d[{i}])' for i in range(128)) + r"""
                  : "l"(da), "l"(db), "r"(1));
 }
+// o = o * (f_a on row_a, f_b on row_a + 8) + P V[:, this warpgroup's 256 columns]: P this thread's scores s (bf16,
+// registers), V the block half at shared address v (64 keys x 256 columns, MN-major)
+template <int BN>
+__device__ __forceinline__ void rescale_pv(float (&o)[128], const float (&s)[BN / 2], float f_a, float f_b, u32 v) {
+    if (__any_sync(0xffffffffu, f_a != 1.f || f_b != 1.f)) {
+#pragma unroll
+        for (int k = 0; k < 128; ++k) o[k] *= (k & 2) ? f_b : f_a;
+    }
+    u32 pa[BN / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+        pa[kk][0] = pack_bf16(s[8 * kk], s[8 * kk + 1]); pa[kk][1] = pack_bf16(s[8 * kk + 2], s[8 * kk + 3]);
+        pa[kk][2] = pack_bf16(s[8 * kk + 4], s[8 * kk + 5]); pa[kk][3] = pack_bf16(s[8 * kk + 6], s[8 * kk + 7]);
+#pragma unroll
+        for (int r = 0; r < 4; ++r) reg_fence_u(pa[kk][r]);
+    }
+#pragma unroll
+    for (int k = 0; k < 128; ++k) reg_fence(o[k]);
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk)
+        wgmma_pv(o, pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3], desc(v + kk * 16 * 128, BN * 128, 1024));
+    wg_commit();
+    wg_wait0();
+}
 """
 
 _KERNEL = r"""
@@ -239,27 +264,7 @@ attn_seesaw(const u16* __restrict__ q, const u16* __restrict__ kv, const void* _
             }
             bar_arrive(BAR_S0, 256);
             // O_L = O_L sc0 + p0 V0[:, 0:256] (P from registers)
-            if (__any_sync(0xffffffffu, sc0_a != 1.f || sc0_b != 1.f)) {
-#pragma unroll
-                for (int k = 0; k < 128; ++k) o[k] *= (k & 2) ? sc0_b : sc0_a;
-            }
-            u32 pa[BN / 16][4];
-#pragma unroll
-            for (int kk = 0; kk < BN / 16; ++kk) {
-                pa[kk][0] = pack_bf16(s[8 * kk], s[8 * kk + 1]); pa[kk][1] = pack_bf16(s[8 * kk + 2], s[8 * kk + 3]);
-                pa[kk][2] = pack_bf16(s[8 * kk + 4], s[8 * kk + 5]); pa[kk][3] = pack_bf16(s[8 * kk + 6], s[8 * kk + 7]);
-#pragma unroll
-                for (int r = 0; r < 4; ++r) reg_fence_u(pa[kk][r]);
-            }
-#pragma unroll
-            for (int k = 0; k < 128; ++k) reg_fence(o[k]);
-            wg_fence();
-#pragma unroll
-            for (int kk = 0; kk < BN / 16; ++kk)
-                wgmma_pv(o, pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3],
-                         desc(SLOT_BASE(0) + kk * 16 * 128, BN * 128, 1024));
-            wg_commit();
-            wg_wait0();
+            rescale_pv<BN>(o, s, sc0_a, sc0_b, SLOT_BASE(0));
 #pragma unroll
             for (int k = 0; k < 128; ++k) reg_fence(o[k]);
             mbar_arrive(EMPTY(0));
@@ -327,27 +332,7 @@ attn_seesaw(const u16* __restrict__ q, const u16* __restrict__ kv, const void* _
             bar_arrive(BAR_S1, 256);
             // O_R = O_R sc0 sc1 + p1 V1[:, 256:512] (P from registers)
             const float f_a = sc0_a * sc1_a, f_b = sc0_b * sc1_b;
-            if (__any_sync(0xffffffffu, f_a != 1.f || f_b != 1.f)) {
-#pragma unroll
-                for (int k = 0; k < 128; ++k) o[k] *= (k & 2) ? f_b : f_a;
-            }
-            u32 pa[BN / 16][4];
-#pragma unroll
-            for (int kk = 0; kk < BN / 16; ++kk) {
-                pa[kk][0] = pack_bf16(s[8 * kk], s[8 * kk + 1]); pa[kk][1] = pack_bf16(s[8 * kk + 2], s[8 * kk + 3]);
-                pa[kk][2] = pack_bf16(s[8 * kk + 4], s[8 * kk + 5]); pa[kk][3] = pack_bf16(s[8 * kk + 6], s[8 * kk + 7]);
-#pragma unroll
-                for (int r = 0; r < 4; ++r) reg_fence_u(pa[kk][r]);
-            }
-#pragma unroll
-            for (int k = 0; k < 128; ++k) reg_fence(o[k]);
-            wg_fence();
-#pragma unroll
-            for (int kk = 0; kk < BN / 16; ++kk)
-                wgmma_pv(o, pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3],
-                         desc(SLOT_BASE(r1) + kk * 16 * 128, BN * 128, 1024));
-            wg_commit();
-            wg_wait0();
+            rescale_pv<BN>(o, s, f_a, f_b, SLOT_BASE(r1));
 #pragma unroll
             for (int k = 0; k < 128; ++k) reg_fence(o[k]);
             mbar_arrive(EMPTY(r1));
@@ -386,19 +371,7 @@ attn_seesaw(const u16* __restrict__ q, const u16* __restrict__ kv, const void* _
             ml[(row0 + row_b) * 2 + 1] = l_b;
         }
     }
-    unsigned char* s_o = smem + wg * (HB * 528);
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-        const int cb = (8 * j + 2 * cq) * 2;
-        *(u32*)(s_o + row_a * 528 + cb) = pack_bf16(o[4 * j] * r_a, o[4 * j + 1] * r_a);
-        *(u32*)(s_o + row_b * 528 + cb) = pack_bf16(o[4 * j + 2] * r_b, o[4 * j + 3] * r_b);
-    }
-    bar_sync(4 + wg, 128);
-#pragma unroll 4
-    for (int k = wt; k < HB * 32; k += 128) {
-        const int r = k >> 5, gr = k & 31;
-        *(uint4*)(dst + (row0 + r) * D + wg * 256 + gr * 8) = *(const uint4*)(s_o + r * 528 + gr * 16);
-    }
+    store_half(smem + wg * (HB * 528), o, r_a, r_b, row_a, cq, wg, wt, dst, row0);  // row_b = row_a + 8
 }
 """
 

@@ -4,11 +4,10 @@ sm_90a (:mod:`.nvrtc`): V4's shape, bf16 q [T, H, 512] and pool rows [P, >= 512]
 set ``idx2``, the sink in the denominator, float32 scores and sums, P rounded to bf16 for P.V, -1 = absent key, never
 read), and the same split partials, merged by :func:`.attention_v2._merge_splits_kernel`.
 
-Why: attention_v2's Triton program (copies, Q.K^T, softmax, P.V in order in one 8-warp program per SM) reached
-44.5 % of an H200's copy bandwidth at T = 128, h = 64, 128 + 512 keys; the issue's goal is 60 %. This kernel, on a lent
-H200 (scripts/bench_results/h200_session26.txt, rows from HBM): 66.8-67.9 % there, 2048 distinct-row tokens 69.8-70.1
-against 49.5-50.7 %, h = 128 334 against 237 TFLOP/s (default: :func:`preferred`; its forms and what was not kept:
-scripts/bench_results/HISTORY.md, sessions 25-28); a second schedule of the same contract: :mod:`.attention_seesaw`.
+Why: attention_v2's Triton program (copies, Q.K^T, softmax, P.V in order in one 8-warp program per SM) reached 44.5 %
+of an H200's copy bandwidth at T = 128, h = 64, 128 + 512 keys (goal 60 %); this kernel 66.8-67.9 % there, h = 128 334
+against 237 TFLOP/s (scripts/bench_results/h200_session26.txt; default: :func:`preferred`; forms not kept: HISTORY.md
+there, sessions 25-28). A second schedule of the same contract: :mod:`.attention_seesaw`.
 
 Work layout (one CTA = 64 heads of one token, a range of its key chunks; one CTA per SM; 384 threads):
 
@@ -29,9 +28,8 @@ Work layout (one CTA = 64 heads of one token, a range of its key chunks; one CTA
 - key-list splits (:func:`splits`): partials o_s = acc_s / l_s in bf16 with (m_s, l_s) float32, exactly as
   attention_v2 stores them, merged by its merge kernel over 64-column programs.
 
-The wgmma operand encodings (shared-memory descriptors, 128-byte swizzle, the accumulator and register-A fragment
-layouts), mbarriers, ``cp.async.mbarrier.arrive`` and ``setmaxnreg`` are the PTX ISA's
-(docs.nvidia.com/cuda/parallel-thread-execution: "Asynchronous Warpgroup Level Matrix" 9.7.15, "mbarrier").
+wgmma operand encodings (descriptors, 128-byte swizzle, accumulator / A-in-register layouts), mbarriers, setmaxnreg:
+PTX ISA (docs.nvidia.com/cuda/parallel-thread-execution, "Asynchronous Warpgroup Level Matrix" 9.7.15, "mbarrier").
 """
 
 from __future__ import annotations
@@ -135,6 +133,24 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
 }
 __device__ __forceinline__ void bar_sync(int id, int n) { asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(n) : "memory"); }
 __device__ __forceinline__ void bar_arrive(int id, int n) { asm volatile("bar.arrive %0, %1;" :: "r"(id), "r"(n) : "memory"); }
+// both schedules' epilogue: this warpgroup's 64 x 256 half of O (row_a times r_a, row_a + 8 times r_b) through smem
+// rows 528 bytes apart (bank-conflict free), then 16-byte stores, a warp one 512-byte row half at a time (session 26:
+// the fragments' direct 4-byte stores cost ~6 us of a 41 us call)
+__device__ __forceinline__ void store_half(unsigned char* s_o, const float (&o)[128], float r_a, float r_b, int row_a,
+                                           int cq, int wg, int wt, u16* dst, long long row0) {
+#pragma unroll
+    for (int j = 0; j < 32; ++j) {
+        const int cb = (8 * j + 2 * cq) * 2;
+        *(u32*)(s_o + row_a * 528 + cb) = pack_bf16(o[4 * j] * r_a, o[4 * j + 1] * r_a);
+        *(u32*)(s_o + (row_a + 8) * 528 + cb) = pack_bf16(o[4 * j + 2] * r_b, o[4 * j + 3] * r_b);
+    }
+    bar_sync(4 + wg, 128);
+#pragma unroll 4
+    for (int k = wt; k < HB * 32; k += 128) {
+        const int r = k >> 5, gr = k & 31;
+        *(uint4*)(dst + (row0 + r) * D + wg * 256 + gr * 8) = *(const uint4*)(s_o + r * 528 + gr * 16);
+    }
+}
 """
 
 _KERNEL = r"""
@@ -362,7 +378,6 @@ attn_wgmma(const u16* __restrict__ q, const u16* __restrict__ kv, const void* __
     }
 
     bar_sync(1, 256);  // both warpgroups are done with every stage, score buffer and the query tile
-
     // the rows' sums over the quad; out = o / l (one reciprocal a row), or the split's normalised partial
     l_a += __shfl_xor_sync(0xffffffffu, l_a, 1);
     l_a += __shfl_xor_sync(0xffffffffu, l_a, 2);
@@ -381,22 +396,7 @@ attn_wgmma(const u16* __restrict__ q, const u16* __restrict__ kv, const void* __
             ml[(row0 + row_a + 8) * 2 + 1] = l_b;
         }
     }
-    // this warpgroup's 64 x 256 half through shared memory (rows 528 bytes apart: the 8 rows of a store in
-    // distinct banks), then 16-byte stores, a warp 512 contiguous bytes (one row half) at a time: session 26
-    // measured the direct 4-byte stores of the fragments (8 rows a warp instruction) at ~6 us of a 41 us call
-    unsigned char* s_o = smem + wg * (HB * 528);
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-        const int cb = (8 * j + 2 * cq) * 2;
-        *(u32*)(s_o + row_a * 528 + cb) = pack_bf16(o[4 * j] * r_a, o[4 * j + 1] * r_a);
-        *(u32*)(s_o + (row_a + 8) * 528 + cb) = pack_bf16(o[4 * j + 2] * r_b, o[4 * j + 3] * r_b);
-    }
-    bar_sync(4 + wg, 128);
-#pragma unroll 4
-    for (int k = wt; k < HB * 32; k += 128) {
-        const int r = k >> 5, gr = k & 31;
-        *(uint4*)(dst + (row0 + r) * D + wg * 256 + gr * 8) = *(const uint4*)(s_o + r * 528 + gr * 16);
-    }
+    store_half(smem + wg * (HB * 528), o, r_a, r_b, row_a, cq, wg, wt, dst, row0);  // this warpgroup's half
 }
 """
 
