@@ -33,42 +33,7 @@ from __future__ import annotations
 
 from . import attention_wgmma as W
 from . import nvrtc
-
-_WGMMA_SS_PV = r"""
-// m64n256k16, A (P) from shared memory K-major, B (V) from shared memory MN-major (transposed)
-__device__ __forceinline__ void wgmma_pv_ss(float (&d)[128], u64 da, u64 db) {
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
-                 "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {""" + W._acc_list(0, 128) + r"""}, "
-                 "%128, %129, p, 1, 1, 0, 1;\n}\n"
-                 : """ + ", ".join(f'"+f"(d[{i}])' for i in range(128)) + r"""
-                 : "l"(da), "l"(db), "r"(1));
-}
-// o = o * (f_a on row_a, f_b on row_a + 8) + P V[:, this warpgroup's 256 columns]: P this thread's scores s (bf16,
-// registers), V the block half at shared address v (64 keys x 256 columns, MN-major)
-template <int BN>
-__device__ __forceinline__ void rescale_pv(float (&o)[128], const float (&s)[BN / 2], float f_a, float f_b, u32 v) {
-    if (__any_sync(0xffffffffu, f_a != 1.f || f_b != 1.f)) {
-#pragma unroll
-        for (int k = 0; k < 128; ++k) o[k] *= (k & 2) ? f_b : f_a;
-    }
-    u32 pa[BN / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk) {
-        pa[kk][0] = pack_bf16(s[8 * kk], s[8 * kk + 1]); pa[kk][1] = pack_bf16(s[8 * kk + 2], s[8 * kk + 3]);
-        pa[kk][2] = pack_bf16(s[8 * kk + 4], s[8 * kk + 5]); pa[kk][3] = pack_bf16(s[8 * kk + 6], s[8 * kk + 7]);
-#pragma unroll
-        for (int r = 0; r < 4; ++r) reg_fence_u(pa[kk][r]);
-    }
-#pragma unroll
-    for (int k = 0; k < 128; ++k) reg_fence(o[k]);
-    wg_fence();
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk)
-        wgmma_pv(o, pa[kk][0], pa[kk][1], pa[kk][2], pa[kk][3], desc(v + kk * 16 * 128, BN * 128, 1024));
-    wg_commit();
-    wg_wait0();
-}
-"""
+from . import wgmma_device as WD
 
 _KERNEL = r"""
 #define BAR_S0 6
@@ -221,23 +186,8 @@ attn_seesaw(const u16* __restrict__ q, const u16* __restrict__ kv, const void* _
 #pragma unroll
         for (int k = 0; k < NS; ++k) reg_fence(s[k]);
         // scale, absent keys to -inf (this block's valid bytes), the own rows' maxima
-        const unsigned char* vb = s_valid + wg * BN;
-        float mx_a = NEG_BIG, mx_b = NEG_BIG;
-#pragma unroll
-        for (int j = 0; j < BN / 8; ++j) {
-            const u32 vv = *(const u16*)(vb + 8 * j + 2 * cq);
-            const float b0 = (vv & 0xFFu) ? 0.f : NEG_INF, b1 = (vv >> 8) ? 0.f : NEG_INF;
-            s[4 * j] = fmaf(s[4 * j], scale2, b0);
-            s[4 * j + 1] = fmaf(s[4 * j + 1], scale2, b1);
-            s[4 * j + 2] = fmaf(s[4 * j + 2], scale2, b0);
-            s[4 * j + 3] = fmaf(s[4 * j + 3], scale2, b1);
-            mx_a = fmaxf(mx_a, fmaxf(s[4 * j], s[4 * j + 1]));
-            mx_b = fmaxf(mx_b, fmaxf(s[4 * j + 2], s[4 * j + 3]));
-        }
-        mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 1));
-        mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 2));
-        mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 1));
-        mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
+        float mx_a, mx_b;
+        scale_mask_max<BN>(s, s_valid + wg * BN, cq, scale2, mx_a, mx_b);
         // release what this warpgroup no longer reads: warpgroup 0 is done with b0's right slot (warpgroup 1 reads
         // it for O_R later) and never reads b1's right slot; warpgroup 1 is done with b1's left slot (warpgroup 0
         // reads it for O_L later: both must arrive) and never reads b0's left slot. The valid bytes were read.
@@ -248,14 +198,7 @@ attn_seesaw(const u16* __restrict__ q, const u16* __restrict__ kv, const void* _
         if (wg == 0) {
             mn0_a = fmaxf(m_a, mx_a); mn0_b = fmaxf(m_b, mx_b);
             sc0_a = ex2(m_a - mn0_a); sc0_b = ex2(m_b - mn0_b);
-            ls0_a = 0.f; ls0_b = 0.f;
-#pragma unroll
-            for (int j = 0; j < BN / 8; ++j) {
-                s[4 * j] = ex2(s[4 * j] - mn0_a); s[4 * j + 1] = ex2(s[4 * j + 1] - mn0_a);
-                s[4 * j + 2] = ex2(s[4 * j + 2] - mn0_b); s[4 * j + 3] = ex2(s[4 * j + 3] - mn0_b);
-                ls0_a += s[4 * j] + s[4 * j + 1];
-                ls0_b += s[4 * j + 2] + s[4 * j + 3];
-            }
+            exp_sum<BN>(s, mn0_a, mn0_b, ls0_a, ls0_b);
             ls0_a += __shfl_xor_sync(0xffffffffu, ls0_a, 1); ls0_a += __shfl_xor_sync(0xffffffffu, ls0_a, 2);
             ls0_b += __shfl_xor_sync(0xffffffffu, ls0_b, 1); ls0_b += __shfl_xor_sync(0xffffffffu, ls0_b, 2);
             if (cq == 0) {
@@ -306,14 +249,7 @@ attn_seesaw(const u16* __restrict__ q, const u16* __restrict__ kv, const void* _
             mn0_a = ta.x; sc0_a = ta.y; ls0_a = ta.z; mn0_b = tb.x; sc0_b = tb.y; ls0_b = tb.z;
             mn1_a = fmaxf(mn0_a, mx_a); mn1_b = fmaxf(mn0_b, mx_b);
             sc1_a = ex2(mn0_a - mn1_a); sc1_b = ex2(mn0_b - mn1_b);
-            ls1_a = 0.f; ls1_b = 0.f;
-#pragma unroll
-            for (int j = 0; j < BN / 8; ++j) {
-                s[4 * j] = ex2(s[4 * j] - mn1_a); s[4 * j + 1] = ex2(s[4 * j + 1] - mn1_a);
-                s[4 * j + 2] = ex2(s[4 * j + 2] - mn1_b); s[4 * j + 3] = ex2(s[4 * j + 3] - mn1_b);
-                ls1_a += s[4 * j] + s[4 * j + 1];
-                ls1_b += s[4 * j + 2] + s[4 * j + 3];
-            }
+            exp_sum<BN>(s, mn1_a, mn1_b, ls1_a, ls1_b);
             ls1_a += __shfl_xor_sync(0xffffffffu, ls1_a, 1); ls1_a += __shfl_xor_sync(0xffffffffu, ls1_a, 2);
             ls1_b += __shfl_xor_sync(0xffffffffu, ls1_b, 1); ls1_b += __shfl_xor_sync(0xffffffffu, ls1_b, 2);
             // P1 into the own P tile once warpgroup 0 has read the previous one; the stats beside it
@@ -377,7 +313,7 @@ attn_seesaw(const u16* __restrict__ q, const u16* __restrict__ kv, const void* _
 
 
 def _source() -> str:
-    return W._HEAD + W._wgmma_ss(W.BN) + W._wgmma_rs() + _WGMMA_SS_PV + _KERNEL
+    return WD.HEAD + WD.wgmma_ss(W.BN) + WD.wgmma_rs() + WD.WGMMA_SS_PV + WD.RESCALE_PV + _KERNEL
 
 
 def name(idx64: bool) -> str:

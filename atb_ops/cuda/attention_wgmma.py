@@ -37,6 +37,7 @@ from __future__ import annotations
 import torch
 
 from . import attention_v2, nvrtc
+from . import wgmma_device as WD
 from ._util import pdl, pow2
 
 NT = 384  # threads: two consumer warpgroups and a producer warpgroup
@@ -52,106 +53,6 @@ def smem_bytes(bn: int, st: int) -> int:
     alignment (the output's staging, 2 x 64 rows of 528 bytes, reuses the tiles after the last chunk)."""
     return HB * D * 2 + st * bn * D * 2 + 2 * HB * bn * 4 + st * bn + 16 * st + 8 + 1024
 
-
-def _acc_list(first: int, count: int) -> str:
-    return ", ".join(f"%{first + i}" for i in range(count))
-
-
-def _wgmma_ss(bn: int) -> str:
-    """m64n{bn}k16, A and B from shared memory (K-major both), float32 accumulators d[bn / 2]."""
-    n = bn // 2
-    outs = ", ".join(f'"+f"(d[{i}])' for i in range(n))
-    return f"""
-__device__ __forceinline__ void wgmma_qk(float (&d)[{n}], u64 da, u64 db, int accumulate) {{
-    asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{n + 2}, 0;\\n"
-                 "wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.bf16.bf16 {{{_acc_list(0, n)}}}, %{n}, %{n + 1}, p, 1, 1, 0, 0;\\n}}\\n"
-                 : {outs}
-                 : "l"(da), "l"(db), "r"(accumulate));
-}}
-"""
-
-
-def _wgmma_rs() -> str:
-    """m64n256k16, A (P) from registers, B (V) from shared memory MN-major (transposed), 128 accumulators."""
-    outs = ", ".join(f'"+f"(d[{i}])' for i in range(128))
-    return f"""
-__device__ __forceinline__ void wgmma_pv(float (&d)[128], u32 a0, u32 a1, u32 a2, u32 a3, u64 db) {{
-    asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %133, 0;\\n"
-                 "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {{{_acc_list(0, 128)}}}, "
-                 "{{%128, %129, %130, %131}}, %132, p, 1, 1, 1;\\n}}\\n"
-                 : {outs}
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(db), "r"(1));
-}}
-"""
-
-
-_HEAD = r"""
-typedef unsigned int u32;
-typedef unsigned long long u64;
-typedef unsigned short u16;
-#define NT 384
-#define D 512
-#define HB 64
-#define NEG_BIG (-1.0e30f)
-#define NEG_INF __int_as_float(0xff800000)
-
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool ok) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(dst), "l"(src), "r"(ok ? 16 : 0) : "memory");
-}
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory");
-}
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
-// the compiler must not move register reads / writes of an accumulator across the asynchronous MMA's fences
-__device__ __forceinline__ void reg_fence(float& x) { asm volatile("" : "+f"(x) :: "memory"); }
-__device__ __forceinline__ void reg_fence_u(u32& x) { asm volatile("" : "+r"(x) :: "memory"); }
-__device__ __forceinline__ void proxy_fence() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
-
-// shared-memory matrix descriptor: 128-byte swizzle (bits 62-63 = 1), addresses and offsets in 16-byte units
-__device__ __forceinline__ u64 desc(u32 addr, u32 lbo, u32 sbo) {
-    return (u64)((addr & 0x3FFFF) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32) | (1ull << 62);
-}
-__device__ __forceinline__ float ex2(float x) { float y; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }
-__device__ __forceinline__ u32 pack_bf16(float lo, float hi) {
-    u32 r; asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); return r;
-}
-__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(u32 bar) {
-    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}" :: "r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive_cp_async(u32 bar) {  // when this thread's earlier cp.async complete
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
-    asm volatile("{\n.reg .pred p;\nWAIT_%=:\n"
-                 "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-                 "@!p bra WAIT_%=;\n}" :: "r"(bar), "r"(parity) : "memory");
-}
-__device__ __forceinline__ void bar_sync(int id, int n) { asm volatile("bar.sync %0, %1;" :: "r"(id), "r"(n) : "memory"); }
-__device__ __forceinline__ void bar_arrive(int id, int n) { asm volatile("bar.arrive %0, %1;" :: "r"(id), "r"(n) : "memory"); }
-// both schedules' epilogue: this warpgroup's 64 x 256 half of O (row_a times r_a, row_a + 8 times r_b) through smem
-// rows 528 bytes apart (bank-conflict free), then 16-byte stores, a warp one 512-byte row half at a time (session 26:
-// the fragments' direct 4-byte stores cost ~6 us of a 41 us call)
-__device__ __forceinline__ void store_half(unsigned char* s_o, const float (&o)[128], float r_a, float r_b, int row_a,
-                                           int cq, int wg, int wt, u16* dst, long long row0) {
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-        const int cb = (8 * j + 2 * cq) * 2;
-        *(u32*)(s_o + row_a * 528 + cb) = pack_bf16(o[4 * j] * r_a, o[4 * j + 1] * r_a);
-        *(u32*)(s_o + (row_a + 8) * 528 + cb) = pack_bf16(o[4 * j + 2] * r_b, o[4 * j + 3] * r_b);
-    }
-    bar_sync(4 + wg, 128);
-#pragma unroll 4
-    for (int k = wt; k < HB * 32; k += 128) {
-        const int r = k >> 5, gr = k & 31;
-        *(uint4*)(dst + (row0 + r) * D + wg * 256 + gr * 8) = *(const uint4*)(s_o + r * 528 + gr * 16);
-    }
-}
-"""
 
 _KERNEL = r"""
 template <int BN, int ST, bool IDX64>
@@ -310,39 +211,14 @@ attn_wgmma(const u16* __restrict__ q, const u16* __restrict__ kv, const void* __
         }
         if (c + 1 < c_hi) bar_arrive(2 + (1 - wg), 256);  // the other's half is read: it may overwrite it
 
-        // online softmax on rows row_a (s[4j], s[4j+1]) and row_a + 8 (s[4j+2], s[4j+3]), keys 8j + 2cq + {0, 1}
-        const unsigned char* vb = s_valid + stage * BN;
-        float mx_a = NEG_BIG, mx_b = NEG_BIG;
-#pragma unroll
-        for (int j = 0; j < BN / 8; ++j) {
-            const int k0 = 8 * j + 2 * cq;
-            const u32 vv = *(const u16*)(vb + k0);  // keys k0, k0 + 1
-            const float b0 = (vv & 0xFFu) ? 0.f : NEG_INF, b1 = (vv >> 8) ? 0.f : NEG_INF;
-            s[4 * j] = fmaf(s[4 * j], scale2, b0);
-            s[4 * j + 1] = fmaf(s[4 * j + 1], scale2, b1);
-            s[4 * j + 2] = fmaf(s[4 * j + 2], scale2, b0);
-            s[4 * j + 3] = fmaf(s[4 * j + 3], scale2, b1);
-            mx_a = fmaxf(mx_a, fmaxf(s[4 * j], s[4 * j + 1]));
-            mx_b = fmaxf(mx_b, fmaxf(s[4 * j + 2], s[4 * j + 3]));
-        }
-        mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 1));
-        mx_a = fmaxf(mx_a, __shfl_xor_sync(0xffffffffu, mx_a, 2));
-        mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 1));
-        mx_b = fmaxf(mx_b, __shfl_xor_sync(0xffffffffu, mx_b, 2));
+        float mx_a, mx_b;  // online softmax (scale_mask_max / exp_sum above)
+        scale_mask_max<BN>(s, s_valid + stage * BN, cq, scale2, mx_a, mx_b);
         const float mn_a = fmaxf(m_a, mx_a), mn_b = fmaxf(m_b, mx_b);
         const float al_a = ex2(m_a - mn_a), al_b = ex2(m_b - mn_b);
         m_a = mn_a;
         m_b = mn_b;
-        float sum_a = 0.f, sum_b = 0.f;
-#pragma unroll
-        for (int j = 0; j < BN / 8; ++j) {
-            s[4 * j] = ex2(s[4 * j] - mn_a);
-            s[4 * j + 1] = ex2(s[4 * j + 1] - mn_a);
-            s[4 * j + 2] = ex2(s[4 * j + 2] - mn_b);
-            s[4 * j + 3] = ex2(s[4 * j + 3] - mn_b);
-            sum_a += s[4 * j] + s[4 * j + 1];
-            sum_b += s[4 * j + 2] + s[4 * j + 3];
-        }
+        float sum_a, sum_b;
+        exp_sum<BN>(s, mn_a, mn_b, sum_a, sum_b);
         l_a = l_a * al_a + sum_a;
         l_b = l_b * al_b + sum_b;
         if (__any_sync(0xffffffffu, al_a != 1.f || al_b != 1.f)) {  // (the row maxima rarely move late in the list)
@@ -402,7 +278,7 @@ attn_wgmma(const u16* __restrict__ q, const u16* __restrict__ kv, const void* __
 
 
 def _source() -> str:
-    return _HEAD + _wgmma_ss(BN) + _wgmma_rs() + _KERNEL
+    return WD.HEAD + WD.wgmma_ss(BN) + WD.wgmma_rs() + _KERNEL
 
 
 def _name(bn: int, st: int, idx64: bool) -> str:
