@@ -180,8 +180,8 @@ def _inputs(g, t, h, k1, k2, idx_dtype, dev="cuda"):
 @pytest.mark.parametrize("impl", ["wgmma", "seesaw"])
 def test_matches_reference(monkeypatch, t, h, k1, k2, with_sink, idx_dtype, impl):
     monkeypatch.setenv("ATB_CUDA_ATTN_IMPL", impl)
-    impl = atb_ops.implementations("sparse_attention")
-    cu, ref = impl["cuda"], impl["reference"]
+    impls = atb_ops.implementations("sparse_attention")
+    cu, ref = impls["cuda"], impls["reference"]
     g = torch.Generator().manual_seed(t * 1000 + h + k2)
     q, kv, idx, ent, ex, sink = _inputs(g, t, h, k1, k2, idx_dtype)
     kv[0] = float("nan")  # rows no index names must not leak (absent keys are never read)
