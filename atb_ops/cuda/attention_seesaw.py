@@ -25,8 +25,10 @@ the statistics. A slot is refilled as soon as its last reader is done, and the n
 the order they free up: b0 = (slot 0, slot 1 | 3), b1 = (slot 2, slot 3 | 1) by pair parity. Named barriers 6-10 hand
 over stats0, stats1 + P1, P0, and the P tiles' release. Splits take an even number of chunks (:func:`splits`).
 
-Measured (H200, h200_session28.txt, call 15, op us against attention_wgmma's kernel): T = 128, h = 128 62.4 / 68.0
-(compute-bound); T = 32, h = 128 24.1 / 24.1; h = 64 1-7 % slower (T = 128 39.0 / 37.7).
+Measured (H200, op us against attention_wgmma's kernel): first run, h200_session28.txt call 15, T = 128, h = 128
+62.4 / 68.0 (compute-bound); side by side with the dispatch, h200_session29.txt calls 1, 5 and 6: h = 128 faster at
+T = 8 and 128 and in prefill, equal at T = 32, h = 64 slower in decode and faster in prefill (figures and the default
+rule: :func:`preferred`).
 """
 
 from __future__ import annotations
