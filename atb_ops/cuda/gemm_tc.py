@@ -82,16 +82,16 @@ def _config(fmt: str, rows_per_weight: float, grouped: bool) -> dict:
     SM, whose 448 programs overran one wave; scripts/bench_results/gemm_h100_session4.txt) and fp4 aims at one
     program per SM.
 
-    fp8 calls decode with a PTX decoder instead of Triton's conversion (Nsight Compute had shown the kernel bound by
-    its instruction stream, the conversion taking three conversion-pipe instructions per pair of weights), and fp8
-    linears add split-K partials in a second kernel. Session 20's word decoder (d8=1) measured 4096 x 4096 at M = 1
-    / 8 / 32 11.7 / 11.9 / 13.5 -> 10.4 / 10.4 / 12.1 us but 3-12 % slower at 64 rows, whose activations' even / odd
-    split passes through registers (scripts/bench_results/h200_session20.txt). Session 21's pair decoder (d8=2)
-    leaves the activations to cp.async and was as fast or faster at every shape timed (H200,
-    scripts/bench_results/h200_session21.txt; against d8=0 / d8=1 in the same run): 4096 x 4096 at M = 1 / 32 / 64
-    12.1 / 12.9 / 14.3 and 10.5 / 12.0 / 14.8 -> 10.3 / 11.1 / 13.3 us; 32768 x 1024 at M = 64 21.0 / 23.7 -> 17.4
-    us; grouped (64 experts, 8-64 tokens x top 6) 62-69 % -> 73-84 % of the copy bandwidth. Other 64-row tiles
-    timed with it (bw=128 on 8 warps, 8 warps, bt=32, 2 or 4 stages, 1 / 3 / 4 programs per SM, fixup=1) were slower.
+    fp8 calls decode with a PTX decoder instead of Triton's conversion (Nsight Compute had shown the kernel bound by its
+    instruction stream, the conversion taking three conversion-pipe instructions per pair of weights), and fp8 linears
+    of 17+ rows add split-K partials in a second kernel (up to 16 rows: below). Session 20's word decoder (d8=1)
+    measured 4096 x 4096 at M = 1 / 8 / 32 11.7 / 11.9 / 13.5 -> 10.4 / 10.4 / 12.1 us but 3-12 % slower at 64 rows,
+    whose activations' even / odd split passes through registers (scripts/bench_results/h200_session20.txt). Session
+    21's pair decoder (d8=2) leaves the activations to cp.async and was as fast or faster at every shape timed (H200,
+    scripts/bench_results/h200_session21.txt; against d8=0 / d8=1 in the same run): 4096 x 4096 at M = 1 / 32 / 64 12.1
+    / 12.9 / 14.3 and 10.5 / 12.0 / 14.8 -> 10.3 / 11.1 / 13.3 us; 32768 x 1024 at M = 64 21.0 / 23.7 -> 17.4 us;
+    grouped (64 experts, 8-64 tokens x top 6) 62-69 % -> 73-84 % of the copy bandwidth. Other 64-row tiles timed with it
+    (bw=128 on 8 warps, 8 warps, bt=32, 2 or 4 stages, 1 / 3 / 4 programs per SM, fixup=1) were slower.
 
     fp4 bytes decoded in order (xsplit=2) stay opt-in: in the same session a 4096 x 4096 fp4 linear at M = 64 took
     16.3 us with it (3 stages) against 17.9 by the default path (gemm_tc_large), but 32768 x 1024 at M = 64 19.2
