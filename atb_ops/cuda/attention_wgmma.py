@@ -78,16 +78,9 @@ attn_wgmma(const u16* __restrict__ q, const u16* __restrict__ kv, const void* __
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int wg = tid >> 7, wt = tid & 127;  // warpgroup (0, 1: consumers; 2: producer), thread in it
-    const int n_hb = H / HB;
-    const int pid = blockIdx.x;
-    const int hb = pid % n_hb;
-    const int sp = (pid / n_hb) % n_split;
-    const long long t = pid / n_hb / n_split;
-    const int h0 = hb * HB;
-    const int n1 = (K1 + BN - 1) / BN;
-    const int nc = n1 + (K2 + BN - 1) / BN;
-    const int c_lo = sp * chunks_per_split;
-    const int c_hi = min(c_lo + chunks_per_split, nc);
+    const Work wk = cta_work<BN>(H, K1, K2, chunks_per_split, n_split);
+    const int sp = wk.sp, h0 = wk.h0, n1 = wk.n1, c_lo = wk.c_lo, c_hi = wk.c_hi;
+    const long long t = wk.t;
     const u32 q_base = (u32)__cvta_generic_to_shared(s_q);
     const u32 k_base = (u32)__cvta_generic_to_shared(s_k);
 
@@ -109,26 +102,10 @@ attn_wgmma(const u16* __restrict__ q, const u16* __restrict__ kv, const void* __
         // swizzled offsets: row r = pw + 4 i has r % 8 = pw + 4 (i % 2)
         const u32 offe = (u32)((pw * 128) + (((lane & 7) ^ pw) << 4));
         const u32 offo = (u32)(((pw + 4) * 128) + (((lane & 7) ^ (pw + 4)) << 4));
-        // the query tile (64 rows): rows pw + 4 i
-#pragma unroll 4
-        for (int i = 0; i < HB / 4; ++i) {
-            const u16* src = q + ((t * H + h0 + pw + 4 * i) * D);
-            const u32 o = q_base + (i >> 1) * 1024 + ((i & 1) ? offo : offe) + (lane >> 3) * HB * 128;
-            cp_async16(o, src + lane * 8, true);
-            cp_async16(o + 4 * HB * 128, src + (lane + 32) * 8, true);
-        }
+        copy_query(q, t, H, h0, q_base, pw, lane, offe, offo);  // the query tile (64 rows)
         // this lane's row index of a chunk (lanes < BN / 4: row pw + 4 lane; -1: absent or past the list; pools
         // < 2^31 rows), loaded one chunk ahead and broadcast by shuffles
-        auto row_of = [&](int c) -> int {
-            if (c >= c_hi || lane >= BN / 4) return -1;
-            const bool main = c < n1;
-            const int lim = main ? K1 : K2;
-            const int n = (main ? c : c - n1) * BN + pw + 4 * lane;
-            if (n >= lim) return -1;
-            const long long base = t * (long long)lim;
-            const void* ip = main ? idx : idx2;
-            return IDX64 ? (int)((const long long*)ip)[base + n] : ((const int*)ip)[base + n];
-        };
+        auto row_of = [&](int c) { return row_index<BN, IDX64>(c, wk, K1, K2, idx, idx2, pw, lane); };
         int nxt = row_of(c_lo);
         for (int c = c_lo; c < c_hi; ++c) {
             const int it = c - c_lo, stage = it % ST;

@@ -46,7 +46,7 @@ to rows whose id lies outside [0, E) (outside the op's contract; defined rather 
 Under TRITON_INTERPRET the weights are decoded by plain Triton arithmetic (same values) and the dots run on
 float32 copies of the operands.
 
-One module of ~520 lines on purpose: the kernel's decode variants (each a constexpr branch of one K loop), their PTX
+One module of ~530 lines on purpose: the kernel's decode variants (each a constexpr branch of one K loop), their PTX
 and the launcher that maps the tile settings onto those branches change together; the PTX strings are tested on
 the CPU by emulation (tests/ops/test_gemm_tc.py).
 """

@@ -129,6 +129,52 @@ __device__ __forceinline__ void exp_sum(float (&s)[BN / 2], float mn_a, float mn
         sum_b += s[4 * j + 2] + s[4 * j + 3];
     }
 }
+// the prologue of both kernels. A CTA's work (grid: token, then split, then 64-head block fastest): heads h0.. of
+// token t, key chunks [c_lo, c_hi) of split sp; the main list's n1 chunks come first, nc in all
+struct Work {
+    int sp, h0, n1, c_lo, c_hi;
+    long long t;
+};
+template <int BN>
+__device__ __forceinline__ Work cta_work(int H, int K1, int K2, int chunks_per_split, int n_split) {
+    const int n_hb = H / HB;
+    const int pid = blockIdx.x;
+    const int hb = pid % n_hb;
+    Work w;
+    w.sp = (pid / n_hb) % n_split;
+    w.t = pid / n_hb / n_split;
+    w.h0 = hb * HB;
+    w.n1 = (K1 + BN - 1) / BN;
+    const int nc = w.n1 + (K2 + BN - 1) / BN;
+    w.c_lo = w.sp * chunks_per_split;
+    w.c_hi = min(w.c_lo + chunks_per_split, nc);
+    return w;
+}
+// the producer warp pw's rows pw + 4 i of the 64 x 512 query tile into the swizzled layout (offe / offo: the 16-byte
+// granule offsets of its even / odd rows)
+__device__ __forceinline__ void copy_query(const u16* q, long long t, int H, int h0, u32 q_base, int pw, int lane,
+                                           u32 offe, u32 offo) {
+#pragma unroll 4
+    for (int i = 0; i < HB / 4; ++i) {
+        const u16* src = q + ((t * H + h0 + pw + 4 * i) * D);
+        const u32 o = q_base + (i >> 1) * 1024 + ((i & 1) ? offo : offe) + (lane >> 3) * HB * 128;
+        cp_async16(o, src + lane * 8, true);
+        cp_async16(o + 4 * HB * 128, src + (lane + 32) * 8, true);
+    }
+}
+// this lane's row index in chunk c (lanes < BN / 4: row pw + 4 lane; -1: absent or past the list; pools < 2^31 rows)
+template <int BN, bool IDX64>
+__device__ __forceinline__ int row_index(int c, const Work& w, int K1, int K2, const void* idx, const void* idx2,
+                                         int pw, int lane) {
+    if (c >= w.c_hi || lane >= BN / 4) return -1;
+    const bool main = c < w.n1;
+    const int lim = main ? K1 : K2;
+    const int n = (main ? c : c - w.n1) * BN + pw + 4 * lane;
+    if (n >= lim) return -1;
+    const long long base = w.t * (long long)lim;
+    const void* ip = main ? idx : idx2;
+    return IDX64 ? (int)((const long long*)ip)[base + n] : ((const int*)ip)[base + n];
+}
 // both schedules' epilogue: this warpgroup's 64 x 256 half of O (row_a times r_a, row_a + 8 times r_b) through smem
 // rows 528 bytes apart (bank-conflict free), then 16-byte stores, a warp one 512-byte row half at a time (session 26:
 // the fragments' direct 4-byte stores cost ~6 us of a 41 us call)
