@@ -1,7 +1,8 @@
 """Triton MoE router (V4 sqrt-softplus with bias or hash routing; V3 sigmoid with group-limited top-k).
 
-Logits = x @ W^T come from the split-K skinny matmul (float32 products); then one program per tile of BT tokens
-holds all E logits and applies the score function,
+Logits = x @ W^T come from the split-K skinny matmul (float32 products) as its per-split partial sums; one program
+per tile of BT tokens adds them up in split order (the skinny matmul's own reduction launch spared: three launches
+a call became two), holds all E logits and applies the score function,
 the selection (hash table lookup, or iterative arg-max over scores + bias after masking to the ``topk_groups``
 groups whose two best biased scores sum highest), then weights = scores[sel] (normalised) * route_scale.
 """
@@ -20,7 +21,7 @@ _FUNCS = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
 
 
 @triton.jit
-def _gate_kernel(logit_ptr, b_ptr, tid_ptr, tok_ptr, wout_ptr, iout_ptr, T, E, route_scale,
+def _gate_kernel(logit_ptr, b_ptr, tid_ptr, tok_ptr, wout_ptr, iout_ptr, T, E, S, route_scale,
                  K: tl.constexpr, FUNC: tl.constexpr, HAS_BIAS: tl.constexpr, HASH: tl.constexpr,
                  G: tl.constexpr, TG: tl.constexpr, NORM: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr,
                  BK: tl.constexpr, PDL: tl.constexpr = False):
@@ -29,7 +30,10 @@ def _gate_kernel(logit_ptr, b_ptr, tid_ptr, tok_ptr, wout_ptr, iout_ptr, T, E, r
     tm = t < T
     e = tl.arange(0, BE)
     em = e < E
-    acc = tl.load(logit_ptr + t[:, None].to(tl.int64) * BE + e[None, :], mask=tm[:, None], other=0.0)
+    at = logit_ptr + t[:, None].to(tl.int64) * BE + e[None, :]
+    acc = tl.load(at, mask=tm[:, None], other=0.0)
+    for sp in range(1, S):  # the skinny matmul's partial sums [S, T, BE], in split order
+        acc += tl.load(at + sp.to(tl.int64) * T * BE, mask=tm[:, None], other=0.0)
     if FUNC == 0:
         y = tl.exp(tl.minimum(acc, 20.0))
         u = 1.0 + y
@@ -109,11 +113,11 @@ def moe_gate(x, weight, bias, topk: int, route_scale: float, tid2eid=None, token
         raise ValueError(f"moe_gate (cuda): group-limited routing needs a power-of-two number of experts split in "
                          f"a power-of-two number of groups, got E={n_exp}, n_groups={n_groups}")
     bt = 16
-    logits, _ = skinny_matmul(x.contiguous(), weight.contiguous())  # [T, BE] float32
+    logits, _ = skinny_matmul(x.contiguous(), weight.contiguous(), partials=True)  # [S, T, BE] float32
     _gate_kernel[(triton.cdiv(t_count, bt),)](
         logits, bias.float().contiguous() if bias is not None else logits,
         tid2eid.contiguous() if hashed else logits, token_ids.contiguous() if hashed else logits, w_out, i_out,
-        t_count, n_exp, float(route_scale), K=topk, FUNC=_FUNCS[score_func], HAS_BIAS=bias is not None and not hashed,
-        HASH=hashed, G=n_groups if not hashed else 1, TG=topk_groups, NORM=bool(normalize), BT=bt, BE=be,
+        t_count, n_exp, logits.shape[0], float(route_scale), K=topk, FUNC=_FUNCS[score_func],
+        HAS_BIAS=bias is not None and not hashed, HASH=hashed, G=n_groups if not hashed else 1, TG=topk_groups, NORM=bool(normalize), BT=bt, BE=be,
         BK=pow2(topk), num_warps=4 if be <= 64 else 8, **pdl())
     return w_out, i_out
