@@ -32,6 +32,8 @@ from .ops import (
     grouped_matmul,
     hadamard,
     hc_head,
+    hc_head_norm,
+    hc_pre_norm,
     hc_post,
     hc_pre,
     indexer_topk,
@@ -76,7 +78,7 @@ def decode_context_kernel():
 
 # fused forms of registered ops (one launch where the backend's kernel has the epilogue, the ops in sequence
 # otherwise): public functions, not registry entries
-FUSED = ("rms_norm_rope", "compressor_entries")
+FUSED = ("rms_norm_rope", "compressor_entries", "hc_pre_norm", "hc_head_norm")
 
 __all__ = list(OPS) + list(FUSED) + [
     "BACKENDS", "BackendError", "KVLayout", "batch_invariant", "decode_context_kernel", "device_available",

@@ -15,6 +15,11 @@ order as before (bitwise-identical results). For 4 streams (V4) the Sinkhorn ite
 scalars in every thread (:func:`_sinkhorn4`): the tensor form's 2 (iters - 1) four-element sums each went through
 cross-thread shuffles (the timings above are from before this form; it was measured only inside the decode step,
 scripts/bench_results/decode_h100_session10.txt).
+
+``hc_pre_norm`` / ``hc_head_norm`` (:func:`atb_ops.hc_pre_norm`: the block's collapse and its input RMSNorm, the
+final collapse and the model's norm) run the same kernel in its NORM form, one launch fewer than the collapse and
+the rms_norm kernel after it: one program a token holds the whole row (one [N, pow2(d)] tile up to d = 8192, else
+chunk by chunk), rounds u to x's dtype and writes its norm; the Sinkhorn program beside it as before.
 """
 
 from __future__ import annotations
@@ -51,12 +56,25 @@ def _pick2(v, idx, BO: tl.constexpr):
 
 
 @triton.jit
+def _u_chunk(x_ptr, t, d, d0, pre, j, N: tl.constexpr, BD: tl.constexpr):
+    """u[t, d0:d0 + BD] = sum_j pre_j x[t, j, d0:d0 + BD] in float32, its columns and their mask."""
+    dd = d0 + tl.arange(0, BD)
+    dm = dd < d
+    xv = tl.load(x_ptr + t * N * d + j[:, None] * d + dd[None, :], mask=dm[None, :], other=0.0).to(tl.float32)
+    return tl.sum(pre[:, None] * xv, 0), dd, dm
+
+
+@triton.jit
 def _split_kernel(m_ptr, ss_ptr, x_ptr, scale_ptr, base_ptr, u_ptr, post_ptr, comb_ptr, d, iters, hc_eps, norm_eps,
-                  T, S, N: tl.constexpr, BO: tl.constexpr, SP: tl.constexpr, FULL: tl.constexpr, BD: tl.constexpr,
+                  T, S, w_ptr, out_eps, N: tl.constexpr, BO: tl.constexpr, SP: tl.constexpr, FULL: tl.constexpr,
+                  BD: tl.constexpr, NORM: tl.constexpr = False, ONE: tl.constexpr = False, BR: tl.constexpr = 1,
                   PDL: tl.constexpr = False):
     """Program (t, c): c < cdiv(d, BD) writes u[t, c BD:(c + 1) BD]; c == cdiv(d, BD) (launched only when FULL)
     writes post[t] and comb[t]. Every program re-derives the token's mixes from the partials (the same load and
-    fixed reduction tree in each, so all programs see the same bits)."""
+    fixed reduction tree in each, so all programs see the same bits). With NORM the grid is (T, 2): program (t, 0)
+    computes the whole row u[t] rounded to u's dtype and writes RMSNorm(u[t]) * w (``out_eps``; as the rms_norm
+    kernel computes it): with ONE as one [N, BR] tile (BR = pow2(d)), else chunk by chunk (u written, the sum of
+    squares added per chunk, then the row normed in place); program (t, 1) writes post and comb."""
     pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     c_id = tl.program_id(1)
@@ -68,13 +86,37 @@ def _split_kernel(m_ptr, ss_ptr, x_ptr, scale_ptr, base_ptr, u_ptr, post_ptr, co
     mix = tl.sum(tl.load(m_ptr + (s[:, None] * T + t) * BO + tl.arange(0, BO)[None, :], mask=sm[:, None], other=0.0), 0)
     r = tl.rsqrt(tl.sum(tl.load(ss_ptr + s * T + t, mask=sm, other=0.0), 0) / (N * d) + norm_eps)
     d0 = c_id * BD
-    if d0 < d:
+    if NORM:
+        u_prog = c_id == 0
+    else:
+        u_prog = d0 < d
+    if u_prog:
         s0 = tl.load(scale_ptr)
         pre = tl.sigmoid(_pick(mix, j, BO) * r * s0 + tl.load(base_ptr + j)) + hc_eps
-        dd = d0 + tl.arange(0, BD)
-        dm = dd < d
-        xv = tl.load(x_ptr + t * N * d + j[:, None] * d + dd[None, :], mask=dm[None, :], other=0.0).to(tl.float32)
-        tl.store(u_ptr + t * d + dd, tl.sum(pre[:, None] * xv, 0).to(u_ptr.dtype.element_ty), mask=dm)
+        if NORM and ONE:  # the whole row in one tile: u, its norm and the store from registers
+            u, dd, dm = _u_chunk(x_ptr, t, d, 0, pre, j, N, BR)
+            uf = tl.where(dm, u.to(u_ptr.dtype.element_ty).to(tl.float32), 0.0)
+            y = tl.load(w_ptr + dd, mask=dm, other=0.0) * (uf * tl.rsqrt(tl.sum(uf * uf, 0) / d + out_eps))
+            tl.store(u_ptr + t * d + dd, y.to(u_ptr.dtype.element_ty), mask=dm)
+        elif NORM:
+            sq = tl.zeros((BD,), tl.float32)
+            for c0 in range(0, d, BD):
+                u, dd, dm = _u_chunk(x_ptr, t, d, c0, pre, j, N, BD)
+                ub = u.to(u_ptr.dtype.element_ty)
+                tl.store(u_ptr + t * d + dd, ub, mask=dm)
+                uf = tl.where(dm, ub.to(tl.float32), 0.0)
+                sq += uf * uf
+            rs = tl.rsqrt(tl.sum(sq, 0) / d + out_eps)
+            tl.debug_barrier()  # the row's stores visible to the program's own loads
+            for c0 in range(0, d, BD):
+                dd = c0 + tl.arange(0, BD)
+                dm = dd < d
+                uf = tl.load(u_ptr + t * d + dd, mask=dm, other=0.0).to(tl.float32)
+                y = tl.load(w_ptr + dd, mask=dm, other=0.0) * (uf * rs)
+                tl.store(u_ptr + t * d + dd, y.to(u_ptr.dtype.element_ty), mask=dm)
+        else:
+            u, dd, dm = _u_chunk(x_ptr, t, d, d0, pre, j, N, BD)
+            tl.store(u_ptr + t * d + dd, u.to(u_ptr.dtype.element_ty), mask=dm)
     elif FULL:
         s1 = tl.load(scale_ptr + 1)
         s2 = tl.load(scale_ptr + 2)
@@ -148,6 +190,16 @@ def _split_bd(d: int) -> int:
     return min(pow2(d), 1024)
 
 
+NORM_ONE_MAX = 8192  # the widest row the fused norm holds as one tile (wider rows: chunk by chunk)
+
+
+def _one_row(d: int) -> dict:
+    """Launch settings of the fused-norm split kernel: the row as one tile where pow2(d) <= NORM_ONE_MAX (8 warps:
+    a [4, 4096] float32 tile is 64 values a thread), else chunk by chunk (4 warps, as hc_pre)."""
+    one = pow2(d) <= NORM_ONE_MAX
+    return dict(ONE=one, BR=pow2(d) if one else 1, num_warps=8 if one else 4, **pdl())
+
+
 def _check_streams(x: torch.Tensor) -> int:
     n = x.shape[-2]
     if n & (n - 1):
@@ -155,41 +207,58 @@ def _check_streams(x: torch.Tensor) -> int:
     return n
 
 
-@register("hc_pre", "cuda")
-def hc_pre(x, fn, base, scale, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
-    """x [T, N, d] -> (u [T, d] x.dtype, post [T, N] fp32, comb [T, N, N] fp32); see :func:`atb_ops.hc_pre`."""
+def _collapse(x, fn, base, scale, iters: int, hc_eps: float, norm_eps: float, full: bool, weight=None,
+              eps: float = 0.0):
+    """The skinny mixes and the split kernel: (u or rms_norm(u, weight, eps) [T, d] x.dtype, post [T, N] fp32,
+    comb [T, N, N] fp32), post / comb None unless ``full`` (hc_pre; hc_head otherwise). With ``weight`` the kernel's
+    NORM form: one row program a token (in place of cdiv(d, BD); at a decode step's few tokens it still ends
+    within the Sinkhorn program's time) writes the normed row, one launch fewer than the rms_norm after it."""
     n = _check_streams(x)
     t_count, d = x.shape[0], x.shape[-1]
     xc = x.contiguous()
-    u = torch.empty(t_count, d, dtype=x.dtype, device=x.device)
-    post = torch.empty(t_count, n, dtype=torch.float32, device=x.device)
-    comb = torch.empty(t_count, n, n, dtype=torch.float32, device=x.device)
+    y = torch.empty(t_count, d, dtype=x.dtype, device=x.device)
+    post = torch.empty(t_count, n, dtype=torch.float32, device=x.device) if full else None
+    comb = torch.empty(t_count, n, n, dtype=torch.float32, device=x.device) if full else None
     if t_count == 0:
-        return u, post, comb
+        return y, post, comb
     mixes, ss, bo, splits = _mixes(xc, fn)
     bd = _split_bd(d)
-    _split_kernel[(t_count, triton.cdiv(d, bd) + 1)](mixes, ss, xc, scale.float().contiguous(),
-                                                     base.float().contiguous(), u, post, comb, d, int(sinkhorn_iters),
-                                                     float(hc_eps), float(norm_eps), t_count, splits, N=n, BO=bo,
-                                                     SP=pow2(splits), FULL=True, BD=bd, **pdl())
-    return u, post, comb
+    norm = weight is not None
+    rows = 1 if norm else triton.cdiv(d, bd)
+    _split_kernel[(t_count, rows + int(full))](
+        mixes, ss, xc, scale.float().contiguous(), base.float().contiguous(), y, post if full else y,
+        comb if full else y, d, int(iters), float(hc_eps), float(norm_eps), t_count, splits,
+        weight.float().contiguous() if norm else y, float(eps), N=n, BO=bo, SP=pow2(splits), FULL=full, BD=bd,
+        NORM=norm, **(_one_row(d) if norm else pdl()))
+    return y, post, comb
+
+
+@register("hc_pre", "cuda")
+def hc_pre(x, fn, base, scale, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
+    """x [T, N, d] -> (u [T, d] x.dtype, post [T, N] fp32, comb [T, N, N] fp32); see :func:`atb_ops.hc_pre`."""
+    return _collapse(x, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, True)
+
+
+def hc_pre_norm(x, fn, base, scale, sinkhorn_iters: int, hc_eps: float, norm_eps: float, weight, eps: float):
+    """:func:`atb_ops.hc_pre_norm` in the split kernel: (rms_norm(u, weight, eps), post, comb)."""
+    return _collapse(x, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, True, weight, eps)
+
+
+hc_pre.norm_epilogue = hc_pre_norm  # atb_ops.hc_pre_norm runs it
 
 
 @register("hc_head", "cuda")
 def hc_head(x, fn, base, scale, hc_eps: float, norm_eps: float):
     """x [T, N, d] -> sum_j (sigmoid(m_j scale + base_j) + hc_eps) x_j, [T, d] x.dtype."""
-    n = _check_streams(x)
-    t_count, d = x.shape[0], x.shape[-1]
-    xc = x.contiguous()
-    u = torch.empty(t_count, d, dtype=x.dtype, device=x.device)
-    if t_count == 0:
-        return u
-    mixes, ss, bo, splits = _mixes(xc, fn)
-    bd = _split_bd(d)
-    _split_kernel[(t_count, triton.cdiv(d, bd))](mixes, ss, xc, scale.float().contiguous(), base.float().contiguous(),
-                                                 u, u, u, d, 0, float(hc_eps), float(norm_eps), t_count, splits, N=n,
-                                                 BO=bo, SP=pow2(splits), FULL=False, BD=bd, **pdl())
-    return u
+    return _collapse(x, fn, base, scale, 0, hc_eps, norm_eps, False)[0]
+
+
+def hc_head_norm(x, fn, base, scale, hc_eps: float, norm_eps: float, weight, eps: float):
+    """:func:`atb_ops.hc_head_norm` in the split kernel: rms_norm(hc_head(x, ...), weight, eps)."""
+    return _collapse(x, fn, base, scale, 0, hc_eps, norm_eps, False, weight, eps)[0]
+
+
+hc_head.norm_epilogue = hc_head_norm  # atb_ops.hc_head_norm runs it
 
 
 @triton.jit

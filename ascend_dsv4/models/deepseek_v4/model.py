@@ -45,15 +45,22 @@ class Block(nn.Module):
         self.hc_attn_base, self.hc_ffn_base = fp32_param(mix), fp32_param(mix)
         self.hc_attn_scale, self.hc_ffn_scale = fp32_param(3), fp32_param(3)
 
-    def _hc(self, x, fn, base, scale):
+    def _hc_norm(self, x, fn, base, scale, norm):
+        """(norm(u), post, comb) of the collapse u = hc_pre(x): one fused op for a plain :class:`RMSNorm` (the same
+        math; one launch fewer where the backend fuses it), else hc_pre then the module (e.g. an msModelSlim
+        smoothed norm that replaced it at load)."""
         c = self.cfg
-        return atb_ops.hc_pre(x, fn, base, scale, c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps)
+        if type(norm) is RMSNorm:
+            return atb_ops.hc_pre_norm(x, fn, base, scale, c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps, norm.weight,
+                                       norm.eps)
+        u, post, comb = atb_ops.hc_pre(x, fn, base, scale, c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps)
+        return norm(u), post, comb
 
     def forward(self, x: torch.Tensor, ctx: StepContext, token_ids: torch.Tensor) -> torch.Tensor:
-        u, post, comb = self._hc(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale)
-        x = atb_ops.hc_post(self.attn(self.attn_norm(u), ctx), x, post, comb)
-        u, post, comb = self._hc(x, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale)
-        return atb_ops.hc_post(self.ffn(self.ffn_norm(u), token_ids), x, post, comb)
+        h, post, comb = self._hc_norm(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale, self.attn_norm)
+        x = atb_ops.hc_post(self.attn(h, ctx), x, post, comb)
+        h, post, comb = self._hc_norm(x, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale, self.ffn_norm)
+        return atb_ops.hc_post(self.ffn(h, token_ids), x, post, comb)
 
 
 class HCHeadMixin:
@@ -68,6 +75,9 @@ class HCHeadMixin:
 
     def collapse(self, x: torch.Tensor) -> torch.Tensor:
         c = self.cfg
+        if type(self.norm) is RMSNorm:  # one fused op (one launch fewer where the backend fuses it)
+            return atb_ops.hc_head_norm(x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, c.hc_eps,
+                                        c.norm_eps, self.norm.weight, self.norm.eps)
         u = atb_ops.hc_head(x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, c.hc_eps, c.norm_eps)
         return self.norm(u)
 
