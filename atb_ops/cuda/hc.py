@@ -193,11 +193,11 @@ def _split_bd(d: int) -> int:
 NORM_ONE_MAX = 8192  # the widest row the fused norm holds as one tile (wider rows: chunk by chunk)
 
 
-def _one_row(d: int) -> dict:
-    """Launch settings of the fused-norm split kernel: the row as one tile where pow2(d) <= NORM_ONE_MAX (8 warps:
+def _one_row(d: int) -> tuple[bool, int, int]:
+    """(ONE, BR, num_warps) of the fused-norm split kernel: the row as one tile where pow2(d) <= NORM_ONE_MAX (8 warps:
     a [4, 4096] float32 tile is 64 values a thread), else chunk by chunk (4 warps, as hc_pre)."""
     one = pow2(d) <= NORM_ONE_MAX
-    return dict(ONE=one, BR=pow2(d) if one else 1, num_warps=8 if one else 4, **pdl())
+    return one, pow2(d) if one else 1, 8 if one else 4
 
 
 def _check_streams(x: torch.Tensor) -> int:
@@ -225,11 +225,12 @@ def _collapse(x, fn, base, scale, iters: int, hc_eps: float, norm_eps: float, fu
     bd = _split_bd(d)
     norm = weight is not None
     rows = 1 if norm else triton.cdiv(d, bd)
+    one, br, warps = _one_row(d) if norm else (False, 1, 4)
     _split_kernel[(t_count, rows + int(full))](
         mixes, ss, xc, scale.float().contiguous(), base.float().contiguous(), y, post if full else y,
         comb if full else y, d, int(iters), float(hc_eps), float(norm_eps), t_count, splits,
         weight.float().contiguous() if norm else y, float(eps), N=n, BO=bo, SP=pow2(splits), FULL=full, BD=bd,
-        NORM=norm, **(_one_row(d) if norm else pdl()))
+        NORM=norm, ONE=one, BR=br, num_warps=warps, **pdl())
     return y, post, comb
 
 
