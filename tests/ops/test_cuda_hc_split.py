@@ -31,6 +31,17 @@ def _inputs(seed, t, d, dtype):
     return x, fn, base, scale
 
 
+def _head_args(x, fn, base, scale):
+    """hc_head's arguments from hc_pre's inputs (the first N mixes)."""
+    return x, fn[:N].contiguous(), base[:N].contiguous(), scale[:1].contiguous(), 1e-6, 1e-6
+
+
+def _rows_close(a, b, t, dtype):
+    """Every token's row written (the outputs are torch.empty before the kernel): per-token relative error."""
+    for i in range(t):
+        assert _rel(a[i], b[i]) < _tol(dtype)
+
+
 def _check(t, d, dtype, seed):
     x, fn, base, scale = _inputs(seed, t, d, dtype)
     impl = atb_ops.implementations("hc_pre")
@@ -38,15 +49,12 @@ def _check(t, d, dtype, seed):
     assert u1.shape == u2.shape == (t, d) and u1.dtype == u2.dtype == dtype
     assert p1.shape == p2.shape == (t, N) and c1.shape == c2.shape == (t, N, N)
     assert _rel(u1, u2) < _tol(dtype) and _rel(p1, p2) < 1e-5 and _rel(c1, c2) < 1e-5
-    # every token's every chunk written (u is torch.empty before the kernel): per-token relative error too
-    for i in range(t):
-        assert _rel(u1[i], u2[i]) < _tol(dtype)
+    _rows_close(u1, u2, t, dtype)
     impl = atb_ops.implementations("hc_head")
-    args = (x, fn[:N].contiguous(), base[:N].contiguous(), scale[:1].contiguous(), 1e-6, 1e-6)
+    args = _head_args(x, fn, base, scale)
     h1, h2 = impl["cuda"](*args), impl["reference"](*args)
     assert h1.shape == h2.shape == (t, d) and h1.dtype == h2.dtype
-    for i in range(t):
-        assert _rel(h1[i], h2[i]) < _tol(dtype)
+    _rows_close(h1, h2, t, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -76,14 +84,12 @@ def _check_norm(t, d, dtype, seed):
     y2 = ref_norm(u2, w, 1e-5)
     assert y1.shape == y2.shape == (t, d) and y1.dtype == y2.dtype == dtype
     assert _rel(p1, p2) < 1e-5 and _rel(c1, c2) < 1e-5
-    for i in range(t):  # every token's whole row written and normed
-        assert _rel(y1[i], y2[i]) < _tol(dtype)
-    args = (x, fn[:N].contiguous(), base[:N].contiguous(), scale[:1].contiguous(), 1e-6, 1e-6)
+    _rows_close(y1, y2, t, dtype)
+    args = _head_args(x, fn, base, scale)
     h1 = hc_mod.hc_head_norm(*args, w, 1e-5)
     h2 = ref_norm(ref_head(*args), w, 1e-5)
     assert h1.shape == h2.shape == (t, d) and h1.dtype == dtype
-    for i in range(t):
-        assert _rel(h1[i], h2[i]) < _tol(dtype)
+    _rows_close(h1, h2, t, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -111,8 +117,7 @@ def test_fused_entry_points_dispatch():
     for backend in ("cuda", "reference"):
         with atb_ops.use_backend(backend):
             outs[backend] = (atb_ops.hc_pre_norm(x, fn, base, scale, 20, 1e-6, 1e-6, w, 1e-5),
-                             atb_ops.hc_head_norm(x, fn[:N].contiguous(), base[:N].contiguous(),
-                                                  scale[:1].contiguous(), 1e-6, 1e-6, w, 1e-5))
+                             atb_ops.hc_head_norm(*_head_args(x, fn, base, scale), w, 1e-5))
     (a, ah), (b, bh) = outs["cuda"], outs["reference"]
     for u, v in zip(a, b):
         assert _rel(u, v) < 1e-5
