@@ -71,10 +71,10 @@ def _split_kernel(m_ptr, ss_ptr, x_ptr, scale_ptr, base_ptr, u_ptr, post_ptr, co
                   PDL: tl.constexpr = False):
     """Program (t, c): c < cdiv(d, BD) writes u[t, c BD:(c + 1) BD]; c == cdiv(d, BD) (launched only when FULL)
     writes post[t] and comb[t]. Every program re-derives the token's mixes from the partials (the same load and
-    fixed reduction tree in each, so all programs see the same bits). With NORM the grid is (T, 2): program (t, 0)
-    computes the whole row u[t] rounded to u's dtype and writes RMSNorm(u[t]) * w (``out_eps``; as the rms_norm
-    kernel computes it): with ONE as one [N, BR] tile (BR = pow2(d)), else chunk by chunk (u written, the sum of
-    squares added per chunk, then the row normed in place); program (t, 1) writes post and comb."""
+    fixed reduction tree in each, so all programs see the same bits). With NORM the grid is (T, 1 + FULL):
+    program (t, 0) computes the whole row u[t] rounded to u's dtype and writes RMSNorm(u[t]) * w (``out_eps``; as
+    the rms_norm kernel computes it): with ONE as one [N, BR] tile (BR = pow2(d)), else chunk by chunk (u written,
+    the sum of squares added per chunk, then the row normed in place); program (t, 1) (FULL) writes post and comb."""
     pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     c_id = tl.program_id(1)
