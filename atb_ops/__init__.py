@@ -32,8 +32,6 @@ from .ops import (
     grouped_matmul,
     hadamard,
     hc_head,
-    hc_head_norm,
-    hc_pre_norm,
     hc_post,
     hc_pre,
     indexer_topk,
@@ -52,6 +50,7 @@ from .ops import (
     sparse_attention,
     swiglu,
 )
+from .hc_fused import hc_head_norm, hc_pre_norm
 from ._dispatch import kv_layout
 from .layout import KVLayout, register_kv_layout
 from .reference.rope import rope_inv_freq

@@ -93,19 +93,6 @@ def hc_pre(x, fn, base, scale, sinkhorn_iters: int, hc_eps: float, norm_eps: flo
     return resolve("hc_pre", x)(x, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
 
 
-def hc_pre_norm(x, fn, base, scale, sinkhorn_iters: int, hc_eps: float, norm_eps: float, weight: torch.Tensor,
-                eps: float):
-    """:func:`hc_pre` then RMSNorm of its u: ``(rms_norm(u, weight, eps), post, comb)`` (the block's collapse and the
-    attention / FFN input norm; u rounded to x.dtype in between). weight: [d] float32. A backend whose hc_pre kernel
-    has this fused form (``impl.norm_epilogue``) runs it in one launch fewer; otherwise the ops run in sequence."""
-    impl = resolve("hc_pre", x)
-    fused = getattr(impl, "norm_epilogue", None)
-    if fused is not None:
-        return fused(x, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, weight, eps)
-    u, post, comb = impl(x, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
-    return rms_norm(u, weight, eps), post, comb
-
-
 def hc_post(y, x, post, comb):
     """mHC expand: out_k = post_k * y + sum_j comb[j, k] * x_j (comb applied transposed).
 
@@ -122,17 +109,6 @@ def hc_head(x, fn, base, scale, hc_eps: float, norm_eps: float):
     x: [T, N, d]; fn: [N, N*d]; base: [N]; scale: [1].
     """
     return resolve("hc_head", x)(x, fn, base, scale, hc_eps, norm_eps)
-
-
-def hc_head_norm(x, fn, base, scale, hc_eps: float, norm_eps: float, weight: torch.Tensor, eps: float):
-    """:func:`hc_head` then RMSNorm: ``rms_norm(hc_head(x, ...), weight, eps)`` (the collapse before the LM head;
-    rounded to x.dtype in between). One launch fewer where the backend's hc_head kernel has the fused form
-    (``impl.norm_epilogue``); otherwise the ops in sequence."""
-    impl = resolve("hc_head", x)
-    fused = getattr(impl, "norm_epilogue", None)
-    if fused is not None:
-        return fused(x, fn, base, scale, hc_eps, norm_eps, weight, eps)
-    return rms_norm(impl(x, fn, base, scale, hc_eps, norm_eps), weight, eps)
 
 
 def compressor_pool(kv_state: torch.Tensor, score_state: torch.Tensor, cand: torch.Tensor, overlap: bool) -> torch.Tensor:
