@@ -124,3 +124,11 @@ def test_fused_entry_points_dispatch():
     assert _rel(ah, bh) < 1e-5
     assert hc_mod.hc_pre_norm(x[:0], fn, base, scale, 20, 1e-6, 1e-6, w, 1e-5)[0].shape == (0, 200)
     assert hc_mod.hc_head_norm(x[:0], fn[:N], base[:N], scale[:1], 1e-6, 1e-6, w, 1e-5).shape == (0, 200)
+
+
+def test_fused_entry_points_refuse_a_wrong_norm_weight():
+    x, fn, base, scale = _inputs(8, 2, 200, torch.float32)
+    with pytest.raises(ValueError, match=r"hc_pre_norm: weight \(100,\) must be \[d\] = \[200\]"):
+        atb_ops.hc_pre_norm(x, fn, base, scale, 20, 1e-6, 1e-6, torch.ones(100, device=DEV), 1e-5)
+    with pytest.raises(ValueError, match=r"hc_head_norm: weight \(1, 200\) must be \[d\] = \[200\]"):
+        atb_ops.hc_head_norm(*_head_args(x, fn, base, scale), torch.ones(1, 200, device=DEV), 1e-5)
