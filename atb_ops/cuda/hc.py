@@ -195,7 +195,8 @@ NORM_ONE_MAX = 8192  # the widest row the fused norm holds as one tile (wider ro
 
 def _one_row(d: int) -> tuple[bool, int, int]:
     """(ONE, BR, num_warps) of the fused-norm split kernel: the row as one tile where pow2(d) <= NORM_ONE_MAX (8 warps:
-    a [4, 4096] float32 tile is 64 values a thread), else chunk by chunk (4 warps, as hc_pre)."""
+    a [4, 4096] float32 tile is 64 values a thread), else chunk by chunk (4 warps, as hc_pre). The launcher takes 4
+    warps whatever this says where the grid also runs the Sinkhorn program (hc_pre_norm)."""
     one = pow2(d) <= NORM_ONE_MAX
     return one, pow2(d) if one else 1, 8 if one else 4
 
@@ -226,6 +227,9 @@ def _collapse(x, fn, base, scale, iters: int, hc_eps: float, norm_eps: float, fu
     norm = weight is not None
     rows = 1 if norm else triton.cdiv(d, bd)
     one, br, warps = _one_row(d) if norm else (False, 1, 4)
+    # 4 warps where a Sinkhorn program shares the grid (hc_pre_norm): 4.9 us a call against 6.5 at 8 warps, the
+    # decode step ~1 % shorter (H200, session 31: scripts/bench_results/h200_session31.txt)
+    warps = 4 if full else warps
     _split_kernel[(t_count, rows + int(full))](
         mixes, ss, xc, scale.float().contiguous(), base.float().contiguous(), y, post if full else y,
         comb if full else y, d, int(iters), float(hc_eps), float(norm_eps), t_count, splits,
