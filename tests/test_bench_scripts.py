@@ -20,3 +20,16 @@ def test_bench_decode_toy_graph_and_async_rows():
     for mode in ("graph", "async"):
         row = re.search(rf"^\| ours \(reference, {mode}\) \| bf16 \| 2 \| 64 \| ([0-9.]+) \|", out.stdout, re.M)
         assert row and float(row.group(1)) > 0, out.stdout
+
+
+def test_bench_spec_decode_toy_rows():
+    """scripts/bench_spec_decode.py --toy on the CPU: the speculative step on the graph path (uncaptured: every
+    verification and draft from the static buffers) and eagerly, each printing its row."""
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "bench_spec_decode.py"), "--toy", "--device", "cpu",
+           "--batches", "2", "--ctx", "64", "--steps", "2", "--warmup", "1"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    graph = re.search(r"^\| graph \((\d+) replays\) \| 2 \| ([0-9.]+) \| ([0-9.]+) \| ([0-9.]+) \|", out.stdout, re.M)
+    # 3 plain steps + 2 x 3 speculative steps, each a verification and a draft replay
+    assert graph and int(graph.group(1)) == 15 and all(float(graph.group(i)) > 0 for i in (2, 3, 4)), out.stdout
+    assert re.search(r"^\| eager \| 2 \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \|", out.stdout, re.M), out.stdout

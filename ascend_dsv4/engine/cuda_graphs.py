@@ -20,8 +20,16 @@ Padding conventions:
   which every op ignores;
 - widths grow in steps of 1/8 of their power of two, so a growing context needs about 8 graphs per doubling.
 
-Prefill, chunked prefill, MTP verification steps and batches above the largest bucket run eagerly (the runner
-builds their context with ``build_step_context``); so does everything when ``enforce_eager`` is set. On a
+A step whose sequences add a few tokens each with every token's logits -- an MTP verification step, [x, draft] --
+replays the same graphs: every new token becomes its own row, a view of its sequence's page tables at its own
+position (:func:`decode_rows`). Row t + 1 reads the KV, the compressor state rows and a compressed entry that row t
+writes in the same step; every layer writes all rows' KV / state / entries before it reads any (the order of the
+eager path for a prefill chunk), so each row sees exactly what the eager step's token sees. The MTP draft that
+follows (one row per committed position, the main model's hidden states of those rows as input) replays graphs of
+its own, keyed ``("mtp", k, batch, widths...)`` (:meth:`CudaGraphDecoder.draft_key`, :func:`draft_forward`).
+
+Prefill, chunked prefill, steps without every row's logits and batches above the largest bucket run eagerly (the
+runner builds their context with ``build_step_context``); so does everything when ``enforce_eager`` is set. On a
 non-CUDA device the decoder runs :func:`decode_forward` on the static buffers without capture (what the CPU
 tests check against the eager path).
 """
@@ -71,6 +79,25 @@ def decode_forward(model: torch.nn.Module, inputs: DecodeInputs, pools, trash_to
     return streams, model.logits(streams, ctx.logits_index)
 
 
+def draft_forward(model: torch.nn.Module, inputs: DecodeInputs, hidden: torch.Tensor, k: int, pools,
+                  trash_token: int, trash_entry: dict[int, int]) -> torch.Tensor:
+    """What a captured MTP draft graph runs: the step context derived from ``inputs`` (row i: the committed position
+    ``positions[i]``, ``ids[i]`` the true token after it), MTP module ``k`` over the main model's hidden states
+    ``hidden`` [b, hc, dim] of those positions -> float32 draft logits [b, vocab] of every row."""
+    ctx = derive_decode_context(inputs, pools, trash_token, trash_entry)
+    with static_shape_moe():
+        return model.mtp_logits(hidden, inputs.ids, ctx, k)
+
+
+def decode_rows(seqs: Sequence[SeqBlocks], counts: Sequence[int]) -> list[SeqBlocks]:
+    """One row per new token: ``counts[s]`` views of ``seqs[s]``'s page tables at positions ``num_tokens``,
+    ``num_tokens + 1``, ... (a sequence adding one token is its own row)."""
+    out = []
+    for s, n in zip(seqs, counts):
+        out.extend([s] if n == 1 else [SeqBlocks(s.token, s.c4, s.c128, s.num_tokens + j) for j in range(n)])
+    return out
+
+
 _LIVE: "weakref.WeakSet[CudaGraphDecoder]" = weakref.WeakSet()  # decoders that hold captured graphs
 
 
@@ -91,6 +118,8 @@ class _Graph:
         self.graph = None
         self.streams: torch.Tensor | None = None
         self.logits: torch.Tensor | None = None
+        self.draft: int | None = None  # MTP module of a draft graph (None: a main-model decode graph)
+        self.hidden: torch.Tensor | None = None  # a draft graph's static hidden-state input [b, hc, dim]
 
 
 class CudaGraphDecoder:
@@ -100,9 +129,8 @@ class CudaGraphDecoder:
         self.model, self.pools = model, pools
         self.device = pools.device
         self.capture = self.device.type == "cuda"  # elsewhere: the same static-buffer path, run without a graph
-        self.buckets = tuple(b for b in BATCH_BUCKETS if b <= max(1, max_batch)) or (1,)
-        if self.buckets[-1] < max_batch:
-            self.buckets = self.buckets + (max_batch,)
+        self.buckets: tuple[int, ...] = ()
+        self.allow_rows(max_batch)
         self.graphs: dict[tuple, _Graph | bool] = {}
         self.mempool = None
         self.replays = 0  # decode steps run from a bucket's static buffers (graph replays on CUDA)
@@ -115,26 +143,55 @@ class CudaGraphDecoder:
         self.trash_token = self._trash_pages[0] * s.block_size
         self.trash_entry = {4: self._trash_pages[1] * s.c4_block_size, 128: self._trash_pages[2] * s.c128_block_size}
 
+    def allow_rows(self, n: int) -> None:
+        """Let steps of up to ``n`` rows replay graphs (buckets of :data:`BATCH_BUCKETS` up to n, and n): the engine
+        raises it from ``max_num_seqs`` to (1 + num_speculative_tokens) x that, a verification step's rows."""
+        n = max(1, n)
+        self.buckets = tuple(sorted(set(self.buckets) | {b for b in BATCH_BUCKETS if b <= n} | {n}))
+
     # ---- eligibility ---------------------------------------------------------------------------------
-    def key(self, seqs: Sequence[SeqBlocks], tokens: Sequence[Sequence[int]], rows: Sequence[int]):
-        """The bucket of a step (``seqs[s]`` adds ``tokens[s]``, logits of token ``rows``), or None when it must
-        run eagerly (not a pure decode step with every row's logits, or above the largest bucket)."""
-        n = len(seqs)
-        if n == 0 or len(rows) != n or any(len(t) != 1 for t in tokens) or list(rows) != list(range(n)):
+    def _bucket_key(self, seqs: Sequence[SeqBlocks], counts: Sequence[int]):
+        """(batch bucket, (r, width) ...) of a step whose ``seqs[s]`` adds ``counts[s]`` >= 1 rows, or None (no
+        rows, or more than the largest bucket)."""
+        n = sum(counts)
+        if not seqs or n == 0 or min(counts) < 1:
             return None
         b = _bucket(n, self.buckets)
         if b is None:
             return None
-        tmax = max(s.num_tokens for s in seqs)
+        tmax = max(s.num_tokens + c - 1 for s, c in zip(seqs, counts))  # the last position any row writes
         return (b,) + tuple((r, _width((tmax + 1) // r)) for r in self.ratios)
+
+    def key(self, seqs: Sequence[SeqBlocks], tokens: Sequence[Sequence[int]], rows: Sequence[int]):
+        """The bucket of a step (``seqs[s]`` adds ``tokens[s]``, logits of token ``rows``), or None when it must
+        run eagerly (not every new token's logits in order, or above the largest bucket). One new token a
+        sequence is a decode step; more (an MTP verification step) give a row each (:func:`decode_rows`)."""
+        counts = [len(t) for t in tokens]
+        if list(rows) != list(range(sum(counts))):
+            return None
+        return self._bucket_key(seqs, counts)
+
+    def draft_key(self, seqs: Sequence[SeqBlocks], counts: Sequence[int], k: int = 0):
+        """The bucket of an MTP draft over ``counts[s]`` committed positions of every ``seqs[s]`` from its
+        ``num_tokens`` (module ``k``), or None (eager)."""
+        key = self._bucket_key(seqs, counts)
+        return None if key is None else ("mtp", k) + key
 
     # ---- capture -------------------------------------------------------------------------------------
     def _forward(self, g: _Graph):
-        return decode_forward(self.model, g.inputs, self.pools, self.trash_token, self.trash_entry)
+        if g.draft is None:
+            return decode_forward(self.model, g.inputs, self.pools, self.trash_token, self.trash_entry)
+        return None, draft_forward(self.model, g.inputs, g.hidden, g.draft, self.pools, self.trash_token,
+                                   self.trash_entry)
 
-    def _build(self, key) -> _Graph | bool:
-        layout = DecodeLayout.for_pools(self.pools, key[0], dict(key[1:]))
+    def _build(self, key, hidden: torch.Tensor | None = None) -> _Graph | bool:
+        draft = key[1] if key[0] == "mtp" else None
+        bucket = key[2:] if draft is not None else key
+        layout = DecodeLayout.for_pools(self.pools, bucket[0], dict(bucket[1:]))
         g = _Graph(DecodeInputs(layout, self.device))
+        if draft is not None:  # the MTP graph's static input: hidden states, one row per position
+            g.draft = draft
+            g.hidden = torch.zeros((bucket[0],) + tuple(hidden.shape[1:]), dtype=hidden.dtype, device=self.device)
         if not self.capture:
             return g
         try:
@@ -178,27 +235,44 @@ class CudaGraphDecoder:
         """Host part of a decode step (pages allocated): the bucket of ``key`` (captured on first use) with the
         step's compact inputs filled and uploaded (one copy); None when that bucket could not be captured (the
         caller runs the step eagerly)."""
-        g = self.graphs.get(key)
+        g = self._get(key)
         if g is None:
-            g = self.graphs[key] = self._build(key)
-        if g is False:
             return None
-        g.inputs.fill(seqs, [x[0] for x in tokens])
+        g.inputs.fill(decode_rows(seqs, [len(t) for t in tokens]), [x for t in tokens for x in t])
         g.inputs.upload()
         return g
 
+    def _get(self, key, hidden: torch.Tensor | None = None) -> _Graph | None:
+        g = self.graphs.get(key)
+        if g is None:
+            g = self.graphs[key] = self._build(key, hidden)
+        return None if g is False else g
+
+    def stage_draft(self, seqs: Sequence[SeqBlocks], counts: Sequence[int], next_ids: Sequence[int],
+                    hidden: torch.Tensor, key) -> _Graph | None:
+        """:meth:`stage` for an MTP draft (``key`` from :meth:`draft_key`): rows of the committed positions, ids the
+        true next tokens, ``hidden`` [rows, hc, dim] copied into the graph's static input (stream-ordered)."""
+        g = self._get(key, hidden)
+        if g is None:
+            return None
+        g.inputs.fill(decode_rows(seqs, counts), list(next_ids))
+        g.inputs.upload()
+        g.hidden[:hidden.shape[0]].copy_(hidden)
+        return g
+
     def replay(self, g: _Graph, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(streams [n, hc, dim], float32 logits [n, vocab]) of the step staged in ``g`` (its first n rows)."""
+        """(streams [n, hc, dim], float32 logits [n, vocab]) of the step staged in ``g`` (its first n rows; a draft
+        graph: (None, its logits))."""
         if g.graph is not None:
             g.graph.replay()
             streams, logits = g.streams, g.logits
         else:
             streams, logits = self._forward(g)
         self.replays += 1
-        return streams[:n].clone(), logits[:n].clone()
+        return None if streams is None else streams[:n].clone(), logits[:n].clone()
 
     def run(self, seqs: Sequence[SeqBlocks], tokens: Sequence[Sequence[int]], key
             ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """:meth:`stage` then :meth:`replay`; None when the bucket could not be captured."""
         g = self.stage(seqs, tokens, key)
-        return None if g is None else self.replay(g, len(seqs))
+        return None if g is None else self.replay(g, sum(len(t) for t in tokens))

@@ -65,6 +65,9 @@ class LLMEngine:
             raise RequestError(problem)
         self.num_spec = num_speculative_tokens
         self.drafter = MTPDrafter(runner, self.sampler) if num_speculative_tokens else None
+        graphs = getattr(runner, "graphs", None)
+        if num_speculative_tokens and graphs is not None:  # verification steps: 1 + drafts rows a sequence
+            graphs.allow_rows((1 + num_speculative_tokens) * max_num_seqs)
         if async_scheduling and num_speculative_tokens:
             raise RequestError("async_scheduling does not work with speculative decoding (num_speculative_tokens): "
                                "the draft of a step depends on the host's view of the step before")
@@ -166,11 +169,14 @@ class LLMEngine:
             by_req.setdefault(i, []).append(j)
         if self.overlap is not None and self.overlap.start(reqs, tokens, rows, by_req, drafts, starts):
             return outputs  # launched; processed by the next step (engine/overlap.py)
+        picks = None  # every row's argmax, where the runner computes them on the device
         if hasattr(runner, "execute_rows"):  # greedy picks and the non-finite check on the device
             plain_reqs = set(self._plain_requests(reqs, drafts, by_req))
+            # plain greedy requests verifying a draft need only their rows' argmax too (_verify_greedy)
+            argmax_only = plain_reqs | {i for i in by_req if drafts[i] and _is_plain_greedy(reqs[i].params)}
             out = runner.execute_rows(seqs, tokens, rows,
-                                      [j for i, js in by_req.items() if i not in plain_reqs for j in js])
-            hidden, bad_rows = out.hidden, set(out.bad_rows)
+                                      [j for i, js in by_req.items() if i not in argmax_only for j in js])
+            hidden, bad_rows, picks = out.hidden, set(out.bad_rows), out.row_argmax
             logits = _KeptRows(out.logits, out.kept)
             plain = {i: out.row_argmax[by_req[i][0]] for i in plain_reqs if by_req[i][0] not in bad_rows}
         else:  # a runner without it (the data-parallel front end's replicas): every row on the host
@@ -192,7 +198,10 @@ class LLMEngine:
                 if i in plain:  # the batched argmax (the same token _verify would pick)
                     outputs.append(self._append(r, plain[i], None))
                     continue
-                acc = self._verify(r, logits[js], d, outputs)
+                if d and picks is not None and _is_plain_greedy(r.params):
+                    acc = self._verify_greedy(r, [picks[j] for j in js], d, outputs)
+                else:
+                    acc = self._verify(r, logits[js], d, outputs)
             except Exception as e:  # noqa: BLE001 - isolate the request, keep the engine alive
                 log.exception("request %s failed while sampling / detokenising", r.request_id)
                 self._fail(r, f"{type(e).__name__}: {e}", outputs)
@@ -267,6 +276,17 @@ class LLMEngine:
                 lp = Sampler.logprobs_of(lg[j:j + 1], torch.tensor([tok]), [r.params.logprobs])[0]
             outputs.append(self._append(r, tok, lp))
             if not ok or r.finished:
+                break
+            accepted += 1
+        return accepted
+
+    def _verify_greedy(self, r: Request, picks: list[int], draft: list[int], outputs: list) -> int:
+        """:meth:`_verify` for a plain greedy request (no penalties, no logprobs) from its rows' argmax ``picks``
+        (row j follows the j-th verified token): the same tokens without the logits rows on the host."""
+        accepted = 0
+        for j, tok in enumerate(picks):
+            outputs.append(self._append(r, tok, None))
+            if j == len(draft) or tok != draft[j] or r.finished:
                 break
             accepted += 1
         return accepted

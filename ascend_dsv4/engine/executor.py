@@ -37,8 +37,8 @@ import torch
 from ..errors import AscendDSV4Error
 
 MIRRORED_METHODS = ("forward", "logits", "mtp_logits", "mtp_forward")
-# runner methods mirrored the same way: a graph-captured decode step (pages allocated by rank 0 first)
-MIRRORED_RUNNER_METHODS = ("replay_decode",)
+# runner methods mirrored the same way: a graph-captured decode step (pages allocated by rank 0 first), an MTP draft's
+MIRRORED_RUNNER_METHODS = ("replay_decode", "replay_draft")
 
 
 class ExecutorError(AscendDSV4Error, RuntimeError):

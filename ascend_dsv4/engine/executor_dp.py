@@ -89,9 +89,9 @@ class ReplicaRunner:
         return logits, _ReplicaHidden(self.replica, self.calls)
 
     def draft(self, seqs, counts: Sequence[int], next_ids: Sequence[int], hidden, rows: torch.Tensor,
-              k: int = 0) -> torch.Tensor:
+              k: int = 0, on_device: bool = False) -> torch.Tensor:
         """As :meth:`ModelRunner.draft`, on the replica's ranks; ``hidden`` must be the handle of this replica's
-        last :meth:`execute`."""
+        last :meth:`execute`. The logits come back on the CPU whatever ``on_device`` asks (they cross processes)."""
         if not isinstance(hidden, _ReplicaHidden) or hidden.replica != self.replica or hidden.step != self.calls:
             raise ValueError(f"replica {self.replica}: draft needs the hidden states of this replica's last execute")
         if not self.keep_hidden:

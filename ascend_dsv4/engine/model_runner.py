@@ -239,17 +239,18 @@ class ModelRunner:
         return streams, self.model.logits(streams, torch.tensor(list(rows), dtype=torch.long, device=ids.device))
 
     def decode_graph(self, seqs: Sequence[SeqBlocks], tokens: Sequence[Sequence[int]], rows: Sequence[int]):
-        """(streams, float32 logits [T, vocab]) of a pure decode step replayed from a captured CUDA graph (pages
-        allocated here; the step context is derived on the device inside the graph), or None when the step must
-        run eagerly (no graphs, not a decode step with every row's logits, or its bucket could not be captured).
-        ``last_prepare_s``: the host time from the call to the graph's launch."""
+        """(streams, float32 logits [T, vocab]) of a decode step -- one new token a sequence, or a few (an MTP
+        verification step), every token's logits -- replayed from a captured CUDA graph (pages allocated here; the
+        step context is derived on the device inside the graph), or None when the step must run eagerly (no
+        graphs, a step of another shape, or its bucket could not be captured). ``last_prepare_s``: the host time
+        from the call to the graph's launch."""
         g = self.graphs
         key = g.key(seqs, tokens, rows) if g is not None else None
         if key is None:
             return None
         t0 = time.perf_counter()
-        for s in seqs:
-            self.pools.ensure(s, s.num_tokens + 1)
+        for s, t in zip(seqs, tokens):
+            self.pools.ensure(s, s.num_tokens + len(t))
         self._prepare_t0 = t0
         return self.replay_decode(seqs, tokens, key)
 
@@ -264,7 +265,7 @@ class ModelRunner:
         if self._prepare_t0 is not None:  # a worker rank replays without preparing: nothing to time
             self.last_prepare_s = time.perf_counter() - self._prepare_t0
             self._prepare_t0 = None
-        return g.replay(staged, len(seqs))
+        return g.replay(staged, sum(len(t) for t in tokens))
 
     @torch.inference_mode()
     def execute(self, seqs: Sequence[SeqBlocks], tokens: Sequence[Sequence[int]], rows: Sequence[int]):
@@ -361,15 +362,33 @@ class ModelRunner:
 
     @torch.inference_mode()
     def draft(self, seqs: Sequence[SeqBlocks], counts: Sequence[int], next_ids: Sequence[int], hidden,
-              rows: torch.Tensor, k: int = 0) -> torch.Tensor:
-        """MTP draft logits (float32 CPU, one row per sequence: its last position) of ``counts[s]`` committed
-        positions of every ``seqs[s]`` starting at its ``num_tokens``, given the main model's hidden states
-        ``hidden[rows]`` at those positions (from :meth:`execute`) and the true next token of each position;
-        ``k``: which MTP module."""
+              rows: torch.Tensor, k: int = 0, on_device: bool = False) -> torch.Tensor:
+        """MTP draft logits (float32, one row per sequence: its last position; on the CPU, or left on the device
+        with ``on_device``: the drafter copies only what it needs) of ``counts[s]`` committed positions of every
+        ``seqs[s]`` starting at its ``num_tokens``, given the main model's hidden states ``hidden[rows]`` at those
+        positions (from :meth:`execute`) and the true next token of each position; ``k``: which MTP module."""
         with self.ops():
-            ctx = self.pools.build_context(list(seqs), list(counts), "last", self.device)
-            nxt = torch.tensor(list(next_ids), dtype=torch.long, device=self.device)
-            return self.model.mtp_logits(hidden[rows], nxt, ctx, k, ctx.logits_index).float().cpu()
+            out = None
+            g = self.graphs
+            key = g.draft_key(seqs, counts, k) if g is not None else None
+            if key is not None:  # every committed position a row of a captured graph (engine/cuda_graphs.py)
+                out = self.replay_draft(seqs, counts, next_ids, hidden[rows], key)
+                if out is not None:
+                    out = out[torch.tensor(list(itertools.accumulate(counts)), device=out.device) - 1]
+            if out is None:
+                ctx = self.pools.build_context(list(seqs), list(counts), "last", self.device)
+                nxt = torch.tensor(list(next_ids), dtype=torch.long, device=self.device)
+                out = self.model.mtp_logits(hidden[rows], nxt, ctx, k, ctx.logits_index)
+            return out.float() if on_device else out.float().cpu()
+
+    def replay_draft(self, seqs: Sequence[SeqBlocks], counts: Sequence[int], next_ids: Sequence[int],
+                     hidden: torch.Tensor, key):
+        """Float32 draft logits [sum(counts), vocab], one row per committed position, of the MTP graph of bucket
+        ``key`` (:meth:`CudaGraphDecoder.draft_key`; captured on first use), or None when it could not be
+        captured. Mirrored to every rank under tensor / expert parallelism, as :meth:`replay_decode`."""
+        g = self.graphs
+        staged = g.stage_draft(seqs, counts, next_ids, hidden, key)
+        return None if staged is None else g.replay(staged, sum(counts))[1]
 
     @torch.inference_mode()
     def step(self, seqs: Sequence[SeqBlocks], tokens: Sequence[Sequence[int]], logits: str = "last",

@@ -24,7 +24,7 @@ import torch
 from ..errors import RequestFailed
 from ..kv.blocks import SeqBlocks
 from .sampling import Sampler
-from .sampling_guard import bad_logit_rows
+from .sampling_guard import bad_rows_of_max
 
 
 def speculation_problem(num_speculative_tokens, has_mtp: bool) -> str | None:
@@ -73,17 +73,19 @@ class MTPDrafter:
         views = [SeqBlocks(r.seq.token, r.seq.c4, r.seq.c128, s) for r, s, n, _ in live]
         next_ids = [r.all_ids[s + 1 + i] for r, s, n, _ in live for i in range(n)]
         rows = torch.cat([rows for _, _, _, rows in live])
-        logits = self.runner.draft(views, [n for _, _, n, _ in live], next_ids, streams, rows)
+        # left where they were computed: only the row maxima, the greedy picks and sampled requests' rows travel
+        logits = self.runner.draft(views, [n for _, _, n, _ in live], next_ids, streams, rows, on_device=True)
         drafts = []
-        bad = set(bad_logit_rows(logits))
+        bad = set(bad_rows_of_max(torch.amax(logits, -1).cpu()))  # amax propagates NaN
+        picks = torch.argmax(logits, -1).tolist()  # first maximal index, as on the CPU
         for i, (r, *_rest) in enumerate(live):
             if i in bad:  # non-finite MTP logits: no draft this step (the request itself goes on)
                 drafts.append(None)
             elif r.params.greedy:  # greedy verification compares tokens: no distribution needed
-                drafts.append((int(torch.argmax(logits[i])), None))
+                drafts.append((picks[i], None))
             else:
                 try:
-                    q = self.sampler.probs(logits[i:i + 1], [r.params])[0]
+                    q = self.sampler.probs(logits[i:i + 1].cpu(), [r.params])[0]
                 except RequestFailed:  # the draft overflowed after temperature: propose nothing
                     drafts.append(None)
                     continue

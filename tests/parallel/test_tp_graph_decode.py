@@ -46,3 +46,22 @@ def test_tp2_graph_decode_equals_one_device(static_graphs, ep, monkeypatch):
         assert llm.engine.overlap is None  # no launch-ahead under TP (ranks must replay together)
     finally:
         llm.executor.shutdown()
+
+
+def test_tp2_speculative_graph_steps_equal_one_device(static_graphs):
+    """MTP speculation under TP 2 + EP on the graph path: verification steps (a row a token) and drafts
+    (``replay_draft``, mirrored with the hidden states rank 0 holds) replay on every rank; greedy outputs equal one
+    device without speculation."""
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (14, 5, 20)]
+    kw = dict(max_model_len=256, max_num_batched_tokens=64, max_num_seqs=4)
+    want = [o.token_ids for o in LLM("toy-v4", **kw).generate(PROMPTS, params, use_tqdm=False)]
+    llm = LLM("toy-v4", tensor_parallel_size=2, distributed_executor_backend="mp", enable_expert_parallel=True,
+              num_speculative_tokens=1, **kw)
+    try:
+        assert llm.runner.graphs is not None and llm.runner.mirrored
+        got = [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+        assert got == want
+        keys = list(llm.runner.graphs.graphs)
+        assert any(k[0] == "mtp" for k in keys) and any(k[0] != "mtp" and k[0] > 4 for k in keys), keys
+    finally:
+        llm.executor.shutdown()

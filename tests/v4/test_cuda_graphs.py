@@ -88,6 +88,29 @@ def test_captured_runner_decode_matches_eager_runner():
     cpu_e2e.test_graph_path_decode_equals_eager_decode("cuda")
 
 
+def test_captured_verification_and_draft_match_eager_runner():
+    """MTP speculation from captured graphs (verification: a row a token; drafts: graphs of their own) against the
+    eager runner, float32, through window / page / ratio boundaries (tests/v4/test_graph_decode_cpu.py)."""
+    cpu_e2e.test_graph_path_verification_and_draft_equal_eager("cuda")
+
+
+def test_speculative_generate_replays_graphs_and_matches_eager():
+    """The engine with --num-speculative-tokens 1 on CUDA: verification steps and drafts replay captured graphs
+    (none failed to capture), greedy outputs equal the eager engine without speculation."""
+    prompts = ["Hello", "Ascend " * 40, "a b c", "DeepSeek V4 " * 7]
+    params = [SamplingParams(max_tokens=6 + 5 * i, temperature=0, ignore_eos=True) for i in range(len(prompts))]
+    g = LLM(model="toy-v4", device="cuda", dtype="float32", max_num_seqs=4, num_speculative_tokens=1)
+    e = LLM(model="toy-v4", device="cuda", dtype="float32", max_num_seqs=4, enforce_eager=True)
+    got = [o.token_ids for o in g.generate(prompts, params)]
+    assert got == [o.token_ids for o in e.generate(prompts, params)]
+    dec = g.runner.graphs
+    assert dec.buckets[-1] == 8 and dec.replays > 0
+    keys = [k for k, v in dec.graphs.items() if v is not False and v.graph is not None]
+    assert len(keys) == len(dec.graphs), dec.graphs  # every bucket captured
+    assert any(k[0] == "mtp" for k in keys) and any(k[0] != "mtp" and k[0] > 4 for k in keys), keys
+    assert g.engine.stats.mtp_proposed > 0
+
+
 def test_release_drops_the_graphs_and_decode_captures_again():
     """``parallel.groups.destroy_parallel`` releases every captured graph first (a live graph holding NCCL
     collectives keeps ncclCommDestroy waiting: the Ray executor's shutdown hung so); after a release the next
