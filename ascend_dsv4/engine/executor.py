@@ -16,7 +16,7 @@ Contract of an executor (``executor_mp.MPExecutor``; a Ray executor implements t
   calls), build rank 0 here, wait (bounded) until every rank reported ready; raise :class:`ExecutorError` (after
   stopping what started) otherwise; a bad layout raises ``ConfigError`` before (``LLM`` validates it);
 - ``runner``: rank 0's runner whose ``model`` methods in :data:`MIRRORED_METHODS`, runner methods in
-  :data:`MIRRORED_RUNNER_METHODS` (a graph decode step) and ``pools.copy_page`` run on every rank (the engine uses
+  :data:`MIRRORED_RUNNER_METHODS` (graph decode steps, MTP drafts, greedy steps launched ahead) and ``pools.copy_page`` run on every rank (the engine uses
   nothing else); :func:`mirror_runner` wires the last two;
 - ``run(method, fn, args)``: one mirrored call: send ``(method, sanitize(args))`` to every other rank, run
   ``fn(*args)`` here, wait for every rank's acknowledgement; returns rank 0's result;
@@ -37,8 +37,9 @@ import torch
 from ..errors import AscendDSV4Error
 
 MIRRORED_METHODS = ("forward", "logits", "mtp_logits", "mtp_forward")
-# runner methods mirrored the same way: a graph-captured decode step (pages allocated by rank 0 first), an MTP draft's
-MIRRORED_RUNNER_METHODS = ("replay_decode", "replay_draft")
+# runner methods mirrored the same way: a graph-captured decode step (pages allocated by rank 0 first), an MTP draft's,
+# a greedy step launched ahead (async scheduling: each rank feeds its own argmax of the step before)
+MIRRORED_RUNNER_METHODS = ("replay_decode", "replay_draft", "replay_greedy")
 
 
 class ExecutorError(AscendDSV4Error, RuntimeError):
@@ -128,7 +129,7 @@ def restore(obj, pools, device):
 
 def mirror_runner(runner, run) -> None:
     """Make rank 0's ``runner`` send its graph decode steps and page copies to every rank through ``run(method, fn,
-    args)`` (the executor's mirrored call), and keep it from launching steps without waiting."""
+    args)`` (the executor's mirrored call)."""
     runner.mirrored = True
     copy_page = runner.pools.copy_page
     runner.pools.copy_page = lambda *a: run("copy_page", copy_page, a)

@@ -159,9 +159,10 @@ class ModelRunner:
         self.graphs = None
         self.last_prepare_s = 0.0  # host time of the last step's preparation (pages, context / static inputs)
         self._prepare_t0: float | None = None  # start of the graph step being prepared (rank 0's decode_graph)
-        # set by a multi-rank executor: graph steps are mirrored to every rank (replay_decode), and no step may be
-        # launched without waiting (launch_greedy), since the other ranks must replay the same graph
+        # set by a multi-rank executor: graph steps are mirrored to every rank (replay_decode, replay_draft,
+        # replay_greedy: the other ranks replay the same graph)
         self.mirrored = False
+        self._greedy_arg: torch.Tensor | None = None  # argmax of the last launch_greedy step (replay_greedy)
         if (cuda_graphs and (self.device.type == "cuda" or cuda_graphs == "static")
                 and hasattr(self.pools, "csa_layers") and backend in (None, "cuda")):
             from .cuda_graphs import CudaGraphDecoder
@@ -311,14 +312,16 @@ class ModelRunner:
                       ) -> PendingStep | None:
         """Launch a pure decode step from its captured graph bucket and return without waiting (async
         scheduling: the host works on the previous step while the device runs this one). Every ``seqs[s]``
-        adds one token: ``tokens[s][0]``, or with ``after``, the argmax of row ``after_rows[s]`` (default s) of
-        that step, fed on the device (no host round trip). Every row's argmax and maximum start copying to the
-        host at once (:meth:`collect`). None, with nothing launched, when the step cannot replay a graph bucket
-        (no graphs, above the largest bucket, capture failed): the caller runs it synchronously."""
+        adds one token: ``tokens[s][0]``, or with ``after`` (the step launched last), the argmax of row
+        ``after_rows[s]`` (default s) of that step, fed on the device (no host round trip). Every row's argmax and
+        maximum start copying to the host at once (:meth:`collect`). None, with nothing launched, when the step
+        cannot replay a graph bucket (no graphs, above the largest bucket, capture failed): the caller runs it
+        synchronously. Under tensor / expert parallelism :meth:`replay_greedy` runs on every rank."""
         n = len(seqs)
         g = self.graphs
         src = list(range(n)) if after_rows is None else list(after_rows)
-        if g is None or self.mirrored or n == 0 or (after is not None and (len(src) != n or max(src) >= after.n)):
+        if g is None or n == 0 or (after is not None and (len(src) != n or max(src) >= after.n
+                                                          or after.arg is not self._greedy_arg)):
             return None
         tok = [[0]] * n if after is not None else tokens
         rows = list(range(n))
@@ -329,15 +332,12 @@ class ModelRunner:
             t0 = time.perf_counter()
             for s in seqs:
                 self.pools.ensure(s, s.num_tokens + 1)
-            staged = g.stage(seqs, tok, key)
-            if staged is None:
+            out = self.replay_greedy(seqs, tok, key, None if after is None else src)
+            if out is None:
                 return None
-            if after is not None:  # stream-ordered after the upload of the buffer
-                arg = after.arg if src == list(range(after.n)) else after.arg[torch.tensor(src, device=after.arg.device)]
-                staged.inputs.ids[:n].copy_(arg)
-            self.last_prepare_s = time.perf_counter() - t0
-            hidden, logits = g.replay(staged, n)
-            arg = torch.argmax(logits, -1)  # first maximal index, as Sampler.sample's greedy pick
+            self.last_prepare_s = time.perf_counter() - t0  # through the launch (every rank's, when mirrored)
+            hidden, logits = out
+            arg = self._greedy_arg
             row_max = torch.amax(logits, -1).float()  # amax propagates NaN
             cuda = arg.device.type == "cuda"
             arg_host = torch.empty(n, dtype=torch.long, pin_memory=cuda)
@@ -349,6 +349,27 @@ class ModelRunner:
                 done = torch.cuda.Event()
                 done.record()
         return PendingStep(n, arg, arg_host, max_host, logits, hidden, done)
+
+    def replay_greedy(self, seqs: Sequence[SeqBlocks], tokens: Sequence[Sequence[int]], key,
+                      src: Sequence[int] | None):
+        """The device half of :meth:`launch_greedy` (pages allocated): stage the bucket ``key``, take the input ids
+        from ``tokens`` or, with ``src``, from rows ``src`` of this runner's last greedy step's argmax (on the
+        device, stream-ordered after the buffer's upload), replay, and keep this step's argmax (the first maximal
+        index, as Sampler.sample's greedy pick) for the next. (streams, logits), or None when the bucket could not
+        be captured. Mirrored to every rank under tensor / expert parallelism: each rank feeds its own argmax of
+        the same all-gathered logits, so every rank's ids agree without a host round trip."""
+        g = self.graphs
+        staged = g.stage(seqs, tokens, key)
+        if staged is None:
+            return None
+        n = len(seqs)
+        if src is not None:
+            last = self._greedy_arg
+            arg = last if list(src) == list(range(last.shape[0])) else last[torch.tensor(src, device=last.device)]
+            staged.inputs.ids[:n].copy_(arg)
+        hidden, logits = g.replay(staged, n)
+        self._greedy_arg = torch.argmax(logits, -1)
+        return hidden, logits
 
     @torch.inference_mode()
     def collect(self, p: PendingStep) -> StepLogits:

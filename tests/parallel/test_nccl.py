@@ -11,8 +11,8 @@ rank also runs a real ``all_reduce`` on its TP and EP communicators.
   and the MTP head under TP / TP + EP (all-to-all and all-reduce) / EP equal one GPU to 1e-5 relative in float32
   (``test_tp_models._worker``), each rank reading only its slices;
 - engine: greedy outputs of ``LLM(..., tensor_parallel_size=N, distributed_executor_backend="mp")`` (prefix
-  caching, chunked prefill, MTP), of the ``ray`` executor (one actor per GPU; needs ray) and of data-parallel
-  attention + EP equal one GPU.
+  caching, chunked prefill, MTP), of the ``ray`` executor (one actor per GPU; needs ray), of async scheduling under
+  TP + EP and of data-parallel attention + EP equal one GPU.
 
 NVLink multicast stays off (the device machines' rule): NCCL_NVLS_ENABLE=0 and friends are set for every rank.
 """
@@ -182,6 +182,27 @@ def test_nccl_ep_graph_decode_equals_one_gpu(world, comm, monkeypatch):
         assert g is not None and g.replays > 0
         assert g.graphs and all(b is not False and b.graph is not None for b in g.graphs.values()), g.graphs
         assert got == want, (world, comm)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="async steps replay captured graphs (tests/parallel/"
+                                             "test_tp_graph_decode.py runs the same path on CPUs, uncaptured)")
+@pytest.mark.parametrize("world", [w for w in WORLDS if w.values[0] > 1])
+def test_nccl_async_scheduling_greedy_equals_one_gpu(world):
+    """--async-scheduling under TP + EP: greedy steps launched behind the one in flight on every rank
+    (replay_greedy mirrored; each rank feeds its own argmax of the all-gathered logits), outputs equal one GPU."""
+    from ascend_dsv4 import LLM
+
+    kw = dict(device=DEVICE, dtype="float32", max_model_len=256, max_num_batched_tokens=24,
+              config_overrides=dict(o_groups=4))
+    want = _greedy(LLM("toy-v4", **kw))
+    llm = LLM("toy-v4", tensor_parallel_size=world, enable_expert_parallel=True, distributed_executor_backend="mp",
+              async_scheduling=True, **kw)
+    try:
+        assert llm.engine.overlap is not None
+        assert _greedy(llm) == want, world
+        assert llm.runner.graphs.replays > 0
     finally:
         llm.shutdown()
 
