@@ -6,8 +6,9 @@ prefix caching is on and some replica has a hit), else to the replica with the f
 replica. :meth:`DPEngine.step` runs one step of every replica at once (one thread per replica, see
 ``executor_dp``): a replica whose engine step sent no forward sends a dummy step, so that every rank of the
 expert-parallel group takes part in every step; with speculative decoding the same holds for the MTP forward
-(one per step and replica, real or dummy). The interface is the part of :class:`LLMEngine` that ``LLM`` and
-the async server use.
+(one per step and replica, real or dummy). With CUDA graphs every replica's forward of a step is a graph replay
+of one key or every one is eager (``executor_dp.GraphVote``). The interface is the part of :class:`LLMEngine` that
+``LLM`` and the async server use.
 """
 
 from __future__ import annotations
@@ -29,6 +30,15 @@ class DPEngine:
         self.owner: dict[str, int] = {}  # request id -> replica
         self._pool = ThreadPoolExecutor(len(engines), thread_name_prefix="ascend-dsv4-dp")
         self._ids = 0
+        # graph steps: every replica replays one key or none does (executor_dp.GraphVote)
+        self.vote = None
+        runners = [e.runner for e in engines]
+        if all(getattr(r, "graphs", None) is not None for r in runners):
+            from .executor_dp import GraphVote
+
+            self.vote = GraphVote(len(runners), float(getattr(executor.spec, "timeout_s", 300.0)))
+            for r in runners:
+                r.vote = self.vote
 
     # ---- requests ----------------------------------------------------------------------------------------
     def make_request(self, prompt, params=None, request_id: str | None = None) -> Request:
@@ -77,7 +87,12 @@ class DPEngine:
         e = self.engines[d]
         runner = e.runner
         before, drafts_before = runner.calls, runner.draft_calls
-        outs = e.step() if (e.has_unfinished() or e.requests) else []
+        try:
+            outs = e.step() if (e.has_unfinished() or e.requests) else []
+        except BaseException:
+            if self.vote is not None and runner.calls == before:  # failed before its forward: release the others
+                self.vote.abort()
+            raise
         if runner.calls == before:  # no forward from this replica in this step: meet the EP collectives
             runner.dummy()
         if e.drafter is not None and runner.draft_calls == drafts_before:  # nor an MTP forward (speculation on)

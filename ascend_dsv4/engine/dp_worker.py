@@ -8,6 +8,11 @@ rank's pipe):
   decoding on) the step's hidden states stay on the rank for a following ``draft``;
 - ``("draft", (ctx, next_ids, rows, k))``: MTP module k over rows ``rows`` of the last ``execute``'s hidden
   states (``model.mtp_logits``, speculative decoding); rank 0 answers the draft logits;
+- ``("graph", (seqs, tokens, key, keep))``: the replica's decode step replayed from the captured graph of bucket
+  ``key`` (:meth:`ModelRunner.replay_decode`; every replica replays the same key in the same step, see
+  ``executor_dp.GraphVote``), answered and kept as ``execute``;
+- ``("graph_dummy", key)``: no work for this replica in a graph step: the graph of ``key`` replayed on padding rows
+  only, so that the other replicas' collectives inside their graphs meet;
 - ``("dummy", None)``: no work for this replica in this step: the expert-parallel collectives of one forward on
   zero tokens (:func:`ascend_dsv4.layers.experts.dummy_moe_step`), so that the other replicas' all-to-alls meet;
 - ``("dummy_draft", k)``: the same for MTP module k (:func:`ascend_dsv4.layers.experts.dummy_mtp_step`), when
@@ -51,6 +56,15 @@ def apply_dp_call(op: str, args, model, runner, device, leader: bool, state: DPR
         state.hidden = hidden if keep else None  # kept only while speculation is on (a prefill's can be large)
         logits = model.logits(hidden, rows)
         return logits.float().cpu() if leader else None
+    if op in ("graph", "graph_dummy"):
+        seqs, tokens, key, keep = restore(args, runner.pools, device) if op == "graph" else ([], [], args, False)
+        out = runner.replay_decode(seqs, tokens, key)
+        if out is None:
+            raise RuntimeError(f"CUDA graph capture of decode bucket {key} failed on this rank (its log says why); "
+                               f"the replicas replay together, so none can fall back alone: run with --enforce-eager")
+        hidden, logits = out
+        state.hidden = hidden if keep else None
+        return logits.float().cpu() if leader and op == "graph" else None
     if op == "draft":
         ctx, nxt, rows, k = restore(args, runner.pools, device)
         if state.hidden is None:
@@ -67,6 +81,12 @@ def apply_dp_call(op: str, args, model, runner, device, leader: bool, state: DPR
         runner.pools.copy_page(*args)
         return None
     raise ValueError(f"unknown call {op!r}")
+
+
+def graph_trash(runner) -> tuple | None:
+    """The pages this rank's graph decoder reserved for padding rows (token, ratio-4, ratio-128 page spaces), or
+    None without one: what the front end's page tables must reserve too (``executor_dp.ReplicaRunner``)."""
+    return None if runner.graphs is None else tuple(runner.graphs._trash_pages)
 
 
 def _send(conn, obj) -> None:
@@ -97,6 +117,7 @@ def dp_worker_main(rank: int, spec: RankSpec, port: int, conn) -> None:
                                  timeout_s=spec.timeout_s)
         model, runner = build_rank_runner(spec, state, device)
         _send(conn, ("ready", {"pid": os.getpid(), "replica": state.dp_rank, "pool_sizes": runner.pools.sizes,
+                               "graph_trash": graph_trash(runner),
                                "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}))
     except BaseException:  # noqa: BLE001 - reported to the front end
         _send(conn, ("err", traceback.format_exc()))

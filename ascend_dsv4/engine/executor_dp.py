@@ -17,6 +17,15 @@ so one lost rank stops them all); a replica waiting on its ranks stops waiting a
 failure marked the executor down. Speculative decoding (MTP) keeps the lock step per forward kind: every step of
 every replica sends one main forward and one MTP forward, each real or a dummy on zero tokens (the MTP module's
 experts are EP too). The same front end over Ray actors: ``executor_dp_ray.py``.
+
+CUDA graphs (decode steps, ``engine/cuda_graphs.py``): every rank captures and replays its replica's decode steps, and
+a replica's graph holds the expert-parallel collectives in their static form (``layers/experts.py``
+``ep_static_gather``: the same shapes on every rank for a given batch bucket). So in each step either every replica
+replays a graph of ONE key -- the largest batch bucket and visible-list widths of the replicas' steps -- or every
+replica runs eagerly: :class:`GraphVote` takes each replica's proposal (its step's key, None for a step that cannot
+replay, or idle) before the forward is sent. An idle replica replays that key on padding rows (``graph_dummy``).
+The ranks' graph decoders reserve the first page of each page space for padding rows; the front end's
+:class:`ReplicaRunner` reserves the same pages in its page tables (checked against what the ranks report).
 """
 
 from __future__ import annotations
@@ -45,12 +54,54 @@ class _ReplicaHidden:
         self.replica, self.step = replica, step
 
 
+class GraphVote:
+    """Graph or eager, decided once per step for every replica of a data-parallel layout (the module docstring).
+
+    Each replica's step thread calls :meth:`agree` exactly once per step, just before it sends its main forward
+    (or its dummy), with its proposal: the key of its step (``CudaGraphDecoder.key``), None (the step cannot replay
+    a graph: prefill, a chunk, a batch above the largest bucket) or :data:`IDLE` (no work). When every replica has
+    proposed, the step replays graphs -- key: the largest bucket and the widest visible lists among the proposals --
+    if no proposal is None and at least one is not idle; else it runs eagerly (None for every replica)."""
+
+    IDLE = "idle"
+
+    def __init__(self, n: int, timeout_s: float):
+        self._props: list = [None] * n
+        self._decision = None
+        self._barrier = threading.Barrier(n, action=self._decide, timeout=timeout_s)
+
+    def agree(self, replica: int, proposal):
+        self._props[replica] = proposal
+        try:
+            self._barrier.wait()
+        except threading.BrokenBarrierError:
+            raise ExecutorError(f"replica {replica}: another replica's step failed, or did not reach its forward "
+                                f"within the timeout, before this step's graph / eager decision") from None
+        return self._decision
+
+    def _decide(self) -> None:
+        real = [p for p in self._props if p != self.IDLE]
+        if not real or any(p is None for p in real):
+            self._decision = None
+            return
+        widths: dict = {}
+        for p in real:
+            for r, w in p[1:]:
+                widths[r] = max(widths.get(r, 0), w)
+        self._decision = (max(p[0] for p in real),) + tuple(sorted(widths.items()))
+
+    def abort(self) -> None:
+        """A replica's step failed before proposing: release the others (they raise :class:`ExecutorError`)."""
+        self._barrier.abort()
+
+
 class ReplicaRunner:
     """The runner interface the engine uses (``cfg``, ``pools``, ``has_mtp``, ``execute``, ``draft``, ``ops``), for
     one replica whose model runs on its ranks. ``calls`` counts the main forwards sent and ``draft_calls`` the MTP
     forwards (the DP engine adds a dummy of either kind when a replica's engine step sent none)."""
 
-    def __init__(self, executor: "DPExecutor", replica: int, model_on_meta: torch.nn.Module, sizes):
+    def __init__(self, executor: "DPExecutor", replica: int, model_on_meta: torch.nn.Module, sizes,
+                 graph_trash: tuple | None = None, max_graph_batch: int = 256):
         self.executor, self.replica = executor, replica
         self.cfg = model_on_meta.cfg
         self.device = torch.device("cpu")  # where step inputs are built
@@ -58,6 +109,16 @@ class ReplicaRunner:
         self.quant_summary = None
         self.has_mtp = bool(getattr(model_on_meta, "mtp", None))
         self.pools = model_on_meta.make_pools(sizes, model_on_meta.dtype, torch.device("meta"))
+        # graph steps (the ranks capture; here only the bucket keys and the reserved padding pages): see GraphVote
+        self.graphs = None
+        self.vote: GraphVote | None = None  # set by the DP engine when every replica replays graphs
+        if graph_trash is not None:
+            from .cuda_graphs import CudaGraphDecoder
+
+            self.graphs = CudaGraphDecoder(model_on_meta, self.pools, max_graph_batch)
+            if tuple(self.graphs._trash_pages) != tuple(graph_trash):
+                raise ExecutorError(f"replica {replica}: the ranks reserved pages {tuple(graph_trash)} for graph "
+                                    f"padding, the front end {tuple(self.graphs._trash_pages)}")
         copy_page = self.pools.copy_page
 
         def mirrored_copy(*args):
@@ -78,9 +139,17 @@ class ReplicaRunner:
 
     def execute(self, seqs, tokens: Sequence[Sequence[int]], rows: Sequence[int]):
         """As :meth:`ModelRunner.execute`; ``hidden`` is a handle: the hidden states stay on the replica's ranks,
-        where :meth:`draft` uses them."""
+        where :meth:`draft` uses them. A graph step when every replica's step can replay one (:class:`GraphVote`)."""
+        key = None
+        if self.vote is not None:
+            key = self.vote.agree(self.replica, self.graphs.key(seqs, tokens, rows))
         for s, t in zip(seqs, tokens):
             self.pools.ensure(s, s.num_tokens + len(t))
+        if key is not None:
+            self.calls += 1
+            logits = self.executor.call(self.replica, "graph", (list(seqs), [list(t) for t in tokens], key,
+                                                                self.keep_hidden))
+            return logits, _ReplicaHidden(self.replica, self.calls)
         ctx = self.pools.build_context(list(seqs), [len(t) for t in tokens], "none", self.device)
         ids = torch.tensor([x for t in tokens for x in t], dtype=torch.long)
         self.calls += 1
@@ -103,8 +172,12 @@ class ReplicaRunner:
         return self.executor.call(self.replica, "draft", (ctx, nxt, torch.as_tensor(rows, dtype=torch.long), k))
 
     def dummy(self) -> None:
+        key = self.vote.agree(self.replica, GraphVote.IDLE) if self.vote is not None else None
         self.calls += 1
-        self.executor.call(self.replica, "dummy", None)
+        if key is not None:
+            self.executor.call(self.replica, "graph_dummy", key)
+        else:
+            self.executor.call(self.replica, "dummy", None)
 
     def dummy_draft(self, k: int = 0) -> None:
         self.draft_calls += 1
@@ -117,6 +190,18 @@ class ReplicaRunner:
 
     def release(self, seq) -> None:
         self.pools.free(seq)
+
+
+def replica_runners(executor, meta: torch.nn.Module, sizes) -> list[ReplicaRunner]:
+    """One :class:`ReplicaRunner` per replica; with graph steps where every rank has a graph decoder (its ready
+    report's ``graph_trash``: the pages it reserved for padding rows)."""
+    trash = [info.get("graph_trash") for info in executor.ready_info]
+    graphs = bool(executor.spec.cuda_graphs) and all(t is not None for t in trash)
+    if executor.spec.cuda_graphs and not graphs:
+        log.info("data parallelism: not every rank can capture decode steps (a model or backend without graph "
+                 "decode); every step runs eagerly")
+    return [ReplicaRunner(executor, d, meta, sizes, tuple(trash[0]) if graphs else None,
+                          executor.spec.max_graph_batch) for d in range(executor.dp)]
 
 
 class DPExecutor:
@@ -166,7 +251,7 @@ class DPExecutor:
         with torch.device("meta"):
             meta = build_model(spec.cfg, spec.dtype, spec.numerics)
         sizes = self.ready_info[0].get("pool_sizes", spec.pool_sizes)  # as the ranks agreed (memory_sizing.py)
-        self.runners = [ReplicaRunner(self, d, meta, sizes) for d in range(self.dp)]
+        self.runners = replica_runners(self, meta, sizes)
         log.info("dp executor: %d replicas x %d ranks ready", self.dp, self.tp)
         return self
 

@@ -18,9 +18,9 @@ import weakref
 
 import torch
 
-from .dp_worker import DPRankState, apply_dp_call
+from .dp_worker import DPRankState, apply_dp_call, graph_trash
 from .executor import ExecutorError, RankSpec, sanitize
-from .executor_dp import ReplicaRunner
+from .executor_dp import ReplicaRunner, replica_runners
 from .executor_ray import start_timeout_s
 from .ray_executor import RayExecutor
 
@@ -47,6 +47,7 @@ class DPEngineRank:
 
     def info(self) -> dict:
         return {"pid": os.getpid(), "replica": self.replica, "pool_sizes": self.runner.pools.sizes,
+                "graph_trash": graph_trash(self.runner),
                 "param_bytes": sum(p.numel() * p.element_size() for p in self.model.parameters())}
 
     def call(self, op: str, args):
@@ -89,7 +90,7 @@ class RayDPExecutor:
         with torch.device("meta"):
             meta = build_model(self.spec.cfg, self.spec.dtype, self.spec.numerics)
         sizes = self.ready_info[0].get("pool_sizes", self.spec.pool_sizes)  # as the ranks agreed (memory_sizing.py)
-        self.runners = [ReplicaRunner(self, d, meta, sizes) for d in range(self.dp)]
+        self.runners = replica_runners(self, meta, sizes)
         log.info("ray dp executor: %d replicas x %d ranks on %d node(s)", self.dp, self.tp,
                  len({s.node_id for s in self.ray.slots}))
         return self

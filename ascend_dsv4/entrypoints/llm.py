@@ -260,6 +260,7 @@ class LLM:
                         device_type=self.device.type, seed=seed, pool_sizes=sizes, tensor_parallel_size=tp,
                         enable_expert_parallel=True, backend=self.backend, dequantize=dequantize, **msm,
                         timeout_s=float(os.environ.get("ASCEND_DSV4_MP_TIMEOUT", "300")), data_parallel_size=dp,
+                        cuda_graphs=self._cuda_graphs and self.device.type == "cuda", max_graph_batch=max_num_seqs,
                         env={k: v for k, v in os.environ.items()
                              if k.startswith(("ASCEND_DSV4_", "ATB_OPS_", "HCCL_"))})
         if executor == "ray":

@@ -18,7 +18,11 @@ Captured decode steps (CUDA graphs; NPU graph mode needs the same) cannot hold e
 takes its counts through the host and the all-reduce form selects this rank's rows by a data-dependent count.
 Inside :func:`static_shape_moe` (``engine/cuda_graphs.py`` runs every graph step in it) expert parallelism takes
 a static-shape form instead, :func:`ep_static_rows`: every (token, expert) row, those of other ranks' experts
-given the id one past this rank's last (a zero row in ``grouped_matmul``), then the all-reduce.
+given the id one past this rank's last (a zero row in ``grouped_matmul``), then the all-reduce. Under data
+parallelism, where the replicas hold different tokens (every replica's graph step padded to one batch bucket),
+:func:`ep_static_gather`: each rank's share of its replica's tokens all-gathered over the EP group, every rank's
+experts over all of them in the static form, the partial sums reduce-scattered back and all-gathered over the
+replica (vLLM's all-gather / reduce-scatter "naive" all-to-all; the shapes depend on the bucket only).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import torch
 from torch import nn
 
 import atb_ops
-from parallel.comm import all_gather, all_reduce, all_to_all, exchange_counts
+from parallel.comm import all_gather, all_reduce, all_to_all, exchange_counts, reduce_scatter
 from parallel.groups import Group
 
 EP_COMM = ("alltoall", "allreduce")
@@ -52,16 +56,21 @@ def static_shape_moe(on: bool = True):
 
 def ep_mode(experts: nn.Module) -> str:
     """How a routed-experts module (:class:`Experts`, msModelSlim's ``ParallelQuantExperts``) runs expert
-    parallelism in this call: 'none' (one EP rank), 'static' (inside :func:`static_shape_moe`, unless the
-    replicas of data-parallel attention hold different tokens: their all-to-all stays, and such a step is not
-    capturable), else its ``ep_comm`` ('alltoall' | 'allreduce'). 'alltoall' returns complete rows; 'static' and
-    'allreduce' partial sums that the MoE all-reduces (:func:`reduce_moe`)."""
+    parallelism in this call: 'none' (one EP rank), inside :func:`static_shape_moe` 'static' ('static_dp' where the
+    replicas of data-parallel attention hold different tokens), else its ``ep_comm`` ('alltoall' | 'allreduce').
+    'alltoall' and 'static_dp' return complete rows; 'static' and 'allreduce' partial sums that the MoE all-reduces
+    (:func:`reduce_moe`)."""
     ep = getattr(experts, "ep", None)
     if ep is None or ep.size == 1:
         return "none"
-    if _STATIC.get() and getattr(experts, "split", ep) is ep:
-        return "static"
+    if _STATIC.get():
+        return "static" if getattr(experts, "split", ep) is ep else "static_dp"
     return getattr(experts, "ep_comm", "allreduce")
+
+
+def complete_rows(mode: str) -> bool:
+    """Whether routed experts in :func:`ep_mode` ``mode`` return complete sums (no all-reduce of the routed part)."""
+    return mode in ("alltoall", "static_dp")
 
 
 class Experts(nn.Module):
@@ -181,6 +190,9 @@ class Experts(nn.Module):
         mode = ep_mode(self)
         if mode == "alltoall":
             return self._forward_alltoall(x, weights, ids)
+        if mode == "static_dp":
+            return ep_static_gather(x, weights, ids, self.ep, self.split, self.w1.shape[0], self.first_expert,
+                                    self._rows)
         if mode == "none":  # all experts here: permute / unpermute as ops (npu_moe_init_routing_v2 / finalize)
             xs, e, order = atb_ops.moe_permute(x, ids, self.w1.shape[0])
             y = self._rows(xs, e, weights.reshape(-1)[order], x.dtype)
@@ -269,6 +281,29 @@ def ep_static_rows(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, n_
     return atb_ops.moe_unpermute(y, order, T)
 
 
+def ep_static_gather(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, ep: Group, split: Group,
+                     n_local: int, first_expert: int, rows) -> torch.Tensor:
+    """:func:`ep_dispatch_combine`'s complete sums float32 [T, d] with shapes that depend only on T (a captured step
+    under data parallelism, T the batch bucket every replica pads its step to): rank r of ``split`` takes the r-th
+    chunk of ceil(T / split.size) tokens (padded with zero rows routed nowhere: id -1, weight 0), the chunks of all
+    EP ranks are all-gathered, this rank's experts compute every gathered row in the static form
+    (:func:`ep_static_rows`), the partial sums are reduce-scattered (each rank receives the sum for its own chunk)
+    and all-gathered over ``split``. The same values as the all-to-all up to the order of the float32 additions;
+    the cost is the rows of every rank's chunk gathered to every rank (decode-sized: a few rows each)."""
+    T, k, d = ids.shape[0], ids.shape[1], x.shape[1]
+    per = -(-T // split.size)
+    lo, hi = min(split.rank * per, T), min((split.rank + 1) * per, T)
+    xc, wc, ic = x[lo:hi], weights[lo:hi], ids[lo:hi]
+    if hi - lo < per:  # static: T, per and the rank fix this padding
+        pad = per - (hi - lo)
+        xc = torch.cat([xc, xc.new_zeros(pad, d)])
+        wc = torch.cat([wc, wc.new_zeros(pad, k)])
+        ic = torch.cat([ic, ic.new_full((pad, k), -1)])
+    gx, gw, gi = all_gather(xc, ep, 0), all_gather(wc, ep, 0), all_gather(ic, ep, 0)
+    mine = reduce_scatter(ep_static_rows(gx, gw, gi, n_local, first_expert, rows), ep)  # [per, d]
+    return all_gather(mine, split, 0)[:T]
+
+
 def routed_experts(cfg, inter: int, limit: float, dtype: torch.dtype, reference: bool, parallel) -> Experts:
     """The routed experts of one layer for a rank: split inside (TP) or partitioned (EP) per ``parallel``."""
     E = cfg.n_routed_experts
@@ -326,7 +361,7 @@ def reduce_moe(routed: torch.Tensor, shared: torch.Tensor | None, experts: Exper
     """Sum of the routed and shared outputs (float32 [T, d]) with one all-reduce of the partial sums, in
     ``out_dtype`` (default float32): the float32 sum rounded once. Without an all-reduce the sum and the rounding
     are one launch (``torch.add`` computes in the promoted float32 and writes ``out_dtype``), not three."""
-    if ep_mode(experts) == "alltoall":  # complete rows (msModelSlim's QuantExperts at world size 1: 'none')
+    if complete_rows(ep_mode(experts)):  # complete rows (msModelSlim's QuantExperts at world size 1: 'none')
         y = routed if shared is None else routed + all_reduce(shared.float(), tp)
     elif shared is not None and tp.size == 1 and out_dtype is not None:
         return torch.add(routed, shared, out=torch.empty(routed.shape, dtype=out_dtype, device=routed.device))

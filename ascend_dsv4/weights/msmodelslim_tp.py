@@ -25,7 +25,7 @@ from parallel.comm import all_reduce
 from parallel.groups import Group
 
 from ..errors import CheckpointError
-from ..layers.experts import ep_dispatch_combine, ep_local_rows, ep_mode, ep_static_rows
+from ..layers.experts import ep_dispatch_combine, ep_local_rows, ep_mode, ep_static_gather, ep_static_rows
 from ..layers.quantized import QuantLinearAdapter
 
 _PER_CHANNEL = ("weight_scale", "weight_offset", "weight_scale_second", "weight_offset_second", "deq_scale",
@@ -157,7 +157,7 @@ class ParallelQuantExperts(nn.Module):
     mode under data-parallel attention, whose replicas hold different tokens: ``split`` is then the replica's TP
     group), ``'allreduce'`` computes this rank's experts for all tokens and returns a partial sum that the MoE
     reduces; inside a captured step (``layers.experts.static_shape_moe``) the all-reduce form with static shapes
-    (``ep_static_rows``). TP: partial sums, reduced by the MoE. ``dim``: the model width, for
+    (``ep_static_rows``), under data-parallel attention the all-gather / reduce-scatter one (``ep_static_gather``). TP: partial sums, reduced by the MoE. ``dim``: the model width, for
     :meth:`zero_token_step`."""
 
     def __init__(self, local: nn.Module, n_local: int, first_expert: int, ep: Group, tp: Group,
@@ -187,5 +187,8 @@ class ParallelQuantExperts(nn.Module):
         if mode == "alltoall":
             return ep_dispatch_combine(x, weights, ids, self.ep, self.split, self.n_local, self.first_expert,
                                        self.local._rows)
+        if mode == "static_dp":  # a captured step under data-parallel attention: complete rows, static shapes
+            return ep_static_gather(x, weights, ids, self.ep, self.split, self.n_local, self.first_expert,
+                                    self.local._rows)
         local_rows = ep_static_rows if mode == "static" else ep_local_rows
         return local_rows(x, weights, ids, self.n_local, self.first_expert, self.local._rows)  # partial sums

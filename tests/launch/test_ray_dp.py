@@ -12,11 +12,24 @@ pytestmark = pytest.mark.distributed
 PROMPTS = [[7, 8, 9, 10, 11, 12, 13, 14] + [(3 * i + j) % 500 + 3 for j in range(9 + 5 * i)] for i in range(2)]
 
 
-def test_dp2_ep_across_nodes_equals_one_process_and_killed_rank(ray_cluster, monkeypatch, kill_and_wait):
+@pytest.mark.parametrize("graphs", [False, "static"])
+def test_dp2_ep_across_nodes_equals_one_process_and_killed_rank(ray_cluster, monkeypatch, kill_and_wait, graphs):
+    """(graphs="static": every rank with the static-buffer graph decoder, as on CUDA: decode steps replay on both
+    replicas, executor_dp.GraphVote; the idle replica's on padding rows)"""
     import ray
 
     from ascend_dsv4 import LLM, SamplingParams
+    from ascend_dsv4.engine import executor_dp_ray
     from ascend_dsv4.engine.executor import ExecutorError
+
+    if graphs:
+        orig = executor_dp_ray.RayDPExecutor.__init__
+
+        def init(self, spec, *a, **k):
+            spec.cuda_graphs = graphs
+            orig(self, spec, *a, **k)
+
+        monkeypatch.setattr(executor_dp_ray.RayDPExecutor, "__init__", init)
 
     c, _, _ = ray_cluster
     monkeypatch.setenv("RAY_ADDRESS", c.address)
@@ -30,9 +43,16 @@ def test_dp2_ep_across_nodes_equals_one_process_and_killed_rank(ray_cluster, mon
     try:
         assert len({s.node_id for s in llm.executor.ray.slots}) == 2  # one rank (= one replica) per node
         assert sorted(i["replica"] for i in llm.executor.ready_info) == [0, 1]
+        ops: dict = {}
+        call = llm.executor.call
+        llm.executor.call = lambda d, op, args: ops.__setitem__(op, ops.get(op, 0) + 1) or call(d, op, args)
         assert [o.token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)] == want
+        assert (ops.get("graph", 0) > 0) == bool(graphs), ops  # decode steps replayed graphs on the actors
         assert all(e.stats.prompt_tokens > 0 for e in llm.engine.engines)
         assert [o.token_ids for o in llm.generate([[300 + j for j in range(20)]], greedy, use_tqdm=False)] == alone
+        assert (llm.engine.vote is not None) == bool(graphs)
+        if graphs:
+            assert all(e.runner.graphs is not None for e in llm.engine.engines)
         kill_and_wait(llm.executor.ray.workers[1])
         with pytest.raises(ExecutorError, match=r"rank 1 \(replica 1, node [0-9.]+\) (died|failed)"):
             llm.generate(PROMPTS, greedy, use_tqdm=False)

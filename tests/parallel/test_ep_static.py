@@ -86,10 +86,53 @@ def test_reduce_moe_all_reduces_the_static_partial_sums(monkeypatch):
     assert calls == [2, 2]
 
 
-def test_data_parallel_split_keeps_its_all_to_all(monkeypatch):
-    """Replicas of data-parallel attention hold different tokens: the static (all-reduce) form would mix them, so
-    their experts keep the all-to-all inside the context (such a step is not capturable; it runs eagerly)."""
+def test_data_parallel_split_takes_the_gather_form(monkeypatch):
+    """Replicas of data-parallel attention hold different tokens: the static all-reduce form would mix them, so
+    inside the context their experts take the all-gather / reduce-scatter form (complete rows, not reduced again);
+    outside it the all-to-all."""
     monkeypatch.setenv("ASCEND_DSV4_EP_COMM", "alltoall")
     m = Experts(2, 4, 8, 7.0, torch.float32, reference=False, ep=Group(0, 4), n_total=8, split=Group(0, 2))
     with static_shape_moe():
-        assert ep_mode(m) == "alltoall"
+        assert ep_mode(m) == "static_dp"
+    assert ep_mode(m) == "alltoall"
+
+
+def _dp_static_worker(rank: int, init: str, out_dir: str) -> None:
+    """Rank ``rank`` of DP 2 x TP 2 (gloo): the two replicas hold different tokens (each padded to one bucket of T
+    rows, as every replica's graph step); the all-gather / reduce-scatter form must give each replica the complete
+    sums of the all-to-all form (and of the unsplit experts)."""
+    import ascend_dsv4.layers.experts as ex
+    from parallel.dp_groups import init_dp_parallel
+    from parallel.groups import destroy_parallel
+
+    torch.set_num_threads(1)
+    state = init_dp_parallel(2, 2, rank, init_method=init, device="cpu")
+    try:
+        E, k, dim, inter, T = 8, 3, 16, 12, 5  # T = 5 does not split evenly over the replica's 2 ranks
+        replica = rank // 2
+        gen = torch.Generator().manual_seed(50 + replica)  # each replica's own tokens
+        x = torch.randn(T, dim, generator=gen)
+        ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(T)])
+        weights = torch.rand(T, k, generator=gen)
+        whole = _experts(E, None, inter, dim, torch.Generator().manual_seed(7))(x, weights, ids)
+        m = _experts(E, state.ep, inter, dim, torch.Generator().manual_seed(7))
+        m.split = state.tp  # as routed_experts sets it under data parallelism
+        eager = m(x, weights, ids)  # the all-to-all form
+        with static_shape_moe():
+            assert ep_mode(m) == "static_dp" and ex.complete_rows("static_dp")
+            static = m(x, weights, ids)
+        torch.testing.assert_close(static, eager, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(static, whole, rtol=1e-5, atol=1e-6)
+        torch.save(static, f"{out_dir}/rank{rank}.pt")
+    finally:
+        destroy_parallel()
+
+
+@pytest.mark.distributed
+def test_static_gather_form_under_data_parallelism(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_dp_static_worker, args=(f"file://{tmp_path}/rdv", str(tmp_path)), nprocs=4, join=True)
+    outs = [torch.load(tmp_path / f"rank{r}.pt") for r in range(4)]
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[2], outs[3])  # a replica's ranks agree
+    assert not torch.allclose(outs[0], outs[2])  # the replicas' tokens differ

@@ -215,7 +215,12 @@ def test_nccl_data_parallel_ep_greedy_equals_one_gpu(world):
     want = _greedy(LLM("toy-v4", **kw))
     llm = LLM("toy-v4", data_parallel_size=world, enable_expert_parallel=True, **kw)
     try:
+        ops: dict = {}
+        call = llm.executor.call
+        llm.executor.call = lambda d, op, args: ops.__setitem__(op, ops.get(op, 0) + 1) or call(d, op, args)
         assert _greedy(llm) == want
+        if DEVICE == "cuda":  # decode steps captured on every rank, replayed by every replica together
+            assert llm.engine.vote is not None and ops.get("graph", 0) > 0, ops
     finally:
         llm.shutdown()
 
