@@ -22,9 +22,8 @@ def test_dp2_ep_across_nodes_equals_one_process_and_killed_rank(ray_cluster, mon
     from ascend_dsv4.engine import executor_dp_ray
     from ascend_dsv4.engine.executor import ExecutorError
 
-    if graphs:
+    if graphs:  # every rank builds the static-buffer graph decoder, as LLM asks on CUDA
         orig = executor_dp_ray.RayDPExecutor.__init__
-
         def init(self, spec, *a, **k):
             spec.cuda_graphs = graphs
             orig(self, spec, *a, **k)

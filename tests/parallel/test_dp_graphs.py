@@ -13,6 +13,7 @@ from ascend_dsv4 import LLM, SamplingParams
 from ascend_dsv4.engine import executor_dp
 from ascend_dsv4.engine.executor import ExecutorError
 from ascend_dsv4.engine.executor_dp import GraphVote
+from test_tp_graph_decode import force_static_graphs
 
 pytestmark = pytest.mark.distributed
 
@@ -24,13 +25,7 @@ KW = dict(max_model_len=256, max_num_batched_tokens=64, max_num_seqs=4)
 def static_graphs(monkeypatch):
     """Every DP rank builds the static-buffer decoder (CPU: no capture), as LLM asks on CUDA."""
     monkeypatch.setenv("ASCEND_DSV4_MP_TIMEOUT", "60")
-    orig = executor_dp.DPExecutor.__init__
-
-    def init(self, spec):
-        spec.cuda_graphs = "static"
-        orig(self, spec)
-
-    monkeypatch.setattr(executor_dp.DPExecutor, "__init__", init)
+    force_static_graphs(monkeypatch, executor_dp.DPExecutor)
 
 
 def _count_ops(llm) -> dict:

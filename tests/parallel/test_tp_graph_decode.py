@@ -14,17 +14,23 @@ pytestmark = pytest.mark.distributed
 PROMPTS = [[(7 * i + 3 * j) % 900 + 5 for j in range(9 + 23 * i)] for i in range(3)]
 
 
+def force_static_graphs(monkeypatch, executor_cls, mode="static") -> None:
+    """Every rank ``executor_cls`` starts builds the static-buffer graph decoder (CPU: no capture), as LLM asks on
+    CUDA (also used by tests/parallel/test_dp_graphs.py)."""
+    orig = executor_cls.__init__
+
+    def init(self, spec, *a, **k):
+        spec.cuda_graphs = mode
+        orig(self, spec, *a, **k)
+
+    monkeypatch.setattr(executor_cls, "__init__", init)
+
+
 @pytest.fixture
 def static_graphs(monkeypatch):
     """Every rank of the mp executor builds the static-buffer decoder (CPU: no capture)."""
     monkeypatch.setenv("ASCEND_DSV4_MP_TIMEOUT", "60")
-    orig = executor_mp.MPExecutor.__init__
-
-    def init(self, spec):
-        spec.cuda_graphs = "static"
-        orig(self, spec)
-
-    monkeypatch.setattr(executor_mp.MPExecutor, "__init__", init)
+    force_static_graphs(monkeypatch, executor_mp.MPExecutor)
 
 
 def _count_ahead(llm) -> list[int]:
