@@ -197,6 +197,8 @@ def replica_runners(executor, meta: torch.nn.Module, sizes) -> list[ReplicaRunne
     report's ``graph_trash``: the pages it reserved for padding rows)."""
     trash = [info.get("graph_trash") for info in executor.ready_info]
     graphs = bool(executor.spec.cuda_graphs) and all(t is not None for t in trash)
+    if graphs and any(tuple(t) != tuple(trash[0]) for t in trash):
+        raise ExecutorError(f"the ranks reserved different pages for graph padding: {[tuple(t) for t in trash]}")
     if executor.spec.cuda_graphs and not graphs:
         log.info("data parallelism: not every rank can capture decode steps (a model or backend without graph "
                  "decode); every step runs eagerly")
