@@ -12,8 +12,14 @@ launch, ``runner.last_prepare_s``), engine-only ms (sampling, detokenising, sche
 With ``--async-scheduling`` the engine launches each greedy decode step before processing the one in flight
 (engine/overlap.py); then every engine step is timed whole, with the part spent waiting for the device.
 
+With ``--tensor-parallel-size`` / ``--data-parallel-size`` / ``--enable-expert-parallel`` (the ``mp`` executor, one
+GPU a rank) or ``--num-speculative-tokens 1`` (MTP; the model then has one MTP module) every engine step that gave
+every request at least one token is timed whole (:func:`run_steps`): ms/step, tokens a step, output tokens/s; the
+same for ``--enforce-eager``, so graph and eager steps compare under those layouts too.
+
 Usage: python scripts/bench_engine_step.py [--batches 1,8,32,64] [--ctx 2048] [--output-len 24] [--enforce-eager]
-       [--async-scheduling]
+       [--async-scheduling] [--tensor-parallel-size T] [--data-parallel-size D] [--enable-expert-parallel]
+       [--num-speculative-tokens 1]
 """
 
 from __future__ import annotations
@@ -37,11 +43,16 @@ FLASH3 = dict(n_layers=3, n_mtp_layers=0, n_hash_layers=1, compress_ratios=(0, 4
 
 
 def make_llm(max_batch: int, ctx: int, out_len: int, device: str, eager: bool, toy: bool,
-             async_scheduling: bool = False) -> LLM:
-    model, over = ("toy-v4", {}) if toy else ("deepseek-v4-flash", FLASH3)
+             async_scheduling: bool = False, **layout) -> LLM:
+    """``layout``: tensor_parallel_size, data_parallel_size, enable_expert_parallel, num_speculative_tokens."""
+    model, over = ("toy-v4", {}) if toy else ("deepseek-v4-flash", dict(FLASH3))
+    if layout.get("num_speculative_tokens") and not toy:  # one MTP module (sliding window, as DeepSeek-V4's)
+        over.update(n_mtp_layers=1, compress_ratios=(0, 4, 128, 0))
+    if layout.get("tensor_parallel_size", 1) > 1 or layout.get("data_parallel_size", 1) > 1:
+        layout.setdefault("distributed_executor_backend", "mp")
     llm = LLM(model, config_overrides=over, device=device, dtype="bfloat16", max_num_seqs=max_batch,
-              max_model_len=ctx + out_len + max_batch + 16, max_num_batched_tokens=max(2048, max_batch),
-              enforce_eager=eager, progress=False, async_scheduling=async_scheduling)
+              max_model_len=ctx + 2 * out_len + 2 * max_batch + 16, max_num_batched_tokens=max(2048, max_batch),
+              enforce_eager=eager, progress=False, async_scheduling=async_scheduling, **layout)
     if async_scheduling and toy and llm.runner.graphs is None:  # CPU smoke test: the uncaptured graph path
         from ascend_dsv4.engine.cuda_graphs import CudaGraphDecoder
 
@@ -92,6 +103,42 @@ def run_async(llm: LLM, batch: int, ctx: int, out_len: int) -> dict:
     return dict(batch=batch, steps=len(steps), replays=(graphs.replays - replays0) if graphs is not None else 0,
                 step_ms=step_ms, wait_ms=med(waits), host_ms=med([s - w for s, w in zip(steps, waits)]),
                 tok_s=batch / step_ms * 1e3)
+
+
+def run_steps(llm: LLM, batch: int, ctx: int, out_len: int) -> dict:
+    """Any engine (one process, TP / EP ranks, the data-parallel front end; with or without speculation): every
+    engine step that gave each of the ``batch`` requests at least one token, timed whole (wall clock, the device
+    work included); tokens counted per step (MTP: 1 or 2 a request)."""
+    engine = llm.engine
+    rec: list[tuple[float, int]] = []
+    orig_step = engine.step
+
+    def step():
+        t = time.perf_counter()
+        out = orig_step()
+        dt = time.perf_counter() - t
+        got = {}
+        for o in out:
+            got[o.request_id] = got.get(o.request_id, 0) + len(o.delta_token_ids)
+        if len(got) == batch and all(got.values()):
+            rec.append((dt, sum(got.values())))
+        return out
+
+    engine.step = step
+    vocab = llm.cfg.vocab_size
+    prompts = [[3 + (i * 131 + j * 17 + batch) % (vocab - 3) for j in range(ctx)] for i in range(batch)]
+    sp = SamplingParams(max_tokens=out_len + batch, temperature=0.0, ignore_eos=True)
+    try:
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+    finally:
+        engine.step = orig_step
+    assert all(len(o.token_ids) == out_len + batch for o in outs)
+    steps = rec[2:-1]  # the first (graph capture) steps and the last (requests finishing) left out
+    med = lambda xs: 1e3 * statistics.median(xs) if xs else float("nan")  # noqa: E731
+    step_ms = med([d for d, _ in steps])
+    toks = statistics.mean([n for _, n in steps]) if steps else float("nan")
+    return dict(batch=batch, steps=len(steps), step_ms=step_ms, tok_step=toks,
+                tok_s=sum(n for _, n in steps) / max(1e-9, sum(d for d, _ in steps)))
 
 
 def run(llm: LLM, batch: int, ctx: int, out_len: int) -> dict:
@@ -152,13 +199,35 @@ def main() -> None:
     ap.add_argument("--toy", action="store_true", help="the toy model (smoke test of this script)")
     ap.add_argument("--async-scheduling", action="store_true",
                     help="the engine launches each greedy decode step before processing the one in flight")
+    ap.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    ap.add_argument("--data-parallel-size", "-dp", type=int, default=1)
+    ap.add_argument("--enable-expert-parallel", action="store_true")
+    ap.add_argument("--num-speculative-tokens", type=int, default=0)
     a = ap.parse_args()
+    layout = dict(tensor_parallel_size=a.tensor_parallel_size, data_parallel_size=a.data_parallel_size,
+                  enable_expert_parallel=a.enable_expert_parallel, num_speculative_tokens=a.num_speculative_tokens)
     logging.basicConfig(level=logging.WARNING, format="# %(name)s: %(message)s")
     name = torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu"
     print(f"# {name}; Flash-shaped 3-layer V4, bf16, prompts of {a.ctx} tokens, {a.output_len} greedy tokens, "
           f"{'eager' if a.enforce_eager else 'CUDA-graph'} decode")
     batches = [int(x) for x in a.batches.split(",")]
-    llm = make_llm(max(batches), a.ctx, a.output_len, a.device, a.enforce_eager, a.toy, a.async_scheduling)
+    llm = make_llm(max(batches), a.ctx, a.output_len, a.device, a.enforce_eager, a.toy, a.async_scheduling,
+                   **layout)
+    if a.tensor_parallel_size > 1 or a.data_parallel_size > 1 or a.enable_expert_parallel or a.num_speculative_tokens:
+        print(f"# layout: TP {a.tensor_parallel_size} x DP {a.data_parallel_size}"
+              f"{' + EP' if a.enable_expert_parallel or a.data_parallel_size > 1 else ''}"
+              f"{', MTP ' + str(a.num_speculative_tokens) if a.num_speculative_tokens else ''}"
+              f"{', async scheduling' if a.async_scheduling else ''}; engine steps that gave every request a token")
+        print("| batch | steps | engine ms/step | tokens/step | output tok/s |")
+        print("|---:|---:|---:|---:|---:|", flush=True)
+        try:
+            for b in batches:
+                r = run_steps(llm, b, a.ctx, a.output_len)
+                print(f"| {b} | {r['steps']} | {r['step_ms']:.2f} | {r['tok_step']:.1f} | {r['tok_s']:.0f} |",
+                      flush=True)
+        finally:
+            llm.shutdown()
+        return
     if a.async_scheduling:
         print("# async scheduling: engine steps that gave every request a token; 'waiting' = time blocked on the "
               "device's results (runner.collect), 'host' = the rest (done while the device runs the next step)")

@@ -33,3 +33,14 @@ def test_bench_spec_decode_toy_rows():
     # 3 plain steps + 2 x 3 speculative steps, each a verification and a draft replay
     assert graph and int(graph.group(1)) == 15 and all(float(graph.group(i)) > 0 for i in (2, 3, 4)), out.stdout
     assert re.search(r"^\| eager \| 2 \| [0-9.]+ \| [0-9.]+ \| [0-9.]+ \|", out.stdout, re.M), out.stdout
+
+
+def test_bench_engine_step_layout_rows():
+    """scripts/bench_engine_step.py --toy on the CPU with MTP speculation: the whole-step timing of any engine
+    (run_steps, also what TP / DP layouts use) prints a row with the tokens a step gave."""
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "bench_engine_step.py"), "--toy", "--device", "cpu",
+           "--batches", "2", "--ctx", "16", "--output-len", "4", "--num-speculative-tokens", "1"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    row = re.search(r"^\| 2 \| (\d+) \| ([0-9.]+) \| ([0-9.]+) \| (\d+) \|$", out.stdout, re.M)
+    assert row and int(row.group(1)) > 0 and 1.0 <= float(row.group(3)) / 2 <= 2.0, out.stdout
