@@ -60,6 +60,21 @@ def make_llm(max_batch: int, ctx: int, out_len: int, device: str, eager: bool, t
     return llm
 
 
+def generate_batch(llm: LLM, batch: int, ctx: int, out_len: int, restore) -> None:
+    """``batch`` greedy requests of ``ctx`` prompt tokens, each generating ``out_len + batch`` tokens (prompts are
+    prefilled one step each, max_num_batched_tokens = ctx: the first request decodes while the others prefill, so
+    ``batch`` more tokens leave ``out_len`` steps that decode them all); ``restore()`` undoes the caller's timing
+    hooks whatever happens."""
+    vocab = llm.cfg.vocab_size
+    prompts = [[3 + (i * 131 + j * 17 + batch) % (vocab - 3) for j in range(ctx)] for i in range(batch)]
+    sp = SamplingParams(max_tokens=out_len + batch, temperature=0.0, ignore_eos=True)
+    try:
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+    finally:
+        restore()
+    assert all(len(o.token_ids) == out_len + batch for o in outs)
+
+
 def run_async(llm: LLM, batch: int, ctx: int, out_len: int) -> dict:
     """Async scheduling: every engine step that produced a token for all ``batch`` requests, timed whole, and the
     part of it spent waiting for the device (``runner.collect``); the rest is host work done while the device runs
@@ -88,14 +103,10 @@ def run_async(llm: LLM, batch: int, ctx: int, out_len: int) -> dict:
     runner.collect, engine.step = collect, step
     graphs = runner.graphs
     replays0 = graphs.replays if graphs is not None else 0
-    vocab = llm.cfg.vocab_size
-    prompts = [[3 + (i * 131 + j * 17 + batch) % (vocab - 3) for j in range(ctx)] for i in range(batch)]
-    sp = SamplingParams(max_tokens=out_len + batch, temperature=0.0, ignore_eos=True)
-    try:
-        outs = llm.generate(prompts, sp, use_tqdm=False)
-    finally:
+    def restore():
         runner.collect, engine.step = orig_collect, orig_step
-    assert all(len(o.token_ids) == out_len + batch for o in outs)
+
+    generate_batch(llm, batch, ctx, out_len, restore)
     steps = rec["step"][2:-1]  # skip the first (graph capture) steps and the last (nothing launched behind it)
     waits = rec["wait"][2:-1]
     med = lambda xs: 1e3 * statistics.median(xs) if xs else float("nan")  # noqa: E731
@@ -125,14 +136,7 @@ def run_steps(llm: LLM, batch: int, ctx: int, out_len: int) -> dict:
         return out
 
     engine.step = step
-    vocab = llm.cfg.vocab_size
-    prompts = [[3 + (i * 131 + j * 17 + batch) % (vocab - 3) for j in range(ctx)] for i in range(batch)]
-    sp = SamplingParams(max_tokens=out_len + batch, temperature=0.0, ignore_eos=True)
-    try:
-        outs = llm.generate(prompts, sp, use_tqdm=False)
-    finally:
-        engine.step = orig_step
-    assert all(len(o.token_ids) == out_len + batch for o in outs)
+    generate_batch(llm, batch, ctx, out_len, lambda: setattr(engine, "step", orig_step))
     steps = rec[2:-1]  # the first (graph capture) steps and the last (requests finishing) left out
     med = lambda xs: 1e3 * statistics.median(xs) if xs else float("nan")  # noqa: E731
     step_ms = med([d for d, _ in steps])
@@ -167,18 +171,11 @@ def run(llm: LLM, batch: int, ctx: int, out_len: int) -> dict:
     engine.step = step
     graphs = runner.graphs
     replays0 = graphs.replays if graphs is not None else 0
-    vocab = llm.cfg.vocab_size
-    prompts = [[3 + (i * 131 + j * 17 + batch) % (vocab - 3) for j in range(ctx)] for i in range(batch)]
-    # prompts are prefilled one step each (max_num_batched_tokens = ctx): the first request decodes while the
-    # others prefill, so each generates ``batch`` more tokens to leave ``out_len`` steps that decode them all
-    out_len += batch
-    sp = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
-    try:
-        outs = llm.generate(prompts, sp, use_tqdm=False)
-    finally:
+    def restore():
         setattr(runner, name, orig_exec)
         engine.step = orig_step
-    assert all(len(o.token_ids) == out_len for o in outs)
+
+    generate_batch(llm, batch, ctx, out_len, restore)
     dec = [(i, s) for i, s in rec["step"] if rec["decode"][i]][2:]  # skip the first (graph capture) steps
     med = lambda xs: 1e3 * statistics.median(xs) if xs else float("nan")  # noqa: E731
     step_ms = med([s for _, s in dec])
