@@ -431,7 +431,7 @@ def main() -> None:
             else:
                 os.environ.pop(var, None)
         im = re.search(r"\[indexer=([\w,]+)((?: \w+=\d+)*)\]", case_name)
-        for opt in ("CH", "HB", "R", "SEL_WARPS", "P", "Q", "FIT", "SPLITS", "CAP", "FRANK"):
+        for opt in ("CH", "HB", "R", "SEL_WARPS", "P", "Q", "FIT", "SPLITS", "CAP", "FRANK", "RADIX_HIST"):
             os.environ.pop(f"ATB_CUDA_INDEXER_{opt}", None)
         if im:
             os.environ["ATB_CUDA_INDEXER"] = im.group(1)
