@@ -208,8 +208,14 @@ def main() -> None:
     print(f"# {name}; Flash-shaped 3-layer V4, bf16, prompts of {a.ctx} tokens, {a.output_len} greedy tokens, "
           f"{'eager' if a.enforce_eager else 'CUDA-graph'} decode")
     batches = [int(x) for x in a.batches.split(",")]
+    t0 = time.perf_counter()
+
+    def stamp(what: str) -> None:  # progress on '#' lines: a run cut by a timeout shows where it was
+        print(f"# {time.perf_counter() - t0:.1f} s: {what}", flush=True)
+
     llm = make_llm(max(batches), a.ctx, a.output_len, a.device, a.enforce_eager, a.toy, a.async_scheduling,
                    **layout)
+    stamp("engine built (weights initialised, pools sized)")
     if a.tensor_parallel_size > 1 or a.data_parallel_size > 1 or a.enable_expert_parallel or a.num_speculative_tokens:
         print(f"# layout: TP {a.tensor_parallel_size} x DP {a.data_parallel_size}"
               f"{' + EP' if a.enable_expert_parallel or a.data_parallel_size > 1 else ''}"
@@ -219,9 +225,11 @@ def main() -> None:
         print("|---:|---:|---:|---:|---:|", flush=True)
         try:
             for b in batches:
+                stamp(f"batch {b}: prefill, graph capture and decode")
                 r = run_steps(llm, b, a.ctx, a.output_len)
                 print(f"| {b} | {r['steps']} | {r['step_ms']:.2f} | {r['tok_step']:.1f} | {r['tok_s']:.0f} |",
                       flush=True)
+            stamp("done")
         finally:
             llm.shutdown()
         return

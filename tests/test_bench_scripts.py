@@ -44,3 +44,6 @@ def test_bench_engine_step_layout_rows():
     assert out.returncode == 0, out.stderr[-2000:]
     row = re.search(r"^\| 2 \| (\d+) \| ([0-9.]+) \| ([0-9.]+) \| (\d+) \|$", out.stdout, re.M)
     assert row and int(row.group(1)) > 0 and 1.0 <= float(row.group(3)) / 2 <= 2.0, out.stdout
+    # progress stamps on '#' lines (a run cut by its timeout shows which phase it was in)
+    assert re.search(r"^# [0-9.]+ s: engine built", out.stdout, re.M), out.stdout
+    assert re.search(r"^# [0-9.]+ s: batch 2: prefill, graph capture and decode$", out.stdout, re.M), out.stdout
