@@ -49,13 +49,10 @@ def reduce_scatter(x: torch.Tensor, g: Group) -> torch.Tensor:
     if x.shape[0] % g.size:
         raise ParallelError(f"reduce_scatter: {x.shape[0]} rows do not split over a group of {g.size}")
     n = x.shape[0] // g.size
-    backend = g.backend or str(dist.get_backend(g.pg))
+    if (g.backend or str(dist.get_backend(g.pg))) == "gloo":
+        return all_reduce(x.clone(), g)[g.rank * n:(g.rank + 1) * n]
+    out = x.new_empty((n,) + tuple(x.shape[1:]))
     try:
-        if backend == "gloo":
-            y = x.contiguous().clone()
-            dist.all_reduce(y, group=g.pg)
-            return y[g.rank * n:(g.rank + 1) * n]
-        out = x.new_empty((n,) + tuple(x.shape[1:]))
         dist.reduce_scatter_tensor(out, x.contiguous(), group=g.pg)
     except Exception as e:  # noqa: BLE001
         raise _fail("reduce_scatter", g, e) from e
