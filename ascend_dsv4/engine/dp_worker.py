@@ -3,12 +3,16 @@
 Every rank of every replica is a worker process (the front end holds no model share). Calls (pickled over the
 rank's pipe):
 
-- ``("execute", (ids, ctx, rows, keep))``: the replica's step: ``model(ids, ctx)`` then ``model.logits(hidden,
-  rows)``; the replica's rank 0 answers the float32 CPU logits, the others ``None``; with ``keep`` (speculative
-  decoding on) the step's hidden states stay on the rank for a following ``draft``;
+- ``("execute", (ids, ctx, rows, keep, full))``: the replica's step: ``model(ids, ctx)`` then
+  ``model.logits(hidden, rows)``; the replica's rank 0 answers the float32 CPU logits (``full`` None) or, with
+  ``full`` a list of row indices, :func:`~.model_runner.compact_logits` of them (every row's argmax and
+  non-finite check made on the device; only rows ``full`` and bad rows in full: at a vocabulary of 129280 a
+  greedy batch of 32 would otherwise pickle 16.5 MB of logits through the pipe every step); the others
+  ``None``; with ``keep`` (speculative decoding on) the step's hidden states stay on the rank for a following
+  ``draft``;
 - ``("draft", (ctx, next_ids, rows, k))``: MTP module k over rows ``rows`` of the last ``execute``'s hidden
   states (``model.mtp_logits``, speculative decoding); rank 0 answers the draft logits;
-- ``("graph", (seqs, tokens, key, keep))``: the replica's decode step replayed from the captured graph of bucket
+- ``("graph", (seqs, tokens, key, keep, full))``: the replica's decode step replayed from the captured graph of bucket
   ``key`` (:meth:`ModelRunner.replay_decode`; every replica replays the same key in the same step, see
   ``executor_dp.GraphVote``), answered and kept as ``execute``;
 - ``("graph_dummy", key)``: no work for this replica in a graph step: the graph of ``key`` replayed on padding rows
@@ -36,6 +40,7 @@ import traceback
 import torch
 
 from .executor import RankSpec, restore
+from .model_runner import compact_logits
 
 
 class DPRankState:
@@ -51,20 +56,21 @@ def apply_dp_call(op: str, args, model, runner, device, leader: bool, state: DPR
     from ..layers.experts import dummy_moe_step, dummy_mtp_step
 
     if op == "execute":
-        ids, ctx, rows, keep = restore(args, runner.pools, device)
+        ids, ctx, rows, keep, full = restore(args, runner.pools, device)
         hidden = model(ids, ctx)
         state.hidden = hidden if keep else None  # kept only while speculation is on (a prefill's can be large)
-        logits = model.logits(hidden, rows)
-        return logits.float().cpu() if leader else None
+        logits = model.logits(hidden, rows)  # on every rank: under TP it gathers the vocabulary shards
+        return _answer(logits, full) if leader else None
     if op in ("graph", "graph_dummy"):
-        seqs, tokens, key, keep = restore(args, runner.pools, device) if op == "graph" else ([], [], args, False)
+        seqs, tokens, key, keep, full = (restore(args, runner.pools, device) if op == "graph"
+                                         else ([], [], args, False, None))
         out = runner.replay_decode(seqs, tokens, key)
         if out is None:
             raise RuntimeError(f"CUDA graph capture of decode bucket {key} failed on this rank (its log says why); "
                                f"the replicas replay together, so none can fall back alone: run with --enforce-eager")
         hidden, logits = out
         state.hidden = hidden if keep else None
-        return logits.float().cpu() if leader and op == "graph" else None
+        return _answer(logits, full) if leader and op == "graph" else None
     if op == "draft":
         ctx, nxt, rows, k = restore(args, runner.pools, device)
         if state.hidden is None:
@@ -81,6 +87,11 @@ def apply_dp_call(op: str, args, model, runner, device, leader: bool, state: DPR
         runner.pools.copy_page(*args)
         return None
     raise ValueError(f"unknown call {op!r}")
+
+
+def _answer(logits: torch.Tensor, full):
+    """A leader's answer to a step: all float32 CPU logits (``full`` None) or their compact form."""
+    return logits.float().cpu() if full is None else compact_logits(logits, full)
 
 
 def graph_trash(runner) -> tuple | None:

@@ -180,7 +180,7 @@ class LLMEngine:
             hidden, bad_rows, picks = out.hidden, set(out.bad_rows), out.row_argmax
             logits = _KeptRows(out.logits, out.kept)
             plain = {i: out.row_argmax[by_req[i][0]] for i in plain_reqs if by_req[i][0] not in bad_rows}
-        else:  # a runner without it (the data-parallel front end's replicas): every row on the host
+        else:  # a runner without it: every row on the host
             logits, hidden = runner.execute(seqs, tokens, rows)
             bad_rows = set(bad_logit_rows(logits))
             plain = self._plain_greedy(reqs, drafts, by_req, bad_rows, logits)

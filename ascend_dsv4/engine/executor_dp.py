@@ -43,6 +43,7 @@ from typing import Sequence
 import torch
 
 from .executor import ExecutorError, RankSpec, kill_processes, sanitize
+from .model_runner import StepLogits
 
 log = logging.getLogger("ascend_dsv4")
 
@@ -96,8 +97,8 @@ class GraphVote:
 
 
 class ReplicaRunner:
-    """The runner interface the engine uses (``cfg``, ``pools``, ``has_mtp``, ``execute``, ``draft``, ``ops``), for
-    one replica whose model runs on its ranks. ``calls`` counts the main forwards sent and ``draft_calls`` the MTP
+    """The runner interface the engine uses (``cfg``, ``pools``, ``has_mtp``, ``execute``, ``execute_rows``,
+    ``draft``, ``ops``), for one replica whose model runs on its ranks. ``calls`` counts the main forwards sent and ``draft_calls`` the MTP
     forwards (the DP engine adds a dummy of either kind when a replica's engine step sent none)."""
 
     def __init__(self, executor: "DPExecutor", replica: int, model_on_meta: torch.nn.Module, sizes,
@@ -140,6 +141,15 @@ class ReplicaRunner:
     def execute(self, seqs, tokens: Sequence[Sequence[int]], rows: Sequence[int]):
         """As :meth:`ModelRunner.execute`; ``hidden`` is a handle: the hidden states stay on the replica's ranks,
         where :meth:`draft` uses them. A graph step when every replica's step can replay one (:class:`GraphVote`)."""
+        return self._step(seqs, tokens, rows, None)
+
+    def execute_rows(self, seqs, tokens: Sequence[Sequence[int]], rows: Sequence[int], full_rows: Sequence[int]):
+        """As :meth:`ModelRunner.execute_rows`: the replica's rank 0 makes every row's argmax and non-finite check
+        on its device and sends back only rows ``full_rows`` and the bad rows in full (``dp_worker``)."""
+        logits, hidden = self._step(seqs, tokens, rows, sorted(set(full_rows)))
+        return StepLogits(*logits, hidden)
+
+    def _step(self, seqs, tokens, rows, full):
         key = None
         if self.vote is not None:
             key = self.vote.agree(self.replica, self.graphs.key(seqs, tokens, rows))
@@ -148,13 +158,13 @@ class ReplicaRunner:
         if key is not None:
             self.calls += 1
             logits = self.executor.call(self.replica, "graph", (list(seqs), [list(t) for t in tokens], key,
-                                                                self.keep_hidden))
+                                                                self.keep_hidden, full))
             return logits, _ReplicaHidden(self.replica, self.calls)
         ctx = self.pools.build_context(list(seqs), [len(t) for t in tokens], "none", self.device)
         ids = torch.tensor([x for t in tokens for x in t], dtype=torch.long)
         self.calls += 1
         logits = self.executor.call(self.replica, "execute", (ids, ctx, torch.tensor(list(rows), dtype=torch.long),
-                                                              self.keep_hidden))
+                                                              self.keep_hidden, full))
         return logits, _ReplicaHidden(self.replica, self.calls)
 
     def draft(self, seqs, counts: Sequence[int], next_ids: Sequence[int], hidden, rows: torch.Tensor,

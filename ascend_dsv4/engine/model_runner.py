@@ -106,6 +106,24 @@ class StepLogits(NamedTuple):
     hidden: object  # as execute's ``hidden``
 
 
+def compact_logits(logits: torch.Tensor, full_rows: Sequence[int]
+                   ) -> tuple[torch.Tensor, list[int], list[int], list[int]]:
+    """The host's share of a step's logits [R, V] (any device and float dtype): (float32 CPU logits of the rows
+    ``kept`` = ``full_rows`` and every bad row, ascending; ``kept``; every row's first maximal index, the greedy
+    token; the bad rows, :func:`~.sampling_guard.bad_rows_of_max`), the reductions made on the logits' device --
+    :class:`StepLogits` without ``hidden``. :meth:`ModelRunner.execute_rows` and the data-parallel ranks
+    (``dp_worker``, whose answers cross a process pipe) use it."""
+    row_max = torch.amax(logits, -1).float().cpu()  # amax propagates NaN
+    arg = torch.argmax(logits, -1).cpu()  # first maximal index, as Sampler.sample's greedy pick
+    bad = bad_rows_of_max(row_max)
+    kept = sorted(set(full_rows) | set(bad))
+    if len(kept) == logits.shape[0]:
+        host = logits.float().cpu()
+    else:
+        host = logits[torch.tensor(kept, dtype=torch.long, device=logits.device)].float().cpu()
+    return host, kept, arg.tolist(), bad
+
+
 class PendingStep(NamedTuple):
     """A greedy decode step launched by :meth:`ModelRunner.launch_greedy` and not yet waited for."""
 
@@ -296,15 +314,7 @@ class ModelRunner:
         host copy of 0.5 MB and a host scan per greedy row."""
         with self.ops():
             hidden, logits = self._run(seqs, tokens, rows)
-            row_max = torch.amax(logits, -1).float().cpu()  # amax propagates NaN
-            arg = torch.argmax(logits, -1).cpu()  # first maximal index, as Sampler.sample's greedy pick
-            bad = bad_rows_of_max(row_max)
-            kept = sorted(set(full_rows) | set(bad))
-            if len(kept) == logits.shape[0]:
-                logits = logits.float().cpu()
-            else:
-                logits = logits[torch.tensor(kept, dtype=torch.long, device=logits.device)].float().cpu()
-        return StepLogits(logits, kept, arg.tolist(), bad, hidden)
+            return StepLogits(*compact_logits(logits, full_rows), hidden)
 
     @torch.inference_mode()
     def launch_greedy(self, seqs: Sequence[SeqBlocks], tokens: Sequence[Sequence[int]] | None = None,

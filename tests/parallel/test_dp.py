@@ -92,6 +92,43 @@ def test_dp2_tp2_ep_v3_equals_one_device_and_killed_worker():
     assert not any(p.is_alive() for p in llm.executor.procs)
 
 
+def test_dp2_compact_answers_sampled_and_logprob_requests_equal_one_device():
+    """The replicas' rank 0 sends back every row's argmax and only the rows the engine needs in full (a request
+    sampled with a seed, one asking logprobs; any non-finite row): outputs, logprobs and seeded samples equal one
+    device, and a greedy-only step moves no logits row through the pipe."""
+    params = [SamplingParams(max_tokens=6, temperature=0.0),
+              SamplingParams(max_tokens=6, temperature=0.9, top_p=0.9, seed=1234),
+              SamplingParams(max_tokens=6, temperature=0.0, logprobs=3)]
+    want = LLM("toy-v4", **KW).generate(PROMPTS, params, use_tqdm=False)
+    llm = LLM("toy-v4", data_parallel_size=2, enable_expert_parallel=True, **KW)
+    try:
+        answers = []
+        call = llm.executor.call
+
+        def spy(replica, op, args):
+            out = call(replica, op, args)
+            if op == "execute":
+                answers.append((len(args[2]), args[4], out))
+            return out
+
+        llm.executor.call = spy
+        got = llm.generate(PROMPTS, params, use_tqdm=False)
+        assert _ids(got) == _ids(want)
+        assert len(got[2].logprobs) == len(want[2].logprobs) == 6
+        for g, w in zip(got[2].logprobs, want[2].logprobs):
+            assert g.token == w.token and [t for t, _ in g.top] == [t for t, _ in w.top]
+            assert abs(g.logprob - w.logprob) < 1e-5 and all(abs(a[1] - b[1]) < 1e-5 for a, b in zip(g.top, w.top))
+        assert answers and all(isinstance(a, tuple) and len(a) == 4 for *_, a in answers)
+        for rows, full, (logits, kept, argmax, bad) in answers:
+            assert kept == sorted(set(full) | set(bad)) and logits.shape[0] == len(kept) and len(argmax) == rows
+        assert sum(len(full) for _, full, _ in answers) < sum(rows for rows, _, _ in answers)
+        answers.clear()
+        llm.generate(PROMPTS, [params[0]] * 3, use_tqdm=False)
+        assert answers and all(a[2][0].shape[0] == 0 for a in answers)
+    finally:
+        llm.shutdown()
+
+
 def test_cli_generate_and_info_with_dp(capsys):
     from ascend_dsv4.entrypoints.cli import main
 
