@@ -10,8 +10,9 @@ rank's pipe):
   greedy batch of 32 would otherwise pickle 16.5 MB of logits through the pipe every step); the others
   ``None``; with ``keep`` (speculative decoding on) the step's hidden states stay on the rank for a following
   ``draft``;
-- ``("draft", (ctx, next_ids, rows, k))``: MTP module k over rows ``rows`` of the last ``execute``'s hidden
-  states (``model.mtp_logits``, speculative decoding); rank 0 answers the draft logits;
+- ``("draft", (ctx, next_ids, rows, k, full))``: MTP module k over rows ``rows`` of the last ``execute``'s hidden
+  states (``model.mtp_logits``, speculative decoding); rank 0 answers the draft logits, in full or compact as
+  ``execute``;
 - ``("graph", (seqs, tokens, key, keep, full))``: the replica's decode step replayed from the captured graph of bucket
   ``key`` (:meth:`ModelRunner.replay_decode`; every replica replays the same key in the same step, see
   ``executor_dp.GraphVote``), answered and kept as ``execute``;
@@ -72,11 +73,11 @@ def apply_dp_call(op: str, args, model, runner, device, leader: bool, state: DPR
         state.hidden = hidden if keep else None
         return _answer(logits, full) if leader and op == "graph" else None
     if op == "draft":
-        ctx, nxt, rows, k = restore(args, runner.pools, device)
+        ctx, nxt, rows, k, full = restore(args, runner.pools, device)
         if state.hidden is None:
             raise RuntimeError("draft: no hidden states kept from an execute call on this rank (keep was off)")
         logits = model.mtp_logits(state.hidden[rows], nxt, ctx, k, ctx.logits_index)
-        return logits.float().cpu() if leader else None
+        return _answer(logits, full) if leader else None
     if op == "dummy":
         dummy_moe_step(model)
         return None

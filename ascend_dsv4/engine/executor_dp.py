@@ -98,7 +98,7 @@ class GraphVote:
 
 class ReplicaRunner:
     """The runner interface the engine uses (``cfg``, ``pools``, ``has_mtp``, ``execute``, ``execute_rows``,
-    ``draft``, ``ops``), for one replica whose model runs on its ranks. ``calls`` counts the main forwards sent and ``draft_calls`` the MTP
+    ``draft``, ``draft_rows``, ``ops``), for one replica whose model runs on its ranks. ``calls`` counts the main forwards sent and ``draft_calls`` the MTP
     forwards (the DP engine adds a dummy of either kind when a replica's engine step sent none)."""
 
     def __init__(self, executor: "DPExecutor", replica: int, model_on_meta: torch.nn.Module, sizes,
@@ -171,6 +171,14 @@ class ReplicaRunner:
               k: int = 0, on_device: bool = False) -> torch.Tensor:
         """As :meth:`ModelRunner.draft`, on the replica's ranks; ``hidden`` must be the handle of this replica's
         last :meth:`execute`. The logits come back on the CPU whatever ``on_device`` asks (they cross processes)."""
+        return self._draft(seqs, counts, next_ids, hidden, rows, k, None)
+
+    def draft_rows(self, seqs, counts: Sequence[int], next_ids: Sequence[int], hidden, rows: torch.Tensor,
+                   full_rows: Sequence[int], k: int = 0) -> StepLogits:
+        """As :meth:`ModelRunner.draft_rows`: only rows ``full_rows`` and bad rows cross the pipe in full."""
+        return StepLogits(*self._draft(seqs, counts, next_ids, hidden, rows, k, sorted(set(full_rows))), None)
+
+    def _draft(self, seqs, counts, next_ids, hidden, rows, k, full):
         if not isinstance(hidden, _ReplicaHidden) or hidden.replica != self.replica or hidden.step != self.calls:
             raise ValueError(f"replica {self.replica}: draft needs the hidden states of this replica's last execute")
         if not self.keep_hidden:
@@ -179,7 +187,8 @@ class ReplicaRunner:
         ctx = self.pools.build_context(list(seqs), list(counts), "last", self.device)
         nxt = torch.tensor(list(next_ids), dtype=torch.long)
         self.draft_calls += 1
-        return self.executor.call(self.replica, "draft", (ctx, nxt, torch.as_tensor(rows, dtype=torch.long), k))
+        return self.executor.call(self.replica, "draft", (ctx, nxt, torch.as_tensor(rows, dtype=torch.long), k,
+                                                          full))
 
     def dummy(self) -> None:
         key = self.vote.agree(self.replica, GraphVote.IDLE) if self.vote is not None else None

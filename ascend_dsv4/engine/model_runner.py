@@ -21,6 +21,7 @@ are wanted. What comes out: float32 logits ``[rows, vocab]`` on the CPU (from ra
 ``runner.draft(seqs, counts, next_ids, hidden, rows)``  the MTP module over committed positions -> draft logits
 ``runner.execute_rows(seqs, tokens, rows, full)``       execute with every row's argmax and non-finite check on the
                                                         device; only rows ``full`` (and bad ones) copied in full
+``runner.draft_rows(..., rows, full)``                  draft, compacted the same way (the MTP drafter uses it)
 ``runner.launch_greedy(seqs, tokens | after=step)``     a greedy decode step launched without waiting (its input
                                                         ids from the host, or on the device from the argmax of
                                                         the step ``after``); ``runner.collect(step)`` waits
@@ -411,6 +412,13 @@ class ModelRunner:
                 nxt = torch.tensor(list(next_ids), dtype=torch.long, device=self.device)
                 out = self.model.mtp_logits(hidden[rows], nxt, ctx, k, ctx.logits_index)
             return out.float() if on_device else out.float().cpu()
+
+    def draft_rows(self, seqs: Sequence[SeqBlocks], counts: Sequence[int], next_ids: Sequence[int], hidden,
+                   rows: torch.Tensor, full_rows: Sequence[int], k: int = 0) -> StepLogits:
+        """:meth:`draft` with every row's argmax and non-finite check made on the device and only rows
+        ``full_rows`` (and bad ones) copied in full (:func:`compact_logits`); ``hidden`` of the result is None."""
+        out = self.draft(seqs, counts, next_ids, hidden, rows, k, on_device=True)
+        return StepLogits(*compact_logits(out, full_rows), None)
 
     def replay_draft(self, seqs: Sequence[SeqBlocks], counts: Sequence[int], next_ids: Sequence[int],
                      hidden: torch.Tensor, key):

@@ -24,7 +24,6 @@ import torch
 from ..errors import RequestFailed
 from ..kv.blocks import SeqBlocks
 from .sampling import Sampler
-from .sampling_guard import bad_rows_of_max
 
 
 def speculation_problem(num_speculative_tokens, has_mtp: bool) -> str | None:
@@ -73,11 +72,12 @@ class MTPDrafter:
         views = [SeqBlocks(r.seq.token, r.seq.c4, r.seq.c128, s) for r, s, n, _ in live]
         next_ids = [r.all_ids[s + 1 + i] for r, s, n, _ in live for i in range(n)]
         rows = torch.cat([rows for _, _, _, rows in live])
-        # left where they were computed: only the row maxima, the greedy picks and sampled requests' rows travel
-        logits = self.runner.draft(views, [n for _, _, n, _ in live], next_ids, streams, rows, on_device=True)
+        # left where they were computed (on a data-parallel replica's rank): only the greedy picks, the bad rows
+        # and the sampled requests' rows travel
+        sampled = [i for i, (r, *_rest) in enumerate(live) if not r.params.greedy]
+        out = self.runner.draft_rows(views, [n for _, _, n, _ in live], next_ids, streams, rows, sampled)
+        bad, picks, kept = set(out.bad_rows), out.row_argmax, {j: x for x, j in enumerate(out.kept)}
         drafts = []
-        bad = set(bad_rows_of_max(torch.amax(logits, -1).cpu()))  # amax propagates NaN
-        picks = torch.argmax(logits, -1).tolist()  # first maximal index, as on the CPU
         for i, (r, *_rest) in enumerate(live):
             if i in bad:  # non-finite MTP logits: no draft this step (the request itself goes on)
                 drafts.append(None)
@@ -85,7 +85,7 @@ class MTPDrafter:
                 drafts.append((picks[i], None))
             else:
                 try:
-                    q = self.sampler.probs(logits[i:i + 1].cpu(), [r.params])[0]
+                    q = self.sampler.probs(out.logits[kept[i]:kept[i] + 1], [r.params])[0]
                 except RequestFailed:  # the draft overflowed after temperature: propose nothing
                     drafts.append(None)
                     continue

@@ -73,3 +73,38 @@ def test_seeded_sampling_with_mtp_is_reproducible():
     a = LLM(model="toy-v4", device="cpu", num_speculative_tokens=1).generate("abc", sp)[0].token_ids
     b = LLM(model="toy-v4", device="cpu", num_speculative_tokens=1).generate("abc", sp)[0].token_ids
     assert a == b and len(a) == 12
+
+
+def test_drafter_takes_compact_draft_logits_and_skips_a_bad_row(monkeypatch):
+    """MTPDrafter over runner.draft_rows: greedy requests draft the device argmax, a sampled request draws from
+    its row (the only row copied in full), a request whose MTP row is non-finite proposes nothing this step and
+    its output is still the non-speculative one."""
+    sampled = SamplingParams(max_tokens=8, temperature=0.8, seed=11)
+    greedy = SamplingParams(max_tokens=8, temperature=0)
+    ref = LLM(model="toy-v4", device="cpu").generate(PROMPTS, greedy)
+    spec = LLM(model="toy-v4", device="cpu", num_speculative_tokens=1)
+    runner = spec.runner
+    seen = []
+    real_rows, real_mtp = runner.draft_rows, runner.model.mtp_logits
+
+    def draft_rows(*a, **kw):
+        out = real_rows(*a, **kw)
+        seen.append((list(a[5]), out))
+        return out
+
+    def mtp_logits(*a, **kw):  # the first live row's draft is non-finite in every other MTP forward
+        y = real_mtp(*a, **kw).clone()
+        if len(seen) % 2:
+            y[0, 5] = float("nan")
+        return y
+
+    monkeypatch.setattr(runner, "draft_rows", draft_rows)
+    monkeypatch.setattr(runner.model, "mtp_logits", mtp_logits)
+    out = spec.generate(PROMPTS, greedy)
+    assert [o.token_ids for o in out] == [o.token_ids for o in ref]
+    assert any(o.bad_rows == [0] and o.kept == [0] for _, o in seen)  # the bad row came in full, nothing else
+    assert all(full == [] for full, _ in seen)
+    seen.clear()
+    out = spec.generate(PROMPTS, [sampled, greedy])
+    assert out[1].token_ids == ref[1].token_ids and len(out[0].token_ids) == 8
+    assert any(full == [0] and 0 in o.kept and o.logits.shape[0] == len(o.kept) for full, o in seen)
