@@ -114,8 +114,13 @@ def compact_logits(logits: torch.Tensor, full_rows: Sequence[int]
     token; the bad rows, :func:`~.sampling_guard.bad_rows_of_max`), the reductions made on the logits' device --
     :class:`StepLogits` without ``hidden``. :meth:`ModelRunner.execute_rows` and the data-parallel ranks
     (``dp_worker``, whose answers cross a process pipe) use it."""
-    row_max = torch.amax(logits, -1).float().cpu()  # amax propagates NaN
-    arg = torch.argmax(logits, -1).cpu()  # first maximal index, as Sampler.sample's greedy pick
+    row_max = torch.amax(logits, -1).float()  # amax propagates NaN
+    arg = torch.argmax(logits, -1)  # first maximal index, as Sampler.sample's greedy pick
+    if logits.shape[-1] <= 1 << 24:  # one device-to-host copy for both: float32 holds such an index exactly
+        both = torch.stack((row_max, arg.float())).cpu()
+        row_max, arg = both[0], both[1].long()
+    else:
+        row_max, arg = row_max.cpu(), arg.cpu()
     bad = bad_rows_of_max(row_max)
     kept = sorted(set(full_rows) | set(bad))
     if len(kept) == logits.shape[0]:

@@ -270,3 +270,18 @@ def test_execute_rows_matches_execute_and_keeps_bad_rows(monkeypatch):
     monkeypatch.setattr(runner.model, "logits", poisoned)
     out = runner.execute_rows(seqs, toks, rows, [0])
     assert out.kept == [0, 2] and out.bad_rows == [2] and torch.isnan(out.logits[1, 3])
+
+
+def test_compact_logits_indices_survive_the_single_host_copy():
+    """compact_logits moves the row maxima and argmaxes in one float32 copy: indices up to V4's 129280-token
+    vocabulary come back exact (first maximal index on ties), bad rows in full, NaN / +inf / all -inf rows bad."""
+    from ascend_dsv4.engine.model_runner import compact_logits
+
+    x = torch.full((6, 129280), -3.0)
+    x[0, 129279] = x[1, 65537] = x[2, 0] = 1.0
+    x[3, 16777] = x[3, 100001] = 2.0  # a tie: the first index
+    x[4, 5] = float("nan")
+    x[5] = float("-inf")
+    host, kept, arg, bad = compact_logits(x, [2])
+    assert arg[:4] == [129279, 65537, 0, 16777] and bad == [4, 5] and kept == [2, 4, 5]
+    assert torch.equal(host[0], x[2]) and torch.isnan(host[1, 5]) and host.dtype == torch.float32
