@@ -7,8 +7,8 @@ replica. :meth:`DPEngine.step` runs one step of every replica at once (one threa
 ``executor_dp``): a replica whose engine step sent no forward sends a dummy step, so that every rank of the
 expert-parallel group takes part in every step; with speculative decoding the same holds for the MTP forward
 (one per step and replica, real or dummy). With CUDA graphs every replica's forward of a step is a graph replay
-of one key or every one is eager (``executor_dp.GraphVote``). The interface is the part of :class:`LLMEngine` that
-``LLM`` and the async server use.
+of one key or every one is eager (``executor_dp.GraphVote``), and so is every MTP forward of a graph step. The
+interface is the part of :class:`LLMEngine` that ``LLM`` and the async server use.
 """
 
 from __future__ import annotations
@@ -31,14 +31,15 @@ class DPEngine:
         self._pool = ThreadPoolExecutor(len(engines), thread_name_prefix="ascend-dsv4-dp")
         self._ids = 0
         # graph steps: every replica replays one key or none does (executor_dp.GraphVote)
-        self.vote = None
+        self.vote = self.draft_vote = None
         runners = [e.runner for e in engines]
         if all(getattr(r, "graphs", None) is not None for r in runners):
             from .executor_dp import GraphVote
 
-            self.vote = GraphVote(len(runners), float(getattr(executor.spec, "timeout_s", 300.0)))
+            timeout = float(getattr(executor.spec, "timeout_s", 300.0))
+            self.vote, self.draft_vote = GraphVote(len(runners), timeout), GraphVote(len(runners), timeout)
             for r in runners:
-                r.vote = self.vote
+                r.vote, r.draft_vote = self.vote, self.draft_vote
 
     # ---- requests ----------------------------------------------------------------------------------------
     def make_request(self, prompt, params=None, request_id: str | None = None) -> Request:
@@ -92,6 +93,8 @@ class DPEngine:
         except BaseException:
             if self.vote is not None and runner.calls == before:  # failed before its forward: release the others
                 self.vote.abort()
+            if self.draft_vote is not None and runner.draft_calls == drafts_before:  # the same for its MTP forward
+                self.draft_vote.abort()
             raise
         if runner.calls == before:  # no forward from this replica in this step: meet the EP collectives
             runner.dummy()

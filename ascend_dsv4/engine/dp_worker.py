@@ -18,6 +18,9 @@ rank's pipe):
   ``executor_dp.GraphVote``), answered and kept as ``execute``;
 - ``("graph_dummy", key)``: no work for this replica in a graph step: the graph of ``key`` replayed on padding rows
   only, so that the other replicas' collectives inside their graphs meet;
+- ``("graph_draft", (seqs, counts, next_ids, rows, key, full))``: ``draft`` replayed from the captured MTP graph of
+  ``key`` (:meth:`ModelRunner.replay_draft`; every replica replays the same key in the same step), answered as
+  ``draft``; ``("graph_draft_dummy", key)``: that graph on padding rows only (no MTP work for this replica);
 - ``("dummy", None)``: no work for this replica in this step: the expert-parallel collectives of one forward on
   zero tokens (:func:`ascend_dsv4.layers.experts.dummy_moe_step`), so that the other replicas' all-to-alls meet;
 - ``("dummy_draft", k)``: the same for MTP module k (:func:`ascend_dsv4.layers.experts.dummy_mtp_step`), when
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import itertools
 import os
 import pickle
 import traceback
@@ -45,10 +49,12 @@ from .model_runner import compact_logits
 
 
 class DPRankState:
-    """What a data-parallel rank keeps between calls: the hidden states of its last ``execute`` (for ``draft``)."""
+    """What a data-parallel rank keeps between calls: the hidden states of its last ``execute`` (for ``draft``), and
+    a zero-row tensor of their shape and dtype (the static input a draft graph of an idle replica is built with)."""
 
     def __init__(self) -> None:
         self.hidden: torch.Tensor | None = None
+        self.like: torch.Tensor | None = None
 
 
 def apply_dp_call(op: str, args, model, runner, device, leader: bool, state: DPRankState):
@@ -60,6 +66,7 @@ def apply_dp_call(op: str, args, model, runner, device, leader: bool, state: DPR
         ids, ctx, rows, keep, full = restore(args, runner.pools, device)
         hidden = model(ids, ctx)
         state.hidden = hidden if keep else None  # kept only while speculation is on (a prefill's can be large)
+        state.like = hidden[:0]
         logits = model.logits(hidden, rows)  # on every rank: under TP it gathers the vocabulary shards
         return _answer(logits, full) if leader else None
     if op in ("graph", "graph_dummy"):
@@ -71,7 +78,24 @@ def apply_dp_call(op: str, args, model, runner, device, leader: bool, state: DPR
                                f"the replicas replay together, so none can fall back alone: run with --enforce-eager")
         hidden, logits = out
         state.hidden = hidden if keep else None
+        state.like = hidden[:0]
         return _answer(logits, full) if leader and op == "graph" else None
+    if op in ("graph_draft", "graph_draft_dummy"):
+        if op == "graph_draft":
+            seqs, counts, nxt, rows, key, full = restore(args, runner.pools, device)
+            hidden = state.hidden[rows] if state.hidden is not None else None
+        else:
+            seqs, counts, nxt, key, full, hidden = [], [], [], args, None, state.like
+        if hidden is None:
+            raise RuntimeError(f"{op}: no hidden states kept from a forward on this rank (keep was off)")
+        out = runner.replay_draft(seqs, counts, nxt, hidden, key)
+        if out is None:
+            raise RuntimeError(f"CUDA graph capture of MTP bucket {key} failed on this rank (its log says why); "
+                               f"the replicas replay together, so none can fall back alone: run with --enforce-eager")
+        if op == "graph_draft_dummy":
+            return None
+        out = out[torch.tensor(list(itertools.accumulate(counts)), device=out.device) - 1]  # each sequence's last
+        return _answer(out, full) if leader else None
     if op == "draft":
         ctx, nxt, rows, k, full = restore(args, runner.pools, device)
         if state.hidden is None:

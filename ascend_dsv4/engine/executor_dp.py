@@ -24,6 +24,9 @@ a replica's graph holds the expert-parallel collectives in their static form (``
 replays a graph of ONE key -- the largest batch bucket and visible-list widths of the replicas' steps -- or every
 replica runs eagerly: :class:`GraphVote` takes each replica's proposal (its step's key, None for a step that cannot
 replay, or idle) before the forward is sent. An idle replica replays that key on padding rows (``graph_dummy``).
+The MTP forwards of speculative decoding vote the same way (a second :class:`GraphVote`, ``draft_vote``) in steps
+whose main forwards replayed graphs: every replica replays the MTP graph of one key (``graph_draft``; an idle
+replica ``graph_draft_dummy``) or every one drafts eagerly.
 The ranks' graph decoders reserve the first page of each page space for padding rows; the front end's
 :class:`ReplicaRunner` reserves the same pages in its page tables (checked against what the ranks report).
 """
@@ -98,8 +101,9 @@ class GraphVote:
 
 class ReplicaRunner:
     """The runner interface the engine uses (``cfg``, ``pools``, ``has_mtp``, ``execute``, ``execute_rows``,
-    ``draft``, ``draft_rows``, ``ops``), for one replica whose model runs on its ranks. ``calls`` counts the main forwards sent and ``draft_calls`` the MTP
-    forwards (the DP engine adds a dummy of either kind when a replica's engine step sent none)."""
+    ``draft``, ``draft_rows``, ``ops``), for one replica whose model runs on its ranks. ``calls`` counts the main
+    forwards sent and ``draft_calls`` the MTP forwards (the DP engine adds a dummy of either kind when a replica's
+    engine step sent none)."""
 
     def __init__(self, executor: "DPExecutor", replica: int, model_on_meta: torch.nn.Module, sizes,
                  graph_trash: tuple | None = None, max_graph_batch: int = 256):
@@ -113,6 +117,8 @@ class ReplicaRunner:
         # graph steps (the ranks capture; here only the bucket keys and the reserved padding pages): see GraphVote
         self.graphs = None
         self.vote: GraphVote | None = None  # set by the DP engine when every replica replays graphs
+        self.draft_vote: GraphVote | None = None  # the same for the MTP forwards (speculative decoding)
+        self._graph_step = False  # this step's main forward replayed a graph (every replica's did, or none)
         if graph_trash is not None:
             from .cuda_graphs import CudaGraphDecoder
 
@@ -153,6 +159,7 @@ class ReplicaRunner:
         key = None
         if self.vote is not None:
             key = self.vote.agree(self.replica, self.graphs.key(seqs, tokens, rows))
+        self._graph_step = key is not None
         for s, t in zip(seqs, tokens):
             self.pools.ensure(s, s.num_tokens + len(t))
         if key is not None:
@@ -184,14 +191,22 @@ class ReplicaRunner:
         if not self.keep_hidden:
             raise ValueError(f"replica {self.replica}: draft without keep_hidden (the ranks did not keep the hidden "
                              f"states; LLM sets it when num_speculative_tokens > 0)")
+        key = None
+        if self.draft_vote is not None:  # a draft graph only in a step whose main forwards replayed graphs
+            dk = self.graphs.draft_key(seqs, counts, k) if self._graph_step else None
+            key = self.draft_vote.agree(self.replica, None if dk is None else dk[2:])
+        rows = torch.as_tensor(rows, dtype=torch.long)
+        self.draft_calls += 1
+        if key is not None:
+            return self.executor.call(self.replica, "graph_draft", (list(seqs), list(counts), list(next_ids), rows,
+                                                                    ("mtp", k) + key, full))
         ctx = self.pools.build_context(list(seqs), list(counts), "last", self.device)
         nxt = torch.tensor(list(next_ids), dtype=torch.long)
-        self.draft_calls += 1
-        return self.executor.call(self.replica, "draft", (ctx, nxt, torch.as_tensor(rows, dtype=torch.long), k,
-                                                          full))
+        return self.executor.call(self.replica, "draft", (ctx, nxt, rows, k, full))
 
     def dummy(self) -> None:
         key = self.vote.agree(self.replica, GraphVote.IDLE) if self.vote is not None else None
+        self._graph_step = key is not None
         self.calls += 1
         if key is not None:
             self.executor.call(self.replica, "graph_dummy", key)
@@ -199,8 +214,14 @@ class ReplicaRunner:
             self.executor.call(self.replica, "dummy", None)
 
     def dummy_draft(self, k: int = 0) -> None:
+        key = None
+        if self.draft_vote is not None:
+            key = self.draft_vote.agree(self.replica, GraphVote.IDLE if self._graph_step else None)
         self.draft_calls += 1
-        self.executor.call(self.replica, "dummy_draft", k)
+        if key is not None:
+            self.executor.call(self.replica, "graph_draft_dummy", ("mtp", k) + key)
+        else:
+            self.executor.call(self.replica, "dummy_draft", k)
 
     def new_sequence(self):
         from ..kv.blocks import SeqBlocks

@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from ascend_dsv4 import LLM, SamplingParams
-from ascend_dsv4.engine import executor_dp
+from ascend_dsv4.engine import executor_dp, spec_decode
 from ascend_dsv4.engine.executor import ExecutorError
 from ascend_dsv4.engine.executor_dp import GraphVote
 from test_tp_graph_decode import force_static_graphs
@@ -41,12 +41,27 @@ def _count_ops(llm) -> dict:
 
 
 @pytest.mark.parametrize("spec", [0, 1])
-def test_dp2_graph_steps_equal_one_device(static_graphs, spec):
+def test_dp2_graph_steps_equal_one_device(static_graphs, spec, monkeypatch):
     """DP 2 x TP 1 + EP, V4: greedy outputs equal one device; decode steps replay graphs on both replicas (with
     requests of different lengths one replica goes idle and replays on padding rows); prefill steps stay eager
-    for both. With MTP speculation the verification steps replay too (their drafts run eagerly)."""
+    for both. With MTP speculation the verification steps replay too, and so do the MTP drafts of graph steps (an
+    idle replica's on padding rows); the drafts of prefill steps stay eager."""
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (16, 4, 9)]
-    want = [o.token_ids for o in LLM("toy-v4", **KW).generate(PROMPTS, params, use_tqdm=False)]
+    drafts: dict = {}  # run -> {(prompt, outputs so far): the MTP draft}
+    real = spec_decode.MTPDrafter.catch_up
+
+    def spy(self, items, streams):
+        res = real(self, items, streams)
+        for (r, *_), x in zip(items, res):
+            if x is not None and r.output_ids:
+                drafts.setdefault(run[0], {})[(tuple(r.prompt_ids), len(r.output_ids))] = x[0]
+        return res
+
+    monkeypatch.setattr(spec_decode.MTPDrafter, "catch_up", spy)
+    run = ["one"]
+    want = [o.token_ids for o in LLM("toy-v4", num_speculative_tokens=spec, **KW).generate(PROMPTS, params,
+                                                                                             use_tqdm=False)]
+    run[0] = "dp"
     llm = LLM("toy-v4", data_parallel_size=2, enable_expert_parallel=True, num_speculative_tokens=spec, **KW)
     try:
         assert all(e.runner.graphs is not None for e in llm.engine.engines) and llm.engine.vote is not None
@@ -56,7 +71,11 @@ def test_dp2_graph_steps_equal_one_device(static_graphs, spec):
         assert ops.get("graph", 0) >= 6 and ops.get("graph_dummy", 0) >= 1, ops
         assert ops.get("execute", 0) >= 1, ops  # the prefill steps
         if spec:
-            assert ops.get("draft", 0) > 0 and llm.engine.stats.mtp_proposed > 0
+            assert ops.get("draft", 0) > 0 and llm.engine.stats.mtp_proposed > 0, ops
+            assert ops.get("graph_draft", 0) >= 4 and ops.get("graph_draft_dummy", 0) >= 1, ops
+            assert all(e.runner.draft_calls == e.runner.calls for e in llm.engine.engines)  # one of each per step
+            common = drafts["one"].keys() & drafts["dp"].keys()  # the replayed drafts are one device's drafts
+            assert len(common) >= 10 and all(drafts["one"][k] == drafts["dp"][k] for k in common)
     finally:
         llm.shutdown()
 
@@ -94,3 +113,28 @@ def test_graph_vote_rules():
     vote.abort()
     t.join(5)
     assert not t.is_alive() and errs and "another replica" in errs[0]
+
+
+def test_dp2_replica_failing_before_its_draft_releases_the_other(static_graphs, monkeypatch):
+    """A replica whose step fails after its main forward and before its MTP forward releases the other replica,
+    which waits in the MTP vote: the step raises that failure at once, not after the vote's timeout."""
+    import time
+
+    real, seen = spec_decode.MTPDrafter.catch_up, []
+
+    def failing(self, items, streams):
+        seen.append(self.runner.replica)
+        if self.runner.replica == 0 and seen.count(0) == 4:  # a decode step of replica 0
+            raise RuntimeError("drafter failed on purpose")
+        return real(self, items, streams)
+
+    monkeypatch.setattr(spec_decode.MTPDrafter, "catch_up", failing)
+    llm = LLM("toy-v4", data_parallel_size=2, enable_expert_parallel=True, num_speculative_tokens=1, **KW)
+    try:
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        t = time.monotonic()
+        with pytest.raises(RuntimeError, match="drafter failed on purpose"):
+            llm.generate(PROMPTS, params, use_tqdm=False)
+        assert time.monotonic() - t < 30  # the vote's timeout is 60 s here
+    finally:
+        llm.shutdown()
