@@ -225,6 +225,27 @@ def test_nccl_data_parallel_ep_greedy_equals_one_gpu(world):
         llm.shutdown()
 
 
+@pytest.mark.parametrize("world", [w for w in WORLDS if w.values[0] > 1])
+def test_nccl_data_parallel_ep_mtp_graphs_equal_one_gpu(world):
+    """DP + EP with MTP speculation: verification steps and the drafts of graph steps replay captured graphs on
+    every rank (executor_dp's two votes); greedy outputs equal one GPU without speculation."""
+    from ascend_dsv4 import LLM
+
+    kw = dict(device=DEVICE, dtype="float32", max_model_len=256, max_num_batched_tokens=24)
+    want = _greedy(LLM("toy-v4", **kw))
+    llm = LLM("toy-v4", data_parallel_size=world, enable_expert_parallel=True, num_speculative_tokens=1, **kw)
+    try:
+        ops: dict = {}
+        call = llm.executor.call
+        llm.executor.call = lambda d, op, args: ops.__setitem__(op, ops.get(op, 0) + 1) or call(d, op, args)
+        assert _greedy(llm) == want
+        assert llm.engine.stats.mtp_proposed > 0
+        if DEVICE == "cuda":
+            assert ops.get("graph", 0) > 0 and ops.get("graph_draft", 0) > 0, ops
+    finally:
+        llm.shutdown()
+
+
 @pytest.mark.skipif(DEVICE == "cpu", reason="gpu_memory_utilization sizes pools from GPU memory")
 @pytest.mark.parametrize("world", WORLDS)
 def test_nccl_gpu_memory_utilization_sizes_every_rank(world):
