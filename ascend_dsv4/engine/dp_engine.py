@@ -104,15 +104,20 @@ class DPEngine:
 
     def step(self) -> list[RequestOutput]:
         """One step of every replica together (outputs of all replicas, replica order)."""
+        from .executor_dp import VoteAborted
+
+        check = getattr(self.executor, "check_health", None)
+        if check is not None:  # a dead executor says so before any replica meets a vote broken by its failure
+            check()
         futures = [self._pool.submit(self._replica_step, d) for d in range(len(self.engines))]
-        outputs, error = [], None
+        outputs, errors = [], []
         for f in futures:
             try:
                 outputs.extend(f.result())
-            except Exception as ex:  # noqa: BLE001 - the first failure wins, after every thread ended
-                error = error or ex
-        if error is not None:
-            raise error
+            except Exception as ex:  # noqa: BLE001 - reported after every thread ended
+                errors.append(ex)
+        if errors:  # the first failure that is a cause, not a replica released from a vote by it
+            raise next((ex for ex in errors if not isinstance(ex, VoteAborted)), errors[0])
         for o in outputs:
             if o.finished:
                 self.owner.pop(o.request_id, None)

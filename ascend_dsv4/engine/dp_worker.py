@@ -21,6 +21,11 @@ rank's pipe):
 - ``("graph_draft", (seqs, counts, next_ids, rows, key, full))``: ``draft`` replayed from the captured MTP graph of
   ``key`` (:meth:`ModelRunner.replay_draft`; every replica replays the same key in the same step), answered as
   ``draft``; ``("graph_draft_dummy", key)``: that graph on padding rows only (no MTP work for this replica);
+- ``("launch", (seqs, tokens, key, src, step))``: async scheduling: the replica's greedy decode step replayed from the
+  graph of ``key`` without waiting for it (:meth:`ModelRunner.replay_greedy`: the input ids from ``tokens`` or, with
+  ``src``, from rows ``src`` of the rank's last launched step's argmax, on the device); the rank's answer is only
+  an acknowledgement; rank 0 starts copying every row's maximum and argmax to the host and keeps the step as
+  ``step`` for ``("collect", step)``, which waits for it and answers as a compact ``execute`` (bad rows in full);
 - ``("dummy", None)``: no work for this replica in this step: the expert-parallel collectives of one forward on
   zero tokens (:func:`ascend_dsv4.layers.experts.dummy_moe_step`), so that the other replicas' all-to-alls meet;
 - ``("dummy_draft", k)``: the same for MTP module k (:func:`ascend_dsv4.layers.experts.dummy_mtp_step`), when
@@ -46,6 +51,7 @@ import torch
 
 from .executor import RankSpec, restore
 from .model_runner import compact_logits
+from .sampling_guard import bad_rows_of_max
 
 
 class DPRankState:
@@ -55,6 +61,7 @@ class DPRankState:
     def __init__(self) -> None:
         self.hidden: torch.Tensor | None = None
         self.like: torch.Tensor | None = None
+        self.launched: dict = {}  # step -> (host copy of [row maxima, argmaxes], logits, event) (rank 0, async)
 
 
 def apply_dp_call(op: str, args, model, runner, device, leader: bool, state: DPRankState):
@@ -102,6 +109,25 @@ def apply_dp_call(op: str, args, model, runner, device, leader: bool, state: DPR
             raise RuntimeError("draft: no hidden states kept from an execute call on this rank (keep was off)")
         logits = model.mtp_logits(state.hidden[rows], nxt, ctx, k, ctx.logits_index)
         return _answer(logits, full) if leader else None
+    if op == "launch":
+        seqs, tokens, key, src, step = restore(args, runner.pools, device)
+        out = runner.replay_greedy(seqs, tokens, key, src)
+        if out is None:
+            raise RuntimeError(f"CUDA graph capture of decode bucket {key} failed on this rank (its log says why); "
+                               f"the replicas replay together, so none can fall back alone: run with --enforce-eager")
+        state.hidden, state.like = None, out[0][:0]
+        if leader:
+            state.launched[step] = _start_host_copy(out[1], runner._greedy_arg)
+        return None
+    if op == "collect":
+        if not leader:
+            return None
+        both, logits, done = state.launched.pop(args)
+        if done is not None:
+            done.synchronize()
+        bad = bad_rows_of_max(both[0])
+        return (logits[torch.tensor(bad, dtype=torch.long, device=logits.device)].float().cpu(), bad,
+                both[1].long().tolist(), bad)
     if op == "dummy":
         dummy_moe_step(model)
         return None
@@ -112,6 +138,20 @@ def apply_dp_call(op: str, args, model, runner, device, leader: bool, state: DPR
         runner.pools.copy_page(*args)
         return None
     raise ValueError(f"unknown call {op!r}")
+
+
+def _start_host_copy(logits: torch.Tensor, arg: torch.Tensor):
+    """(pinned host [2, n] float32 <- [row maxima, argmaxes] copied without waiting, logits, CUDA event or None) of a
+    launched step (float32 holds a vocabulary index exactly up to 2^24: the engine's vocabularies are far below)."""
+    both = torch.stack((torch.amax(logits, -1).float(), arg.float()))
+    cuda = both.device.type == "cuda"
+    host = torch.empty(both.shape, dtype=torch.float32, pin_memory=cuda)
+    host.copy_(both, non_blocking=cuda)
+    done = None
+    if cuda:
+        done = torch.cuda.Event()
+        done.record()
+    return host, logits, done
 
 
 def _answer(logits: torch.Tensor, full):

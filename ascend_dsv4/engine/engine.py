@@ -72,13 +72,12 @@ class LLMEngine:
             raise RequestError("async_scheduling does not work with speculative decoding (num_speculative_tokens): "
                                "the draft of a step depends on the host's view of the step before")
         # greedy decode steps launched before the host has processed the step in flight (engine/overlap.py);
-        # only a runner that can launch a step without waiting (ModelRunner.launch_greedy; under tensor / expert
-        # parallelism mirrored to every rank) takes part
+        # only a runner that can launch a step without waiting takes part (ModelRunner.launch_greedy, under tensor
+        # / expert parallelism mirrored to every rank; a data-parallel replica's, executor_dp.ReplicaRunner)
         can = hasattr(runner, "launch_greedy")
         self.overlap = AsyncDecode(self) if async_scheduling and can else None
         if async_scheduling and self.overlap is None:
-            log.info("async_scheduling: not under data parallelism yet (the replicas step in lock step through "
-                     "the front end); running without it")
+            log.info("async_scheduling: this runner cannot launch a step without waiting; running without it")
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
 

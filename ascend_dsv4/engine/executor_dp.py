@@ -26,7 +26,9 @@ replica runs eagerly: :class:`GraphVote` takes each replica's proposal (its step
 replay, or idle) before the forward is sent. An idle replica replays that key on padding rows (``graph_dummy``).
 The MTP forwards of speculative decoding vote the same way (a second :class:`GraphVote`, ``draft_vote``) in steps
 whose main forwards replayed graphs: every replica replays the MTP graph of one key (``graph_draft``; an idle
-replica ``graph_draft_dummy``) or every one drafts eagerly.
+replica ``graph_draft_dummy``) or every one drafts eagerly. Async scheduling (``engine/overlap.py``): a replica's
+greedy decode step is launched on its ranks (``launch``) and collected a step later (``collect``); the launch takes
+the step's vote, and when the vote says eager the synchronous forward or dummy that follows keeps that decision.
 The ranks' graph decoders reserve the first page of each page space for padding rows; the front end's
 :class:`ReplicaRunner` reserves the same pages in its page tables (checked against what the ranks report).
 """
@@ -41,7 +43,7 @@ import pickle
 import threading
 import time
 import weakref
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -56,6 +58,18 @@ class _ReplicaHidden:
 
     def __init__(self, replica: int, step: int):
         self.replica, self.step = replica, step
+
+
+class _ReplicaPending(NamedTuple):
+    """A step launched on a replica's ranks (async scheduling) and not collected yet."""
+
+    n: int  # rows
+    step: int  # the replica's forward count at the launch: the ranks keep the step under it
+
+
+class VoteAborted(ExecutorError):
+    """A replica released from a :class:`GraphVote` because another replica failed: a consequence, not the cause
+    (``DPEngine.step`` reports the cause when there is one)."""
 
 
 class GraphVote:
@@ -79,7 +93,7 @@ class GraphVote:
         try:
             self._barrier.wait()
         except threading.BrokenBarrierError:
-            raise ExecutorError(f"replica {replica}: another replica's step failed, or did not reach its forward "
+            raise VoteAborted(f"replica {replica}: another replica's step failed, or did not reach its forward "
                                 f"within the timeout, before this step's graph / eager decision") from None
         return self._decision
 
@@ -119,6 +133,8 @@ class ReplicaRunner:
         self.vote: GraphVote | None = None  # set by the DP engine when every replica replays graphs
         self.draft_vote: GraphVote | None = None  # the same for the MTP forwards (speculative decoding)
         self._graph_step = False  # this step's main forward replayed a graph (every replica's did, or none)
+        self._decided: tuple | None = None  # (None,): this step's vote, taken by a launch that then ran nothing
+        self._last_launch: _ReplicaPending | None = None
         if graph_trash is not None:
             from .cuda_graphs import CudaGraphDecoder
 
@@ -155,10 +171,15 @@ class ReplicaRunner:
         logits, hidden = self._step(seqs, tokens, rows, sorted(set(full_rows)))
         return StepLogits(*logits, hidden)
 
+    def _agree(self, proposal):
+        """This step's graph key (None: eager) -- the vote's decision, or the one a launch already took."""
+        if self._decided is not None:
+            key, self._decided = self._decided[0], None
+            return key
+        return self.vote.agree(self.replica, proposal) if self.vote is not None else None
+
     def _step(self, seqs, tokens, rows, full):
-        key = None
-        if self.vote is not None:
-            key = self.vote.agree(self.replica, self.graphs.key(seqs, tokens, rows))
+        key = self._agree(self.graphs.key(seqs, tokens, rows) if self.vote is not None else None)
         self._graph_step = key is not None
         for s, t in zip(seqs, tokens):
             self.pools.ensure(s, s.num_tokens + len(t))
@@ -204,8 +225,37 @@ class ReplicaRunner:
         nxt = torch.tensor(list(next_ids), dtype=torch.long)
         return self.executor.call(self.replica, "draft", (ctx, nxt, rows, k, full))
 
+    def launch_greedy(self, seqs, tokens=None, after=None, after_rows=None):
+        """Async scheduling (:meth:`ModelRunner.launch_greedy`): a pure greedy decode step sent to the replica's
+        ranks (``launch``) without waiting for it; ``after``: the input ids are that step's argmax rows
+        ``after_rows``, taken on the ranks' devices. Only where every replica replays graphs, and only when this
+        step's vote (taken here) gives a graph key; when it gives eager, None, and the synchronous forward or the
+        dummy that follows in this step keeps that decision instead of voting again."""
+        n = len(seqs)
+        src = list(range(n)) if after_rows is None else list(after_rows)
+        if self.vote is None or n == 0 or (after is not None and (after is not self._last_launch or len(src) != n
+                                                                 or max(src) >= after.n)):
+            return None
+        tok = [[0]] * n if after is not None else [list(t) for t in tokens]
+        key = self.vote.agree(self.replica, self.graphs.key(seqs, tok, list(range(n))))
+        if key is None:
+            self._decided = (None,)
+            return None
+        self._graph_step = True
+        for s in seqs:
+            self.pools.ensure(s, s.num_tokens + 1)
+        self.calls += 1
+        self.executor.call(self.replica, "launch", (list(seqs), tok, key, None if after is None else src,
+                                                    self.calls))
+        self._last_launch = _ReplicaPending(n, self.calls)
+        return self._last_launch
+
+    def collect(self, p: "_ReplicaPending") -> StepLogits:
+        """Wait for a launched step: every row's argmax, bad rows in full (``collect`` on the ranks)."""
+        return StepLogits(*self.executor.call(self.replica, "collect", p.step), _ReplicaHidden(self.replica, p.step))
+
     def dummy(self) -> None:
-        key = self.vote.agree(self.replica, GraphVote.IDLE) if self.vote is not None else None
+        key = self._agree(GraphVote.IDLE)
         self._graph_step = key is not None
         self.calls += 1
         if key is not None:

@@ -14,7 +14,9 @@ speculative decoding is on, every sequence has room for one more token, and the 
 bucket; otherwise the engine takes its synchronous step. A request the host finds finished after step N (EOS, a
 stop token or string, max_tokens) is already in step N+1: that row's token is dropped (one token of device work
 per finished request, as in vLLM). Tokens, texts and finish reasons are those of the synchronous engine: the
-tests run both and compare.
+tests run both and compare. Under data parallelism each replica's engine does this over its
+:class:`~ascend_dsv4.engine.executor_dp.ReplicaRunner` (the step launched on the replica's ranks, collected a step
+later).
 """
 
 from __future__ import annotations

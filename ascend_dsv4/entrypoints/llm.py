@@ -164,15 +164,13 @@ class LLM:
             raise ConfigError("batch_invariant=True is not supported with tensor / expert / data parallelism yet "
                               "(the all-reduce order is not made batch-invariant); run it at world size 1")
         if data_parallel_size > 1:
-            if async_scheduling:
-                log.info("async_scheduling: not under data parallelism yet; running without it")
             if not enable_expert_parallel:
                 log.info("data_parallel_size = %d: the routed experts are expert-parallel over all %d ranks "
                          "(enable_expert_parallel implied)", data_parallel_size,
                          data_parallel_size * tensor_parallel_size)
             self._start_dp(model, folder, numerics, seed, dequantize, block_size, data_parallel_size,
                            tensor_parallel_size, distributed_executor_backend, max_num_seqs, max_num_batched_tokens,
-                           enable_prefix_caching, num_speculative_tokens,
+                           enable_prefix_caching, num_speculative_tokens, async_scheduling,
                            dict(msmodelslim_path=msmodelslim_path, allow_float_mtp=allow_float_mtp,
                                 msmodelslim_act_sim=msmodelslim_act_sim, check_weights=not skip_weight_check,
                                 gpu_memory_utilization=gpu_memory_utilization))
@@ -235,7 +233,8 @@ class LLM:
         return runner
 
     def _start_dp(self, model, folder, numerics, seed, dequantize, block_size, dp, tp, executor, max_num_seqs,
-                  max_num_batched_tokens, enable_prefix_caching, num_speculative_tokens, msm: dict) -> None:
+                  max_num_batched_tokens, enable_prefix_caching, num_speculative_tokens, async_scheduling: bool,
+                  msm: dict) -> None:
         """Data-parallel attention (``engine/executor_dp.py``): validate, start ``dp x tp`` worker ranks, one
         engine per replica behind a :class:`~ascend_dsv4.engine.dp_engine.DPEngine`."""
         from parallel.groups import visible_devices
@@ -276,7 +275,8 @@ class LLM:
             r.keep_hidden = bool(num_speculative_tokens)
             engines.append(LLMEngine(r, self.tokenizer, self.max_model_len, max_num_seqs, max_num_batched_tokens,
                                      enable_prefix_caching=enable_prefix_caching,
-                                     num_speculative_tokens=num_speculative_tokens))
+                                     num_speculative_tokens=num_speculative_tokens,
+                                     async_scheduling=async_scheduling))
         self.runner = self.executor.runners[0]
         self.engine = DPEngine(engines, self.executor)
 

@@ -15,7 +15,8 @@ PROMPTS = [[7, 8, 9, 10, 11, 12, 13, 14] + [(3 * i + j) % 500 + 3 for j in range
 @pytest.mark.parametrize("graphs", [False, "static"])
 def test_dp2_ep_across_nodes_equals_one_process_and_killed_rank(ray_cluster, monkeypatch, kill_and_wait, graphs):
     """(graphs="static": every rank with the static-buffer graph decoder, as on CUDA: decode steps replay on both
-    replicas, executor_dp.GraphVote; the idle replica's on padding rows)"""
+    replicas, executor_dp.GraphVote; the idle replica's on padding rows; with async scheduling, the steps launched
+    on the actors ahead of the front end's collecting)"""
     import ray
 
     from ascend_dsv4 import LLM, SamplingParams
@@ -38,7 +39,8 @@ def test_dp2_ep_across_nodes_equals_one_process_and_killed_rank(ray_cluster, mon
     one = LLM("toy-v4", **kw)
     want = [o.token_ids for o in one.generate(PROMPTS, greedy, use_tqdm=False)]
     alone = [o.token_ids for o in one.generate([[300 + j for j in range(20)]], greedy, use_tqdm=False)]
-    llm = LLM("toy-v4", data_parallel_size=2, enable_expert_parallel=True, distributed_executor_backend="ray", **kw)
+    llm = LLM("toy-v4", data_parallel_size=2, enable_expert_parallel=True, distributed_executor_backend="ray",
+              async_scheduling=bool(graphs), **kw)
     try:
         assert len({s.node_id for s in llm.executor.ray.slots}) == 2  # one rank (= one replica) per node
         assert sorted(i["replica"] for i in llm.executor.ready_info) == [0, 1]
@@ -46,7 +48,8 @@ def test_dp2_ep_across_nodes_equals_one_process_and_killed_rank(ray_cluster, mon
         call = llm.executor.call
         llm.executor.call = lambda d, op, args: ops.__setitem__(op, ops.get(op, 0) + 1) or call(d, op, args)
         assert [o.token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)] == want
-        assert (ops.get("graph", 0) > 0) == bool(graphs), ops  # decode steps replayed graphs on the actors
+        assert (ops.get("graph", 0) + ops.get("launch", 0) > 0) == bool(graphs), ops  # replayed on the actors
+        assert (ops.get("launch", 0) > 0) == bool(graphs), ops  # async: launched, then collected
         assert all(e.stats.prompt_tokens > 0 for e in llm.engine.engines)
         assert [o.token_ids for o in llm.generate([[300 + j for j in range(20)]], greedy, use_tqdm=False)] == alone
         assert (llm.engine.vote is not None) == bool(graphs)

@@ -138,3 +138,75 @@ def test_dp2_replica_failing_before_its_draft_releases_the_other(static_graphs, 
         assert time.monotonic() - t < 30  # the vote's timeout is 60 s here
     finally:
         llm.shutdown()
+
+
+def test_dp2_async_scheduling_equals_sync(static_graphs, monkeypatch):
+    """Async scheduling under DP 2 x TP 1 + EP: each replica's greedy decode steps are launched on its ranks
+    (``launch``, input ids from the ranks' own argmax of the step before) before the front end collects the step
+    in flight. Requests of different lengths and stops (one replica idles on padding rows while the other runs
+    ahead), more requests than max_num_seqs (admission: sync steps between launches), a sampled request (its
+    replica steps synchronously while the other launches: the vote a launch took carries over to the sync step or
+    the dummy) and a prefix-cache hit: the tokens, texts and finish reasons of the synchronous DP engine."""
+    prompts = PROMPTS + [[(7 * j) % 900 + 5 for j in range(11 + 5 * i)] for i in range(4)]
+    prompts[4] = prompts[1][:20] + [7, 8, 9]  # shares a prefix with prompt 1
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (16, 4, 9, 12, 7, 20, 3)]
+    params[5] = SamplingParams(max_tokens=10, temperature=0.8, seed=5, ignore_eos=True)
+
+    def run(llm):
+        return [(o.token_ids, o.text, o.finish_reason) for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    carried, agree = [0], executor_dp.ReplicaRunner._agree
+
+    def spy(self, proposal):  # a step's forward that follows a launch which voted eager: no second vote
+        carried[0] += self._decided is not None
+        return agree(self, proposal)
+
+    monkeypatch.setattr(executor_dp.ReplicaRunner, "_agree", spy)
+
+    kw = dict(KW, enable_prefix_caching=True, max_num_seqs=2)
+    sync = LLM("toy-v4", data_parallel_size=2, enable_expert_parallel=True, **kw)
+    try:
+        want = run(sync)
+    finally:
+        sync.shutdown()
+    base = LLM("toy-v4", **kw).generate(prompts[:3], params[:3], use_tqdm=False)
+    assert [w[0] for w in want[:3]] == [o.token_ids for o in base]
+    llm = LLM("toy-v4", data_parallel_size=2, enable_expert_parallel=True, async_scheduling=True, **kw)
+    try:
+        assert all(e.overlap is not None for e in llm.engine.engines)
+        ops = _count_ops(llm)
+        assert run(llm) == want
+        # a step launched ahead for requests that then finished stays in flight until that replica's next step
+        assert ops.get("launch", 0) >= 10 and 0 <= ops["launch"] - ops.get("collect", 0) <= 2, ops
+        assert ops.get("graph_dummy", 0) >= 1 and ops.get("execute", 0) >= 2 and carried[0] >= 1, ops
+        assert run(llm) == want  # again, from a warm prefix cache
+    finally:
+        llm.shutdown()
+
+
+def test_launch_and_collect_on_a_rank_keep_bad_rows_in_full():
+    """The rank side of async scheduling under DP (dp_worker's ``launch`` / ``collect``): rank 0 answers every row's
+    argmax and the non-finite rows in full, for the step it launched under that step number; other ranks None."""
+    import torch
+
+    from ascend_dsv4.engine.dp_worker import DPRankState, apply_dp_call
+
+    logits = torch.randn(3, 50)
+    logits[1, 4] = float("nan")
+
+    class Runner:
+        pools = None
+
+        def replay_greedy(self, seqs, tokens, key, src):
+            self.got = (seqs, tokens, key, src)
+            self._greedy_arg = torch.argmax(logits, -1)
+            return torch.zeros(3, 2, 8), logits
+
+    runner, state = Runner(), DPRankState()
+    assert apply_dp_call("launch", ([], [[1], [2], [3]], (4,), None, 7), None, runner, "cpu", True, state) is None
+    assert runner.got[2] == (4,) and 7 in state.launched and state.like.shape == (0, 2, 8)
+    rows, kept, arg, bad = apply_dp_call("collect", 7, None, runner, "cpu", True, state)
+    assert kept == bad == [1] and torch.isnan(rows[0, 4]) and arg[0] == int(torch.argmax(logits[0])) and not state.launched
+    other = DPRankState()
+    assert apply_dp_call("launch", ([], [[1]] * 3, (4,), [0, 1, 2], 7), None, runner, "cpu", False, other) is None
+    assert not other.launched and apply_dp_call("collect", 7, None, runner, "cpu", False, other) is None
