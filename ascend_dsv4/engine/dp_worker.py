@@ -73,7 +73,7 @@ def apply_dp_call(op: str, args, model, runner, device, leader: bool, state: DPR
         ids, ctx, rows, keep, full = restore(args, runner.pools, device)
         hidden = model(ids, ctx)
         state.hidden = hidden if keep else None  # kept only while speculation is on (a prefill's can be large)
-        state.like = hidden[:0]
+        state.like = _like(hidden)
         logits = model.logits(hidden, rows)  # on every rank: under TP it gathers the vocabulary shards
         return _answer(logits, full) if leader else None
     if op in ("graph", "graph_dummy"):
@@ -85,7 +85,7 @@ def apply_dp_call(op: str, args, model, runner, device, leader: bool, state: DPR
                                f"the replicas replay together, so none can fall back alone: run with --enforce-eager")
         hidden, logits = out
         state.hidden = hidden if keep else None
-        state.like = hidden[:0]
+        state.like = _like(hidden)
         return _answer(logits, full) if leader and op == "graph" else None
     if op in ("graph_draft", "graph_draft_dummy"):
         if op == "graph_draft":
@@ -115,7 +115,7 @@ def apply_dp_call(op: str, args, model, runner, device, leader: bool, state: DPR
         if out is None:
             raise RuntimeError(f"CUDA graph capture of decode bucket {key} failed on this rank (its log says why); "
                                f"the replicas replay together, so none can fall back alone: run with --enforce-eager")
-        state.hidden, state.like = None, out[0][:0]
+        state.hidden, state.like = None, _like(out[0])
         if leader:
             state.launched[step] = _start_host_copy(out[1], runner._greedy_arg)
         return None
@@ -138,6 +138,11 @@ def apply_dp_call(op: str, args, model, runner, device, leader: bool, state: DPR
         runner.pools.copy_page(*args)
         return None
     raise ValueError(f"unknown call {op!r}")
+
+
+def _like(hidden: torch.Tensor) -> torch.Tensor:
+    """A zero-row tensor of ``hidden``'s row shape and dtype (its own storage: a view would keep a prefill's alive)."""
+    return hidden.new_empty((0,) + tuple(hidden.shape[1:]))
 
 
 def _start_host_copy(logits: torch.Tensor, arg: torch.Tensor):

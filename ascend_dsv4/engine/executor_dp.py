@@ -94,7 +94,7 @@ class GraphVote:
             self._barrier.wait()
         except threading.BrokenBarrierError:
             raise VoteAborted(f"replica {replica}: another replica's step failed, or did not reach its forward "
-                                f"within the timeout, before this step's graph / eager decision") from None
+                              f"within the timeout, before this step's graph / eager decision") from None
         return self._decision
 
     def _decide(self) -> None:

@@ -206,7 +206,8 @@ def test_launch_and_collect_on_a_rank_keep_bad_rows_in_full():
     assert apply_dp_call("launch", ([], [[1], [2], [3]], (4,), None, 7), None, runner, "cpu", True, state) is None
     assert runner.got[2] == (4,) and 7 in state.launched and state.like.shape == (0, 2, 8)
     rows, kept, arg, bad = apply_dp_call("collect", 7, None, runner, "cpu", True, state)
-    assert kept == bad == [1] and torch.isnan(rows[0, 4]) and arg[0] == int(torch.argmax(logits[0])) and not state.launched
+    assert kept == bad == [1] and torch.isnan(rows[0, 4]) and arg[0] == int(torch.argmax(logits[0]))
+    assert not state.launched and state.like.untyped_storage().nbytes() == 0  # not a view of the step's states
     other = DPRankState()
     assert apply_dp_call("launch", ([], [[1]] * 3, (4,), [0, 1, 2], 7), None, runner, "cpu", False, other) is None
     assert not other.launched and apply_dp_call("collect", 7, None, runner, "cpu", False, other) is None
