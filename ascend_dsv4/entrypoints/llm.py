@@ -248,8 +248,11 @@ class LLM:
         from ..engine.spec_decode import speculation_problem
 
         problem = speculation_problem(num_speculative_tokens, bool(getattr(self.cfg, "n_mtp_layers", 0)))
-        if problem:  # the engine's rule, checked before any worker starts
+        if problem:  # the engine's rules, checked before any worker starts
             raise ConfigError(problem)
+        if async_scheduling and num_speculative_tokens:
+            raise ConfigError("async_scheduling does not work with speculative decoding (num_speculative_tokens): "
+                              "the draft of a step depends on the host's view of the step before")
         local = None if executor == "ray" else visible_devices(self.device.type)  # Ray: devices of many nodes
         validate_dp_layout(self.cfg, dp, tp, True, executor, visible_devices=local, device=self.device.type)
         validate_layout(self.cfg, tp, True, quantized_checkpoint=folder is not None, numerics=numerics)

@@ -150,6 +150,7 @@ def test_cli_generate_and_info_with_dp(capsys):
     (dict(data_parallel_size=2, enable_expert_parallel=True, distributed_executor_backend="spark"),
      "must be .mp. or .ray."),
     (dict(data_parallel_size=2, enable_expert_parallel=True, num_speculative_tokens=2), "0 or 1"),
+    (dict(data_parallel_size=2, async_scheduling=True, num_speculative_tokens=1), "does not work with speculative"),
 ])
 def test_bad_dp_layout_fails_before_workers_start(kw, match):
     with pytest.raises(ConfigError, match=match):
