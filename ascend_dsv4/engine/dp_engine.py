@@ -89,7 +89,8 @@ class DPEngine:
         runner = e.runner
         before, drafts_before = runner.calls, runner.draft_calls
         try:
-            outs = e.step() if (e.has_unfinished() or e.requests) else []
+            busy = e.has_unfinished() or e.requests or (e.overlap is not None and e.overlap.inflight is not None)
+            outs = e.step() if busy else []  # (a step launched ahead for requests that finished: collected here)
         except BaseException:
             if self.vote is not None and runner.calls == before:  # failed before its forward: release the others
                 self.vote.abort()

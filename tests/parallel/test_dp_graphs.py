@@ -211,3 +211,37 @@ def test_launch_and_collect_on_a_rank_keep_bad_rows_in_full():
     other = DPRankState()
     assert apply_dp_call("launch", ([], [[1]] * 3, (4,), [0, 1, 2], 7), None, runner, "cpu", False, other) is None
     assert not other.launched and apply_dp_call("collect", 7, None, runner, "cpu", False, other) is None
+
+
+def test_dp2_async_abort_in_flight_and_pages_returned(static_graphs):
+    """Async scheduling under DP: a request aborted while its replica's step is in flight ends there, the others
+    give the synchronous outputs, and every replica's pages come back (the front end's page tables) once the
+    steps still in flight are dropped."""
+    kw = dict(KW, max_num_seqs=2)
+    p = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
+    sync = LLM("toy-v4", data_parallel_size=2, enable_expert_parallel=True, **kw)
+    try:
+        want = [o.token_ids for o in sync.generate(PROMPTS, p, use_tqdm=False)]
+    finally:
+        sync.shutdown()
+    llm = LLM("toy-v4", data_parallel_size=2, enable_expert_parallel=True, async_scheduling=True, **kw)
+    try:
+        e = llm.engine
+        free0 = [x.runner.pools.token_alloc.num_free for x in e.engines]
+        ids = [e.add_request(x, p) for x in PROMPTS]
+        seen: dict = {i: [] for i in ids}
+        steps = 0
+        while e.has_unfinished():
+            for o in e.step():
+                seen[o.request_id] = o.token_ids
+            steps += 1
+            if steps == 6:
+                owner = e.engines[e.owner[ids[1]]]
+                assert owner.overlap.inflight is not None  # its replica runs ahead
+                assert e.abort_request(ids[1])
+        assert seen[ids[0]] == want[0] and seen[ids[2]] == want[2] and len(seen[ids[1]]) < 14
+        e.step()  # every replica drops (collects) a step still in flight
+        assert all(x.overlap.inflight is None for x in e.engines)
+        assert [x.runner.pools.token_alloc.num_free for x in e.engines] == free0
+    finally:
+        llm.shutdown()
