@@ -143,8 +143,8 @@ def test_dp2_replica_failing_before_its_draft_releases_the_other(static_graphs, 
 def test_dp2_async_scheduling_equals_sync(static_graphs, monkeypatch):
     """Async scheduling under DP 2 x TP 1 + EP: each replica's greedy decode steps are launched on its ranks
     (``launch``, input ids from the ranks' own argmax of the step before) before the front end collects the step
-    in flight. Requests of different lengths and stops (one replica idles on padding rows while the other runs
-    ahead), more requests than max_num_seqs (admission: sync steps between launches), a sampled request (its
+    in flight. Requests of different lengths (they finish while a step is in flight; one replica idles on padding
+    rows while the other runs ahead), more requests than max_num_seqs (admission: sync steps between launches), a sampled request (its
     replica steps synchronously while the other launches: the vote a launch took carries over to the sync step or
     the dummy) and a prefix-cache hit: the tokens, texts and finish reasons of the synchronous DP engine."""
     prompts = PROMPTS + [[(7 * j) % 900 + 5 for j in range(11 + 5 * i)] for i in range(4)]
