@@ -134,3 +134,22 @@ def test_split3_is_exact_through_the_kernel():
     # each later part is below the previous part's last bit (x1 rounds or truncates x, as the converter does)
     assert (parts[1].double().abs() <= parts[0].double().abs() * 2.0**-7).all()
     assert (parts[2].double().abs() <= parts[1].double().abs() * 2.0**-7).all()
+
+
+def test_init_random_rounds_to_bf16_in_place_exactly():
+    """init_random_'s in-place rounding of the float32-compute weights to the BF16 grid (integer ops on the float32
+    bits) equals the two conversions it replaces, on ties (to even, both signs), subnormals and the largest
+    exponents; and the toy model's values are those of the two-conversion form."""
+    from ascend_dsv4.weights.random_init import _round_to_bf16_
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(300_007, generator=g) * torch.exp2(torch.randint(-149, 127, (300_007,), generator=g).float())
+    ties = torch.tensor([1 + 2.0**-8, 1 + 3 * 2.0**-8, -(1 + 2.0**-8), -(1 + 3 * 2.0**-8), 2.0**-130 * 3, 0.0, -0.0,
+                         3.3895e38, -3.3895e38])
+    x = torch.cat([ties, x[torch.isfinite(x)]])
+    y = x.clone()
+    _round_to_bf16_(y)
+    assert torch.equal(y.view(torch.int32), x.bfloat16().float().view(torch.int32))
+    model = init_random_(DeepseekV4Model(toy_cfg(), torch.float32, "exact"), 1)
+    for m in _fp32_linears(model).values():
+        assert bf16_exact(m.weight)
