@@ -53,7 +53,8 @@ def make_llm(max_batch: int, ctx: int, out_len: int, device: str, eager: bool, t
     llm = LLM(model, config_overrides=over, device=device, dtype="bfloat16", max_num_seqs=max_batch,
               max_model_len=ctx + 2 * out_len + 2 * max_batch + 16, max_num_batched_tokens=max(2048, max_batch),
               enforce_eager=eager, progress=False, async_scheduling=async_scheduling, **layout)
-    if async_scheduling and toy and llm.runner.graphs is None:  # CPU smoke test: the uncaptured graph path
+    if async_scheduling and toy and llm.runner.graphs is None and hasattr(llm.runner, "model"):
+        # CPU smoke test in one process: the uncaptured graph path (a DP replica's runner has no local model)
         from ascend_dsv4.engine.cuda_graphs import CudaGraphDecoder
 
         llm.runner.graphs = CudaGraphDecoder(llm.runner.model, llm.runner.pools, max_batch)

@@ -8,6 +8,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -47,3 +49,15 @@ def test_bench_engine_step_layout_rows():
     # progress stamps on '#' lines (a run cut by its timeout shows which phase it was in)
     assert re.search(r"^# [0-9.]+ s: engine built", out.stdout, re.M), out.stdout
     assert re.search(r"^# [0-9.]+ s: batch 2: prefill, graph capture and decode$", out.stdout, re.M), out.stdout
+
+
+@pytest.mark.distributed
+def test_bench_engine_step_dp_async_row():
+    """scripts/bench_engine_step.py --toy -dp 2 --async-scheduling (the next device run's layout) runs on the CPU's
+    worker processes and prints its row."""
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "bench_engine_step.py"), "--toy", "--device", "cpu",
+           "--batches", "2", "--ctx", "16", "--output-len", "4", "-dp", "2", "--async-scheduling"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "TP 1 x DP 2 + EP, async scheduling" in out.stdout, out.stdout
+    assert re.search(r"^\| 2 \| (\d+) \| ([0-9.]+) \| 2\.0 \| (\d+) \|$", out.stdout, re.M), out.stdout
