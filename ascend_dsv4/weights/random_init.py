@@ -40,7 +40,7 @@ def init_random_(model: nn.Module, seed: int = 0) -> nn.Module:
             std, mean = 0.5, 0.0
         else:
             raise KeyError(f"init_random_: no rule for parameter {name}")
-        if p.dtype == torch.float32 and p.is_contiguous():
+        if p.dtype == torch.float32 and p.is_contiguous() and p.device.type == "cpu":  # (the generator's device)
             normal(shape, std, mean, out=p.data)
         else:
             p.copy_(normal(shape, std, mean))  # rounds to p's dtype as .to(p.dtype) does
