@@ -51,7 +51,6 @@ import torch
 
 from .executor import RankSpec, restore
 from .model_runner import compact_logits
-from .sampling_guard import bad_rows_of_max
 
 
 class DPRankState:
@@ -61,7 +60,7 @@ class DPRankState:
     def __init__(self) -> None:
         self.hidden: torch.Tensor | None = None
         self.like: torch.Tensor | None = None
-        self.launched: dict = {}  # step -> (host copy of [row maxima, argmaxes], logits, event) (rank 0, async)
+        self.launched: dict = {}  # step -> ModelRunner.PendingStep of a launched step (rank 0, async scheduling)
 
 
 def apply_dp_call(op: str, args, model, runner, device, leader: bool, state: DPRankState):
@@ -117,17 +116,10 @@ def apply_dp_call(op: str, args, model, runner, device, leader: bool, state: DPR
                                f"the replicas replay together, so none can fall back alone: run with --enforce-eager")
         state.hidden, state.like = None, _like(out[0])
         if leader:
-            state.launched[step] = _start_host_copy(out[1], runner._greedy_arg)
+            state.launched[step] = runner.pending_step(None, out[1])
         return None
     if op == "collect":
-        if not leader:
-            return None
-        both, logits, done = state.launched.pop(args)
-        if done is not None:
-            done.synchronize()
-        bad = bad_rows_of_max(both[0])
-        return (logits[torch.tensor(bad, dtype=torch.long, device=logits.device)].float().cpu(), bad,
-                both[1].long().tolist(), bad)
+        return tuple(runner.collect(state.launched.pop(args))[:4]) if leader else None
     if op == "dummy":
         dummy_moe_step(model)
         return None
@@ -143,20 +135,6 @@ def apply_dp_call(op: str, args, model, runner, device, leader: bool, state: DPR
 def _like(hidden: torch.Tensor) -> torch.Tensor:
     """A zero-row tensor of ``hidden``'s row shape and dtype (its own storage: a view would keep a prefill's alive)."""
     return hidden.new_empty((0,) + tuple(hidden.shape[1:]))
-
-
-def _start_host_copy(logits: torch.Tensor, arg: torch.Tensor):
-    """(pinned host [2, n] float32 <- [row maxima, argmaxes] copied without waiting, logits, CUDA event or None) of a
-    launched step (float32 holds a vocabulary index exactly up to 2^24: the engine's vocabularies are far below)."""
-    both = torch.stack((torch.amax(logits, -1).float(), arg.float()))
-    cuda = both.device.type == "cuda"
-    host = torch.empty(both.shape, dtype=torch.float32, pin_memory=cuda)
-    host.copy_(both, non_blocking=cuda)
-    done = None
-    if cuda:
-        done = torch.cuda.Event()
-        done.record()
-    return host, logits, done
 
 
 def _answer(logits: torch.Tensor, full):

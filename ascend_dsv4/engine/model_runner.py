@@ -352,18 +352,24 @@ class ModelRunner:
             if out is None:
                 return None
             self.last_prepare_s = time.perf_counter() - t0  # through the launch (every rank's, when mirrored)
-            hidden, logits = out
-            arg = self._greedy_arg
-            row_max = torch.amax(logits, -1).float()  # amax propagates NaN
-            cuda = arg.device.type == "cuda"
-            arg_host = torch.empty(n, dtype=torch.long, pin_memory=cuda)
-            max_host = torch.empty(n, dtype=torch.float32, pin_memory=cuda)
-            arg_host.copy_(arg, non_blocking=cuda)
-            max_host.copy_(row_max, non_blocking=cuda)
-            done = None
-            if cuda:
-                done = torch.cuda.Event()
-                done.record()
+            return self.pending_step(*out)
+
+    def pending_step(self, hidden, logits: torch.Tensor) -> PendingStep:
+        """The :class:`PendingStep` of a step just replayed by :meth:`replay_greedy` (its argmax kept there): every
+        row's argmax and maximum start copying to the host without waiting (:meth:`collect` waits). A data-parallel
+        rank uses it for the steps it launches (``dp_worker``)."""
+        n = logits.shape[0]
+        arg = self._greedy_arg
+        row_max = torch.amax(logits, -1).float()  # amax propagates NaN
+        cuda = arg.device.type == "cuda"
+        arg_host = torch.empty(n, dtype=torch.long, pin_memory=cuda)
+        max_host = torch.empty(n, dtype=torch.float32, pin_memory=cuda)
+        arg_host.copy_(arg, non_blocking=cuda)
+        max_host.copy_(row_max, non_blocking=cuda)
+        done = None
+        if cuda:
+            done = torch.cuda.Event()
+            done.record()
         return PendingStep(n, arg, arg_host, max_host, logits, hidden, done)
 
     def replay_greedy(self, seqs: Sequence[SeqBlocks], tokens: Sequence[Sequence[int]], key,

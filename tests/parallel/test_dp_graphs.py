@@ -194,8 +194,11 @@ def test_launch_and_collect_on_a_rank_keep_bad_rows_in_full():
     logits = torch.randn(3, 50)
     logits[1, 4] = float("nan")
 
-    class Runner:
+    from ascend_dsv4.engine.model_runner import ModelRunner
+
+    class Runner:  # the rank's ModelRunner around a stub replay
         pools = None
+        pending_step, collect = ModelRunner.pending_step, ModelRunner.collect
 
         def replay_greedy(self, seqs, tokens, key, src):
             self.got = (seqs, tokens, key, src)
