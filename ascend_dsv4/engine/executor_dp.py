@@ -168,7 +168,7 @@ class ReplicaRunner:
     def execute_rows(self, seqs, tokens: Sequence[Sequence[int]], rows: Sequence[int], full_rows: Sequence[int]):
         """As :meth:`ModelRunner.execute_rows`: the replica's rank 0 makes every row's argmax and non-finite check
         on its device and sends back only rows ``full_rows`` and the bad rows in full (``dp_worker``)."""
-        logits, hidden = self._step(seqs, tokens, rows, sorted(set(full_rows)))
+        logits, hidden = self._step(seqs, tokens, rows, list(full_rows))
         return StepLogits(*logits, hidden)
 
     def _agree(self, proposal):
@@ -204,7 +204,7 @@ class ReplicaRunner:
     def draft_rows(self, seqs, counts: Sequence[int], next_ids: Sequence[int], hidden, rows: torch.Tensor,
                    full_rows: Sequence[int], k: int = 0) -> StepLogits:
         """As :meth:`ModelRunner.draft_rows`: only rows ``full_rows`` and bad rows cross the pipe in full."""
-        return StepLogits(*self._draft(seqs, counts, next_ids, hidden, rows, k, sorted(set(full_rows))), None)
+        return StepLogits(*self._draft(seqs, counts, next_ids, hidden, rows, k, list(full_rows)), None)
 
     def _draft(self, seqs, counts, next_ids, hidden, rows, k, full):
         if not isinstance(hidden, _ReplicaHidden) or hidden.replica != self.replica or hidden.step != self.calls:

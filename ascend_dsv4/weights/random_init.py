@@ -59,9 +59,12 @@ def init_random_(model: nn.Module, seed: int = 0) -> nn.Module:
 
 
 def _round_to_bf16_(w: torch.Tensor) -> None:
-    """w (float32, finite, contiguous) <- its values rounded to bfloat16 (nearest, ties to even), in place: the
+    """w (float32, finite) <- its values rounded to bfloat16 (nearest, ties to even), in place: the
     float32 bits plus 0x7FFF plus the kept part's lowest bit, the low 16 bits cleared (= w.bfloat16().float(), a
     few times faster on the CPU than the two conversions of a 2 GB head)."""
+    if not w.is_contiguous():  # (the view below needs one block of memory)
+        w.copy_(w.bfloat16().float())
+        return
     bits = w.view(torch.int32)
     for part in bits.view(-1).split(1 << 24):  # bounded temporaries
         part.add_(((part >> 16) & 1).add_(0x7FFF)).bitwise_and_(-65536)  # -65536 = 0xFFFF0000
