@@ -15,7 +15,9 @@ With ``--async-scheduling`` the engine launches each greedy decode step before p
 With ``--tensor-parallel-size`` / ``--data-parallel-size`` / ``--enable-expert-parallel`` (the ``mp`` executor, one
 GPU a rank) or ``--num-speculative-tokens 1`` (MTP; the model then has one MTP module) every engine step that gave
 every request at least one token is timed whole (:func:`run_steps`): ms/step, tokens a step, output tokens/s; the
-same for ``--enforce-eager``, so graph and eager steps compare under those layouts too.
+same for ``--enforce-eager``, so graph and eager steps compare under those layouts too. Under data parallelism the
+step is also split into the slowest replica's round trips to its ranks (``executor.call``: pickling, pipes, the
+ranks' work) and the rest, the front end's own host time.
 
 Usage: python scripts/bench_engine_step.py [--batches 1,8,32,64] [--ctx 2048] [--output-len 24] [--enforce-eager]
        [--async-scheduling] [--tensor-parallel-size T] [--data-parallel-size D] [--enable-expert-parallel]
@@ -122,10 +124,24 @@ def run_steps(llm: LLM, batch: int, ctx: int, out_len: int) -> dict:
     engine step that gave each of the ``batch`` requests at least one token, timed whole (wall clock, the device
     work included); tokens counted per step (MTP: 1 or 2 a request)."""
     engine = llm.engine
-    rec: list[tuple[float, int]] = []
+    rec: list[tuple[float, int, float]] = []
     orig_step = engine.step
+    # the data-parallel front end: each replica's round trips to its ranks (executor.call: pickling, pipes, the
+    # ranks' work), summed per replica over the step; the step less the slowest replica's is the front end's own
+    # host time (scheduling, outputs, and the replicas' threads waiting on each other for the GIL)
+    executor = getattr(engine, "executor", None) if hasattr(engine, "engines") else None
+    orig_call = getattr(executor, "call", None)
+    trips: dict[int, float] = {}
+
+    def call(replica, op, args):
+        t = time.perf_counter()
+        try:
+            return orig_call(replica, op, args)
+        finally:
+            trips[replica] = trips.get(replica, 0.0) + time.perf_counter() - t
 
     def step():
+        trips.clear()
         t = time.perf_counter()
         out = orig_step()
         dt = time.perf_counter() - t
@@ -133,17 +149,25 @@ def run_steps(llm: LLM, batch: int, ctx: int, out_len: int) -> dict:
         for o in out:
             got[o.request_id] = got.get(o.request_id, 0) + len(o.delta_token_ids)
         if len(got) == batch and all(got.values()):
-            rec.append((dt, sum(got.values())))
+            rec.append((dt, sum(got.values()), max(trips.values(), default=0.0)))
         return out
 
+    def restore():
+        engine.step = orig_step
+        if orig_call is not None:
+            executor.call = orig_call
+
     engine.step = step
-    generate_batch(llm, batch, ctx, out_len, lambda: setattr(engine, "step", orig_step))
+    if orig_call is not None:
+        executor.call = call
+    generate_batch(llm, batch, ctx, out_len, restore)
     steps = rec[2:-1]  # the first (graph capture) steps and the last (requests finishing) left out
     med = lambda xs: 1e3 * statistics.median(xs) if xs else float("nan")  # noqa: E731
-    step_ms = med([d for d, _ in steps])
-    toks = statistics.mean([n for _, n in steps]) if steps else float("nan")
-    return dict(batch=batch, steps=len(steps), step_ms=step_ms, tok_step=toks,
-                tok_s=sum(n for _, n in steps) / max(1e-9, sum(d for d, _ in steps)))
+    step_ms = med([d for d, _, _ in steps])
+    toks = statistics.mean([n for _, n, _ in steps]) if steps else float("nan")
+    return dict(batch=batch, steps=len(steps), step_ms=step_ms, tok_step=toks, dp=orig_call is not None,
+                trip_ms=med([r for _, _, r in steps]), front_ms=med([d - r for d, _, r in steps]),
+                tok_s=sum(n for _, n, _ in steps) / max(1e-9, sum(d for d, _, _ in steps)))
 
 
 def run(llm: LLM, batch: int, ctx: int, out_len: int) -> dict:
@@ -222,13 +246,19 @@ def main() -> None:
               f"{' + EP' if a.enable_expert_parallel or a.data_parallel_size > 1 else ''}"
               f"{', MTP ' + str(a.num_speculative_tokens) if a.num_speculative_tokens else ''}"
               f"{', async scheduling' if a.async_scheduling else ''}; engine steps that gave every request a token")
-        print("| batch | steps | engine ms/step | tokens/step | output tok/s |")
-        print("|---:|---:|---:|---:|---:|", flush=True)
+        dp = a.data_parallel_size > 1
+        if dp:
+            print("# replica round trips: the slowest replica's calls to its ranks in the step (pickling, pipes, the "
+                  "ranks' work); front end: the rest of the step (its own host work)")
+        print("| batch | steps | engine ms/step |" + (" replica round trips ms | front end ms |" if dp else "")
+              + " tokens/step | output tok/s |")
+        print("|---:|---:|---:|" + ("---:|---:|" if dp else "") + "---:|---:|", flush=True)
         try:
             for b in batches:
                 stamp(f"batch {b}: prefill, graph capture and decode")
                 r = run_steps(llm, b, a.ctx, a.output_len)
-                print(f"| {b} | {r['steps']} | {r['step_ms']:.2f} | {r['tok_step']:.1f} | {r['tok_s']:.0f} |",
+                split = f" {r['trip_ms']:.2f} | {r['front_ms']:.2f} |" if dp else ""
+                print(f"| {b} | {r['steps']} | {r['step_ms']:.2f} |{split} {r['tok_step']:.1f} | {r['tok_s']:.0f} |",
                       flush=True)
             stamp("done")
         finally:

@@ -54,10 +54,13 @@ def test_bench_engine_step_layout_rows():
 @pytest.mark.distributed
 def test_bench_engine_step_dp_async_row():
     """scripts/bench_engine_step.py --toy -dp 2 --async-scheduling (the next device run's layout) runs on the CPU's
-    worker processes and prints its row."""
+    worker processes and prints its row, the step split into the replicas' round trips and the front end's rest."""
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "bench_engine_step.py"), "--toy", "--device", "cpu",
            "--batches", "2", "--ctx", "16", "--output-len", "4", "-dp", "2", "--async-scheduling"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "TP 1 x DP 2 + EP, async scheduling" in out.stdout, out.stdout
-    assert re.search(r"^\| 2 \| (\d+) \| ([0-9.]+) \| 2\.0 \| (\d+) \|$", out.stdout, re.M), out.stdout
+    m = re.search(r"^\| 2 \| (\d+) \| ([0-9.]+) \| ([0-9.]+) \| ([0-9.]+) \| 2\.0 \| (\d+) \|$", out.stdout, re.M)
+    assert m, out.stdout
+    step, trips, front = (float(m.group(i)) for i in (2, 3, 4))
+    assert 0 < trips <= step and front <= step, out.stdout  # a step's round trips and front end lie within it
