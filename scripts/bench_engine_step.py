@@ -165,7 +165,7 @@ def run_steps(llm: LLM, batch: int, ctx: int, out_len: int) -> dict:
     med = lambda xs: 1e3 * statistics.median(xs) if xs else float("nan")  # noqa: E731
     step_ms = med([d for d, _, _ in steps])
     toks = statistics.mean([n for _, n, _ in steps]) if steps else float("nan")
-    return dict(batch=batch, steps=len(steps), step_ms=step_ms, tok_step=toks, dp=orig_call is not None,
+    return dict(batch=batch, steps=len(steps), step_ms=step_ms, tok_step=toks,
                 trip_ms=med([r for _, _, r in steps]), front_ms=med([d - r for d, _, r in steps]),
                 tok_s=sum(n for _, n, _ in steps) / max(1e-9, sum(d for d, _, _ in steps)))
 
