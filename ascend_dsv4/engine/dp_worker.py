@@ -80,8 +80,7 @@ def apply_dp_call(op: str, args, model, runner, device, leader: bool, state: DPR
                                          else ([], [], args, False, None))
         out = runner.replay_decode(seqs, tokens, key)
         if out is None:
-            raise RuntimeError(f"CUDA graph capture of decode bucket {key} failed on this rank (its log says why); "
-                               f"the replicas replay together, so none can fall back alone: run with --enforce-eager")
+            raise _capture_failed("decode", key)
         hidden, logits = out
         state.hidden = hidden if keep else None
         state.like = _like(hidden)
@@ -96,8 +95,7 @@ def apply_dp_call(op: str, args, model, runner, device, leader: bool, state: DPR
             raise RuntimeError(f"{op}: no hidden states kept from a forward on this rank (keep was off)")
         out = runner.replay_draft(seqs, counts, nxt, hidden, key)
         if out is None:
-            raise RuntimeError(f"CUDA graph capture of MTP bucket {key} failed on this rank (its log says why); "
-                               f"the replicas replay together, so none can fall back alone: run with --enforce-eager")
+            raise _capture_failed("MTP", key)
         if op == "graph_draft_dummy":
             return None
         out = out[torch.tensor(list(itertools.accumulate(counts)), device=out.device) - 1]  # each sequence's last
@@ -112,8 +110,7 @@ def apply_dp_call(op: str, args, model, runner, device, leader: bool, state: DPR
         seqs, tokens, key, src, step = restore(args, runner.pools, device)
         out = runner.replay_greedy(seqs, tokens, key, src)
         if out is None:
-            raise RuntimeError(f"CUDA graph capture of decode bucket {key} failed on this rank (its log says why); "
-                               f"the replicas replay together, so none can fall back alone: run with --enforce-eager")
+            raise _capture_failed("decode", key)
         state.hidden, state.like = None, _like(out[0])
         if leader:
             state.launched[step] = runner.pending_step(None, out[1])
@@ -130,6 +127,11 @@ def apply_dp_call(op: str, args, model, runner, device, leader: bool, state: DPR
         runner.pools.copy_page(*args)
         return None
     raise ValueError(f"unknown call {op!r}")
+
+
+def _capture_failed(what: str, key) -> RuntimeError:
+    return RuntimeError(f"CUDA graph capture of {what} bucket {key} failed on this rank (its log says why); the "
+                        f"replicas replay together, so none can fall back alone: run with --enforce-eager")
 
 
 def _like(hidden: torch.Tensor) -> torch.Tensor:

@@ -47,6 +47,15 @@ class EngineStats:
     steps: int = 0
 
 
+def async_problem(async_scheduling: bool, num_speculative_tokens) -> str | None:
+    """Why async scheduling cannot run with these settings (None: it can): the engine's rule, which ``LLM`` also
+    checks before a data-parallel layout starts its workers."""
+    if async_scheduling and num_speculative_tokens:
+        return ("async_scheduling does not work with speculative decoding (num_speculative_tokens): the draft of a "
+                "step depends on the host's view of the step before")
+    return None
+
+
 class LLMEngine:
     def __init__(self, runner: ModelRunner, tokenizer, max_model_len: int, max_num_seqs: int = 8,
                  max_num_batched_tokens: int = 512, enable_prefix_caching: bool = False,
@@ -68,9 +77,9 @@ class LLMEngine:
         graphs = getattr(runner, "graphs", None)
         if num_speculative_tokens and graphs is not None:  # verification steps: 1 + drafts rows a sequence
             graphs.allow_rows((1 + num_speculative_tokens) * max_num_seqs)
-        if async_scheduling and num_speculative_tokens:
-            raise RequestError("async_scheduling does not work with speculative decoding (num_speculative_tokens): "
-                               "the draft of a step depends on the host's view of the step before")
+        problem = async_problem(async_scheduling, num_speculative_tokens)
+        if problem:
+            raise RequestError(problem)
         # greedy decode steps launched before the host has processed the step in flight (engine/overlap.py);
         # only a runner that can launch a step without waiting takes part (ModelRunner.launch_greedy, under tensor
         # / expert parallelism mirrored to every rank; a data-parallel replica's, executor_dp.ReplicaRunner)

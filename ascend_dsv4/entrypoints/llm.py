@@ -16,7 +16,7 @@ import torch
 
 import atb_ops
 
-from ..engine.engine import LLMEngine
+from ..engine.engine import LLMEngine, async_problem
 from ..engine.memory_sizing import check_utilization
 from ..engine.model_runner import ModelRunner
 from ..engine.prompts import check_prompt_ids
@@ -250,9 +250,9 @@ class LLM:
         problem = speculation_problem(num_speculative_tokens, bool(getattr(self.cfg, "n_mtp_layers", 0)))
         if problem:  # the engine's rules, checked before any worker starts
             raise ConfigError(problem)
-        if async_scheduling and num_speculative_tokens:
-            raise ConfigError("async_scheduling does not work with speculative decoding (num_speculative_tokens): "
-                              "the draft of a step depends on the host's view of the step before")
+        problem = async_problem(async_scheduling, num_speculative_tokens)
+        if problem:
+            raise ConfigError(problem)
         local = None if executor == "ray" else visible_devices(self.device.type)  # Ray: devices of many nodes
         validate_dp_layout(self.cfg, dp, tp, True, executor, visible_devices=local, device=self.device.type)
         validate_layout(self.cfg, tp, True, quantized_checkpoint=folder is not None, numerics=numerics)
