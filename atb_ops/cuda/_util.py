@@ -14,6 +14,10 @@ try:  # programmatic dependent launch (present in Triton 3.6 and 3.9; sm_90+); w
     from triton.language.extra.cuda import gdc_wait as _gdc_wait
 except ImportError:  # pragma: no cover - older Triton
     _gdc_wait = None
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents as _gdc_launch
+except ImportError:  # pragma: no cover - older Triton
+    _gdc_launch = None
 
 
 def env_choice(var: str, default: str, choices: tuple[str, ...]) -> str:
@@ -91,35 +95,42 @@ def mma(a, b, PREC: tl.constexpr):
 # kernel's first statement (``pdl_wait(PDL)``, tests/ops/test_pdl.py checks each kernel) and both the wait and the
 # launch attribute come from one dict, :func:`pdl`. A kernel that waits, completes after its predecessor, so the
 # order is transitive along the stream; kernels launched without PDL (torch's, the CUDA C ones) wait as always.
-# ``launch_dependents`` is not issued: letting the next kernel's programs become resident early measured slower when
-# the current one runs more than one wave (3.61 -> 5.63 us a launch above).
-# Off by default: the FP8 + FP4 decode step of scripts/bench_decode.py did not move with it (H200, graph replay, PDL
-# off / on alternated twice in one call: batch 8 1.15 / 1.16, 1.15 / 1.15 ms; batch 32 1.62 / 1.63, 1.63 / 1.61 ms),
-# where most launches follow a torch op, a CUDA C kernel or another stream's event rather than a Triton kernel.
-# On by default at the launch sites that pass ``pdl(default_on=True)``, where it measured faster on its own: the
-# split merge right after attention_wgmma.py's kernel (H200, h200_session28.txt, call 13: 0.3-1.0 us of 13-27 us a
-# call at T = 8-64). ``ATB_CUDA_PDL`` set (0 / 1) overrides every site either way.
+# Right after its wait, a kernel lets its own dependents launch (``griddepcontrol.launch_dependents``): the next
+# PDL kernel's programs become resident while this one still runs and sit in their own wait, so the next launch is
+# off the critical path entirely instead of overlapping only this kernel's tail. (Issuing it was measured slower in
+# session 19 on a synthetic chain of multi-wave copies, 3.61 -> 5.63 us a launch; in the decode step it is faster.)
+# On by default since session 35, every launch site (``ATB_CUDA_PDL=0`` turns it off; ``ATB_CUDA_PDL_EARLY=0`` keeps
+# the waits and drops the early launch): the FP8 + FP4 decode step of scripts/bench_decode.py (H200, graph replay,
+# Flash-shaped 3 layers, ctx 2048; default and PDL alternated three times in one call,
+# scripts/bench_results/h200_session35.txt) at batch 1 / 8 / 32 / 64 0.81-0.82 / 1.06-1.08 / 1.51-1.52 / 1.80-1.81 ->
+# 0.78 / 1.04 / 1.48-1.49 / 1.80-1.81 ms. PDL without the early launch had not moved the step (session 19: batch 8
+# 1.15 / 1.16 ms; session 35: 1.09 against 1.08), most launches following a torch op, a CUDA C kernel or another
+# stream's event rather than a Triton kernel. The wgmma attention's split merge had it by default since session 28
+# (h200_session28.txt, call 13: 0.3-1.0 us of 13-27 us a call at T = 8-64).
+PDL_EARLY = tl.constexpr(env_choice("ATB_CUDA_PDL_EARLY", "1", ("0", "1")) == "1" and _gdc_launch is not None)
 
 
 @triton.jit
 def pdl_wait(PDL: tl.constexpr):
     """The first statement of every kernel launched with :func:`pdl`: with PDL, wait until the previous kernel in the
-    stream has completed and its writes are visible; nothing without."""
+    stream has completed and its writes are visible, then let the next kernel's programs launch (they wait in turn);
+    nothing without."""
     if PDL:
         _gdc_wait()
+        if PDL_EARLY:
+            _gdc_launch()
 
 
 _PDL_DEVICE: dict = {}  # device index -> compute capability >= 9.0
 
 
-def pdl_enabled(default_on: bool = False) -> bool:
-    """Whether a launch uses PDL: ``ATB_CUDA_PDL=1`` (or, unset, the launch site's ``default_on``; ``=0``: never), a
-    CUDA device of compute capability >= 9.0 (Hopper) current, not the CPU interpreter, and a Triton that has
-    ``gdc_wait``."""
+def pdl_enabled() -> bool:
+    """Whether a launch uses PDL: ``ATB_CUDA_PDL`` unset or 1 (``=0``: never), a CUDA device of compute capability
+    >= 9.0 (Hopper) current, not the CPU interpreter, and a Triton that has ``gdc_wait``."""
     v = os.environ.get("ATB_CUDA_PDL")
     if v not in (None, "0", "1"):
         raise ValueError(f"ATB_CUDA_PDL={v!r}: expected 0 or 1")
-    if not (v == "1" or (v is None and default_on)) or INTERPRET or _gdc_wait is None:
+    if v == "0" or INTERPRET or _gdc_wait is None:
         return False
     dev = torch.cuda.current_device()
     ok = _PDL_DEVICE.get(dev)
@@ -128,7 +139,7 @@ def pdl_enabled(default_on: bool = False) -> bool:
     return ok
 
 
-def pdl(default_on: bool = False) -> dict:
+def pdl() -> dict:
     """Launch keywords of a kernel that starts with ``pdl_wait(PDL)``: the kernel's PDL switch and Triton's
     ``launch_pdl`` together (both or neither), ``{}`` where PDL is off (:func:`pdl_enabled`)."""
-    return {"PDL": True, "launch_pdl": True} if pdl_enabled(default_on) else {}
+    return {"PDL": True, "launch_pdl": True} if pdl_enabled() else {}

@@ -344,10 +344,10 @@ def run(q1, kv, idx, kv2, idx2, sink, scale, n_sm: int, seesaw: bool = False):
          args=[q1c, kv, idxc, kv2c, idx2c, sinkc, out, part, ml, t_count, h_count, k1, k2, kv.stride(0),
                kv2c.stride(0), float(scale) * attention_v2.LOG2E, cps, n_split, int(sink is not None)])
     if n_split > 1:
-        # attention_v2's merge, MERGE_COLS columns a program, PDL by default (h200_session28.txt, calls 3 and 13)
+        # attention_v2's merge, MERGE_COLS columns a program
         nd = D // MERGE_COLS
         attention_v2._merge_splits_kernel[(programs * nd,)](part, ml, sinkc, out, t_count, h_count, D, n_split,
                                                             n_hb, HAS_SINK=sink is not None, BH=HB, DV=MERGE_COLS,
                                                             ND=nd, SP=pow2(n_split), num_warps=4,
-                                                            **pdl(default_on=True))
+                                                            **pdl())
     return out

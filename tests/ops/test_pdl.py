@@ -19,7 +19,7 @@ import textwrap
 import pytest
 import torch
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
 
 from atb_ops.cuda import _util  # noqa: E402
 
@@ -77,22 +77,79 @@ def test_pdl_switch(monkeypatch):
         assert _util.pdl() == ({"PDL": True, "launch_pdl": True} if on else {})
 
 
-def test_pdl_per_site_default(monkeypatch):
-    """``ATB_CUDA_PDL`` unset: a launch site's ``default_on`` decides; set, it overrides every site (where PDL can run
-    at all: here made to look like a Hopper GPU with Triton's gdc_wait)."""
+def test_pdl_on_by_default(monkeypatch):
+    """``ATB_CUDA_PDL`` unset or 1: every launch site uses PDL (where it can run at all: here made to look like a
+    Hopper GPU with Triton's gdc_wait); 0: none; an older GPU: never."""
     monkeypatch.setattr(_util, "INTERPRET", False)
     monkeypatch.setattr(_util, "_gdc_wait", lambda: None)
     monkeypatch.setattr(_util, "_PDL_DEVICE", {0: True})
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     on = {"PDL": True, "launch_pdl": True}
     monkeypatch.delenv("ATB_CUDA_PDL", raising=False)
-    assert _util.pdl() == {} and _util.pdl(default_on=True) == on
+    assert _util.pdl() == on
     monkeypatch.setenv("ATB_CUDA_PDL", "0")
-    assert _util.pdl() == {} and _util.pdl(default_on=True) == {}
+    assert _util.pdl() == {}
     monkeypatch.setenv("ATB_CUDA_PDL", "1")
-    assert _util.pdl() == on and _util.pdl(default_on=True) == on
+    assert _util.pdl() == on
     monkeypatch.setattr(_util, "_PDL_DEVICE", {0: False})  # an older GPU: never
-    assert _util.pdl(default_on=True) == {}
+    assert _util.pdl() == {}
+
+
+_PTX_SCRIPT = r"""
+import sys
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from atb_ops.cuda import _util
+
+if _util._gdc_wait is None or _util._gdc_launch is None:
+    print("SKIP this Triton has no griddepcontrol intrinsics")
+    sys.exit(0)
+
+
+@triton.jit
+def kernel(x_ptr, PDL: tl.constexpr):
+    _util.pdl_wait(PDL)
+    tl.store(x_ptr, tl.load(x_ptr) + 1.0)
+
+
+for pdl in (True, False):
+    try:
+        c = triton.compile(ASTSource(fn=kernel, signature={"x_ptr": "*fp32", "PDL": "constexpr"},
+                                     constexprs={"PDL": pdl}), target=GPUTarget("cuda", 90, 32))
+    except Exception as exc:  # a Triton without its NVIDIA backend / ptxas on this machine
+        print(f"SKIP cannot compile for sm_90 here: {type(exc).__name__}: {exc}")
+        sys.exit(0)
+    print(f"=== PDL={pdl}")
+    print(c.asm["ptx"])
+"""
+
+
+@pytest.mark.parametrize("early", ["1", "0"])
+def test_pdl_wait_then_early_launch_in_ptx(early, tmp_path):
+    # compiled for sm_90 by Triton's own toolchain (no GPU needed; a subprocess, since this suite runs Triton's
+    # interpreter): with PDL the kernel waits (griddepcontrol.wait) before its first load and, by default, lets its
+    # dependents launch right after (griddepcontrol.launch_dependents); ATB_CUDA_PDL_EARLY=0 keeps only the wait;
+    # without PDL, neither
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="0", ATB_CUDA_PDL_EARLY=early, PYTHONPATH=ROOT)
+    script = tmp_path / "pdl_ptx.py"  # a file: Triton reads a kernel's source from it
+    script.write_text(_PTX_SCRIPT)
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    if run.stdout.startswith("SKIP"):
+        pytest.skip(run.stdout[5:].strip())
+    on, off = run.stdout.split("=== PDL=False")
+    lines = [ln.strip() for ln in on.splitlines()]
+    wait = [i for i, ln in enumerate(lines) if ln.startswith("griddepcontrol.wait")]
+    launch = [i for i, ln in enumerate(lines) if ln.startswith("griddepcontrol.launch_dependents")]
+    load = [i for i, ln in enumerate(lines) if ln.startswith("ld.global")]
+    assert len(wait) == 1 and load and wait[0] < load[0]
+    assert len(launch) == (early == "1") and (early == "0" or wait[0] < launch[0] < load[0])
+    assert "griddepcontrol" not in off
 
 
 @pytest.mark.cuda
