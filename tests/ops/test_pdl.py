@@ -19,7 +19,7 @@ import textwrap
 import pytest
 import torch
 
-triton = pytest.importorskip("triton")
+pytest.importorskip("triton")
 
 from atb_ops.cuda import _util  # noqa: E402
 
