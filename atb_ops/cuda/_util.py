@@ -122,6 +122,13 @@ def pdl_wait(PDL: tl.constexpr):
 
 
 _PDL_DEVICE: dict = {}  # device index -> compute capability >= 9.0
+_CUDA: list = []  # [torch.cuda.is_available()], asked once (a CPU-only torch: no PDL, no CUDA call)
+
+
+def _cuda_available() -> bool:
+    if not _CUDA:
+        _CUDA.append(torch.cuda.is_available())
+    return _CUDA[0]
 
 
 def pdl_enabled() -> bool:
@@ -130,7 +137,7 @@ def pdl_enabled() -> bool:
     v = os.environ.get("ATB_CUDA_PDL")
     if v not in (None, "0", "1"):
         raise ValueError(f"ATB_CUDA_PDL={v!r}: expected 0 or 1")
-    if v == "0" or INTERPRET or _gdc_wait is None:
+    if v == "0" or INTERPRET or _gdc_wait is None or not _cuda_available():
         return False
     dev = torch.cuda.current_device()
     ok = _PDL_DEVICE.get(dev)

@@ -79,14 +79,20 @@ def test_pdl_switch(monkeypatch):
 
 def test_pdl_on_by_default(monkeypatch):
     """``ATB_CUDA_PDL`` unset or 1: every launch site uses PDL (where it can run at all: here made to look like a
-    Hopper GPU with Triton's gdc_wait); 0: none; an older GPU: never."""
+    Hopper GPU with Triton's gdc_wait); 0: none; an older GPU or a torch without CUDA: never."""
     monkeypatch.setattr(_util, "INTERPRET", False)
     monkeypatch.setattr(_util, "_gdc_wait", lambda: None)
     monkeypatch.setattr(_util, "_PDL_DEVICE", {0: True})
+    monkeypatch.setattr(_util, "_CUDA", [True])
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     on = {"PDL": True, "launch_pdl": True}
     monkeypatch.delenv("ATB_CUDA_PDL", raising=False)
     assert _util.pdl() == on
+    monkeypatch.setattr(_util, "_CUDA", [False])  # a CPU-only torch: off, and no CUDA call (it would raise)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1 / 0)
+    assert _util.pdl() == {}
+    monkeypatch.setattr(_util, "_CUDA", [True])
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setenv("ATB_CUDA_PDL", "0")
     assert _util.pdl() == {}
     monkeypatch.setenv("ATB_CUDA_PDL", "1")
