@@ -295,8 +295,8 @@ class _Ranges:
                 self.open[name].pop().__exit__(None, None, None)
 
             self.hooks += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
-        for op in atb_ops.OPS:
-            fn = getattr(atb_ops, op)
+        for op in tuple(atb_ops.OPS) + tuple(atb_ops.FUSED):  # the fused forms too (hc_pre_norm, ...): the
+            fn = getattr(atb_ops, op)  # innermost range names a kernel's op
             self.saved[op] = fn
 
             def wrapped(*a, _fn=fn, _op=op, **k):
