@@ -269,6 +269,11 @@ def profile_steps(runner, seqs, vocab: int, label: str, n: int = 3) -> None:
             runner.step(seqs, [[int(x)] for x in torch.randint(0, vocab, (len(seqs),), generator=g)])
         torch.cuda.synchronize()
     print(f"profile ({label}, {n} steps, device time by kernel):")
+    if os.environ.get("ATB_CUDA_PDL", "1") != "0":
+        # with programmatic dependent launch a kernel starts while the one before it runs and waits on it: its span
+        # then holds that wait too (session 36: _post_kernel 66 us a step here, 17.6 in --profile-ops)
+        print("  (PDL on: a kernel's span can include its wait for the kernel before it; ATB_CUDA_PDL=0 for kernels' "
+              "own times, or --profile-ops)")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
 
 
@@ -504,7 +509,8 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--toy", action="store_true", help="the toy model instead (smoke test of this script)")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--profile", action="store_true", help="print a per-kernel device-time profile (graph mode)")
+    ap.add_argument("--profile", action="store_true",
+                    help="print a per-kernel device-time profile (graph mode; with PDL on, spans include waits)")
     ap.add_argument("--profile-ops", action="store_true",
                     help="print device time by torch op and source line (graph mode's code, run uncaptured)")
     a = ap.parse_args()
