@@ -271,7 +271,8 @@ def profile_steps(runner, seqs, vocab: int, label: str, n: int = 3) -> None:
     print(f"profile ({label}, {n} steps, device time by kernel):")
     if os.environ.get("ATB_CUDA_PDL", "1") != "0":
         # with programmatic dependent launch a kernel starts while the one before it runs and waits on it: its span
-        # then holds that wait too (session 36: _post_kernel 66 us a step here, 17.6 in --profile-ops)
+        # then holds that wait too (session 36, h200_session36.txt: _post_kernel 66 us a step here with PDL, 18.6
+        # with ATB_CUDA_PDL=0, 17.6 in --profile-ops)
         print("  (PDL on: a kernel's span can include its wait for the kernel before it; ATB_CUDA_PDL=0 for kernels' "
               "own times, or --profile-ops)")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=70))
