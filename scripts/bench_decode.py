@@ -263,13 +263,15 @@ def profile_steps(runner, seqs, vocab: int, label: str, n: int = 3) -> None:
     """Device time by kernel over ``n`` decode steps (torch.profiler sees the kernels of graph replays)."""
     from torch.profiler import ProfilerActivity, profile
 
+    from atb_ops.cuda._util import pdl_enabled
+
     g = torch.Generator().manual_seed(3)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(n):
             runner.step(seqs, [[int(x)] for x in torch.randint(0, vocab, (len(seqs),), generator=g)])
         torch.cuda.synchronize()
     print(f"profile ({label}, {n} steps, device time by kernel):")
-    if os.environ.get("ATB_CUDA_PDL", "1") != "0":
+    if pdl_enabled():  # (the backend's own answer: ATB_CUDA_PDL, the GPU, Triton)
         # with programmatic dependent launch a kernel starts while the one before it runs and waits on it: its span
         # then holds that wait too (session 36, h200_session36.txt: _post_kernel 66 us a step here with PDL, 18.6
         # with ATB_CUDA_PDL=0, 17.6 in --profile-ops)
