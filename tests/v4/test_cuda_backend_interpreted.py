@@ -1,8 +1,8 @@
 """The whole V4 toy model through the CUDA backend's kernels on the CPU (Triton's interpreter: tests/conftest.py sets
 TRITON_INTERPRET=1) against the reference backend: two prompts prefilled and one decode step of both (a three-layer
-toy: SWA, CSA, HCA), float32 logits within the issue's float32 rule (1e-4 relative). It checks how the model calls the kernels (the fused forms
-the model reaches for, the streams and shapes it hands them, the dispatch) where the op tests check each kernel
-alone; the GPU run of the same comparison is tests/v4/test_cuda.py."""
+toy: SWA, CSA, HCA), float32 logits within the issue's float32 rule (1e-4 relative). It checks how the model calls
+the kernels (the fused forms the model reaches for, the streams and shapes it hands them, the dispatch) where the op
+tests check each kernel alone; the GPU run of the same comparison is tests/v4/test_cuda.py."""
 
 from __future__ import annotations
 
