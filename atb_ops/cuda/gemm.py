@@ -23,7 +23,9 @@ apply (:mod:`.fp4_moe_f16` above :data:`F16_MOE_MIN_ROWS_PER_EXPERT` rows per ex
 at 8-64 tokens on a lent H200, scripts/bench_results/nccl_h200x4_session15.txt), and large grouped calls to
 :mod:`.gemm_tc_large` (the same swap-AB MMA over rows sorted by expert, any row count). fp8_block linears with E8M0
 scales of at least :data:`DQ_LINEAR_ROWS` rows that would go to the tiled kernel dequantise the weight to bfloat16
-(exact, :mod:`.dequant_bf16`) and call cuBLAS. ``ATB_CUDA_GEMM`` = ``decode`` / ``tc`` / ``tcl`` / ``fp4moe`` /
+(exact, :mod:`.dequant_bf16`) and call cuBLAS. fp8_block linears of up to :data:`FP8_GEMV_MAX_ROWS` rows go to
+:mod:`.fp8_gemv` (CUDA C: K split inside the block) where it builds. ``ATB_CUDA_GEMM`` = ``gemv`` / ``decode`` /
+``tc`` / ``tcl`` / ``fp4moe`` /
 ``fp4mma`` / ``fp4f16`` / ``dq`` / ``tiled`` forces one path where it applies (benchmarks), ``auto`` (default)
 selects by shape (:data:`TCL_GROUPED_MIN_ROWS`, :data:`TCL_LINEAR_ROWS`, :data:`TC_LINEAR_ROWS`,
 :data:`TC_GROUPED_MIN_ROWS` / ``_MAX_ROWS``, :data:`DECODE_ROWS`).
@@ -38,7 +40,7 @@ import triton
 import triton.language as tl
 
 from .._registry import register
-from . import dequant_bf16, fp4_moe_f16, fp4_moe_mma, gemm_decode, gemm_fp4_moe, gemm_tc, gemm_tc_large
+from . import dequant_bf16, fp4_moe_f16, fp4_moe_mma, fp8_gemv, gemm_decode, gemm_fp4_moe, gemm_tc, gemm_tc_large
 from .group_rows import tile_table
 from .routing import stable_order
 from ._util import INTERPRET, dot_precision, env_choice, mma, pow2, tl_dtype, pdl_wait, pdl
@@ -74,7 +76,11 @@ F16_MOE_MIN_ROWS_PER_EXPERT = 3
 
 # fp4 MoE calls of up to this many rows go to the MoE kernels unless ATB_CUDA_FP4_MOE=old (fp4_moe_h100_session4.txt)
 FP4_MOE_MAX_ROWS = 384
-GEMM_MODES = ("auto", "decode", "tc", "tcl", "fp4moe", "fp4mma", "fp4f16", "dq", "tiled")  # ATB_CUDA_GEMM
+# fp8_block linears (bfloat16 activations) of up to this many rows go to fp8_gemv.py (K split inside the block; H200:
+# 1.1-1.3x gemm_tc at 1-8 rows on the decode step's shapes, 0.84-1.05x at 16 with two token tiles, since dropped;
+# scripts/bench_results/h200_session38.txt)
+FP8_GEMV_MAX_ROWS = 8
+GEMM_MODES = ("auto", "gemv", "decode", "tc", "tcl", "fp4moe", "fp4mma", "fp4f16", "dq", "tiled")  # ATB_CUDA_GEMM
 FP4_MOE_IMPLS = ("mma", "f16", "bf16", "new", "old")  # ATB_CUDA_FP4_MOE
 
 
@@ -129,6 +135,25 @@ def _path(x: torch.Tensor, fmt: str, w_scale, rows: int, rows_per_weight: float,
     elif rows <= TC_LINEAR_ROWS:
         return "tc"
     return "decode" if small and rows_per_weight <= DECODE_ROWS.get(fmt, 0) else "tiled"
+
+
+def _gemv_ok(x: torch.Tensor, w: torch.Tensor, w_scale, rows: int) -> bool:
+    """Whether fp8_gemv.py (CUDA C, NVRTC) serves an fp8_block linear: up to :data:`FP8_GEMV_MAX_ROWS` rows under
+    ``auto`` (:func:`gemv_rows`; up to 8 under ``ATB_CUDA_GEMM=gemv``), eligible and built."""
+    mode = _mode()
+    limit = gemv_rows() if mode == "auto" else fp8_gemv.MAX_ROWS if mode == "gemv" else 0
+    return 0 < rows <= limit and fp8_gemv.eligible(x, w, w_scale) and fp8_gemv.available(x.device)
+
+
+def gemv_rows() -> int:
+    """Rows up to which auto sends fp8_block linears to fp8_gemv.py: ATB_CUDA_FP8_GEMV_ROWS (0..8; 0: never),
+    else :data:`FP8_GEMV_MAX_ROWS`; a bad value is a ValueError naming the variable."""
+    v = os.environ.get("ATB_CUDA_FP8_GEMV_ROWS")
+    if v is None:
+        return FP8_GEMV_MAX_ROWS
+    if not v.strip().isdigit() or int(v) > fp8_gemv.MAX_ROWS:
+        raise ValueError(f"ATB_CUDA_FP8_GEMV_ROWS={v!r}: expected an integer 0..{fp8_gemv.MAX_ROWS} (rows)")
+    return int(v)
 
 
 def _mma_ok(x: torch.Tensor, w_scale, rows: int) -> bool:
@@ -288,6 +313,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None = None
             return x @ w.t()
         return (x.float() @ w.float().t()).to(x.dtype)
     _check(fmt, k)
+    if fmt == "fp8_block" and _gemv_ok(x, w, w_scale, m):
+        return fp8_gemv.linear(x, w, w_scale)
     path = _path(x, fmt, w_scale, m, m, grouped=False)
     if fmt == "fp8_block" and x.dtype == torch.bfloat16 and dequant_bf16.eligible(w, w_scale) and (
             _mode() == "dq" or (_mode() == "auto" and path == "tiled" and m >= dq_rows())):

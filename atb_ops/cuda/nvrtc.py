@@ -16,6 +16,9 @@ fragment stores, 8 rows a warp instruction, cost ~6 of its 41 us); a producer wa
 released by mbarriers beat copies issued by the compute warps behind a CTA barrier. CUDA's ``compute-sanitizer``
 (racecheck, synccheck, memcheck) runs on them as on any kernel: ``--kernel-name kns=<name>`` selects one.
 
+:func:`launch_pdl` launches a loaded kernel with programmatic dependent launch (``cuLaunchKernelEx`` through ctypes:
+torch's loader takes no launch attributes); :mod:`.fp8_gemv` uses it.
+
 Cache: ``$ATB_CUDA_CACHE_DIR`` or ``~/.cache/ascend_dsv4``, one cubin + one JSON of lowered names per (source,
 architecture, torch's CUDA version, instance list); a cache that cannot be written costs a rebuild next time.
 """
@@ -80,6 +83,56 @@ def compile_cubin(source: str, filename: str, names: list[str], arch: str) -> tu
         lowered[name] = low.value.decode()
     lib.nvrtcDestroyProgram(ctypes.byref(prog))
     return binary.raw, lowered
+
+
+# ---- programmatic dependent launch for a loaded kernel (cuLaunchKernelEx through ctypes; torch's loader has no
+# launch attributes). The kernel itself must execute ``griddepcontrol.wait`` before it reads anything the previous
+# kernel writes.
+class _LaunchAttrValue(ctypes.Union):
+    _fields_ = [("pad", ctypes.c_char * 64), ("align", ctypes.c_void_p), ("value", ctypes.c_int)]
+
+
+class _LaunchAttr(ctypes.Structure):  # CUlaunchAttribute: id, 4 bytes of padding, a 64-byte union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", _LaunchAttrValue)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig (CUDA driver API, cuda.h)
+    _fields_ = [("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint), ("grid_z", ctypes.c_uint),
+                ("block_x", ctypes.c_uint), ("block_y", ctypes.c_uint), ("block_z", ctypes.c_uint),
+                ("shared_mem", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttr)), ("n_attrs", ctypes.c_uint)]
+
+
+PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+def kernel_args(args: list) -> tuple:
+    """(void* array, kept values) of a kernel's arguments packed as torch's module loader packs them: tensors as
+    device pointers, Python ints as 32-bit ``int``, floats as ``double``."""
+    keep = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            keep.append(ctypes.c_void_p(a.data_ptr()))
+        elif isinstance(a, (int, float)):  # (a bool is an int, as for torch's loader)
+            keep.append(ctypes.c_int(a) if isinstance(a, int) else ctypes.c_double(a))
+        else:
+            raise TypeError(f"unsupported kernel argument type: {type(a).__name__}")
+    arr = (ctypes.c_void_p * max(1, len(keep)))()
+    for i, v in enumerate(keep):
+        arr[i] = ctypes.cast(ctypes.byref(v), ctypes.c_void_p)
+    return arr, keep
+
+
+def launch_pdl(kernel, grid: tuple, block: tuple, args: list, shared_mem: int = 0) -> None:
+    """Launch a loaded kernel (torch's ``_CudaKernel``) on the current stream with the programmatic stream
+    serialisation attribute (sm_90+): it may start while the previous kernel runs."""
+    from torch.cuda._utils import _check_cuda, _get_gpu_runtime_library
+
+    arr, _keep = kernel_args(args)
+    attr = _LaunchAttr(id=PROGRAMMATIC_STREAM_SERIALIZATION)
+    attr.value.value = 1
+    cfg = _LaunchConfig(*grid, *block, shared_mem, torch.cuda.current_stream().cuda_stream, ctypes.pointer(attr), 1)
+    _check_cuda(_get_gpu_runtime_library().cuLaunchKernelEx(ctypes.byref(cfg), kernel.func, arr, None))
 
 
 class Program:

@@ -1,0 +1,297 @@
+"""FP8-block linears of 1-8 rows (a decode step's) by a CUDA C kernel (NVRTC) that splits K inside the block, not
+over blocks: no float32 partials in global memory, no arrival counter, no last block adding them.
+
+Same op as the ``fp8_block`` case of :func:`.gemm.linear`: out[m, :] = x[m, :] @ W^T, bfloat16 x [M, K] (M <= 8),
+W float8_e4m3fn [N, K] with one scale per 128 x 128 block (float32 or E8M0 bytes [ceil(N / 128), K / 128]),
+W[n, k] = e4m3 * s[n // 128, k // 128]; bfloat16 out [M, N].
+
+Why: the decode step's FP8 linears at 8 rows take 6.5-16 us for 6-34 MB of weights on an H200 (186 us a step
+against ~70 us of weight bytes at the copy bandwidth), and with the weight already in L2 still 6.2-6.7 us for 6-8 MB
+(scripts/bench_results/h200_session30.txt): fixed costs, not DRAM. Two kernels of different make (:mod:`.gemm_tc`,
+session 34's ``mma.sync`` kernel) both split K over blocks on these shapes and land at the same times; the one shape
+that needs no split (wq_b, 32768 x 1024) streams its 33.5 MB 3.6 us faster than wo_b (4096 x 8192), the same bytes
+split 8 ways (scripts/bench_results/h200_session34.txt). Here a block of 8 warps owns 16 x R weight rows (R = 8 / S
+row tiles) and each row tile's S warps take every S-th K step of 128 columns; the S partial tiles are added in
+shared memory in warp order (deterministic) and the block writes bfloat16.
+
+- a warp's tile is 16 rows: lane l = 4 g + c holds rows g and g + 8 (the A fragment rows of ``mma.m16n8k16``) and,
+  per K step, the 32 bytes [32 c, 32 c + 32) of each: four 16-byte loads that skip L1, D steps in flight in
+  registers;
+- a 32-bit word j of 4 codes (columns 32 c + 4 j .. + 3) becomes two bfloat16 pairs by :data:`.gemm_tc`'s exact bit
+  placement (byte permute, shift, mask, ``lop3``, one multiply by 2^120 a pair) and feeds one MMA: k slots (2c,
+  2c + 1) hold columns 32 c + 4 j + (0, 1), slots (2c + 8, 2c + 9) columns + (2, 3). The B fragment is then
+  x[token][32 c + 4 j .. + 3] in natural order: a lane loads 64 bytes of its token's row per step (16-byte loads
+  through L1: every block reads the same x, so an SM fetches it from L2 once);
+- each step's MMAs accumulate into a zeroed float32 tile that its block scale multiplies into the running sums
+  (one FFMA a value): float32 and E8M0 scales alike, no range rule.
+
+The block count is N / (16 R); S is the smallest of 1, 2, 4, 8 that gives at least 15/8 blocks an SM (else 8), at
+most the K step count; 2 steps in flight at S = 8, else 3 (the fastest measured). Products are exact (bf16 x bf16 into
+float32); results differ from the reference op (float32 dequantised weight) by summation order and the scale applied
+per 128 columns.
+
+Launched with programmatic dependent launch where it is on (:func:`.nvrtc.launch_pdl`): the block loads its first D
+weight steps, then waits (``griddepcontrol.wait``) before it reads x, so the weights' first trip from HBM overlaps
+the kernel before it. That is right only for weights no kernel writes just before (model parameters);
+``ATB_CUDA_FP8_GEMV_PRE=0`` loads them after the wait.
+
+Measured on a lent H200 (scripts/bench_results/h200_session38.txt; us a call, weights rotated past L2, gemm_tc /
+this kernel at 1 and 8 rows): wq_a + wkv 1536 x 4096 6.9 / 4.6 and 7.1 / 5.4, wq_b 32768 x 1024 13.7 / 13.0 and
+14.0 / 13.4, wo_b 4096 x 8192 15.7 / 11.9 and 16.0 / 13.2, w13 4096 x 4096 10.8 / 7.5 and 10.8 / 7.9, w2 4096 x 2048
+6.6 / 4.4 and 6.8 / 5.0; without PDL 1.0-1.2 us slower a call, with the weights after the wait 0.5-0.9 us slower. The
+FP8 + FP4 decode step's replay at batch 1 / 8: 0.78 / 1.04-1.05 -> 0.76 / 1.03 ms. Two token tiles (9-16 rows) ran
+0.84-1.05x gemm_tc: tokens are capped at 8.
+
+Built at first use by NVRTC for the device's compute capability (sm_80+); a failed build leaves the other paths
+serving (:func:`available`). ``ATB_CUDA_FP8_GEMV_CFG="s=4,d=3"`` overrides the K split and the steps in flight
+(benchmarks).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from . import fp4_moe_mma as fm
+from . import gemm_tc as tc
+from . import nvrtc
+from ._util import PDL_EARLY, env_choice, env_overrides, pdl_enabled, sm_count
+
+K_STEP = 128  # columns per K step: one scale block
+WARPS = 8
+MAX_ROWS = 8  # tokens of one call: one 8-token tile (two measured slower than gemm_tc at 9-16 rows)
+SPLITS = (1, 2, 4, 8)  # warps of a row tile (K split inside the block)
+DEPTHS = (2, 3, 4)  # K steps in flight per warp
+
+# e4m3 word (4 codes) -> two bfloat16 pairs (codes 0, 1) and (codes 2, 3), exact: gemm_tc's pair decoder twice
+FP8X4_PTX = "{\n" + tc._FP8_HEAD + tc._e4m3_pair("$0", "$2", "0x1404") + tc._e4m3_pair("$1", "$2", "0x3424") + "}"
+
+_SRC = r"""
+__device__ __forceinline__ void decode4(u32 q, u32& lo, u32& hi) {
+    asm(FP8X4 : "=r"(lo), "=r"(hi) : "r"(q));
+}
+
+__device__ __forceinline__ u32 word_of(const U4& v, int j) { return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w; }
+
+// NT8 token tiles of 8, S warps a row tile (R = 8 / S row tiles of 16 a block), D K steps in flight a warp, SF32:
+// float32 block scales (else E8M0 bytes), PRE: the first D steps' weights loaded before the PDL wait (the weights
+// are not written by the kernels before this one: model parameters); early: let the next kernel launch after the wait
+template <int NT8, int S, int D, bool SF32, bool PRE>
+__global__ void __launch_bounds__(256, 2) fp8_gemv(
+        const u16* __restrict__ x, const u8* __restrict__ w, const void* __restrict__ s, u16* __restrict__ out,
+        int M, int N, int K, int early) {
+    constexpr int R = 8 / S;
+    __shared__ float4 red[S > 1 ? 8 : 1][NT8][32];  // each warp's float32 tile (fragment order) for the sum
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, c = lane & 3;
+    const int rt = warp / S, kw = warp % S;  // this warp's row tile and its place in the tile's K split
+    const int n0 = (blockIdx.x * R + rt) * 16;
+    const bool live = n0 < N;
+    const int KS = K >> 7;
+    const int n_my = live ? (KS - kw + S - 1) / S : 0;  // this warp's K steps: kw, kw + S, ...
+    const u8* w0 = w + (long long)(live ? n0 + g : 0) * K + c * 32;
+    const u8* w1 = w0 + 8LL * K;
+    const int srow = (n0 >> 7) * KS;
+    const u16* xr[NT8];
+    bool xok[NT8];
+#pragma unroll
+    for (int nt = 0; nt < NT8; ++nt) {
+        const int t = g + 8 * nt;
+        xok[nt] = t < M;
+        xr[nt] = x + (long long)(xok[nt] ? t : 0) * K + c * 32;
+    }
+    U4 wr[D][4];
+    u32 sr[D];
+    auto load = [&](int i, U4 (&wd)[4], u32& sd) {
+        const int ks = kw + S * i;
+        wd[0] = ldg_stream(w0 + ks * 128);
+        wd[1] = ldg_stream(w0 + ks * 128 + 16);
+        wd[2] = ldg_stream(w1 + ks * 128);
+        wd[3] = ldg_stream(w1 + ks * 128 + 16);
+        if (SF32) sd = __float_as_uint(__ldg((const float*)s + srow + ks));
+        else sd = __ldg((const u8*)s + srow + ks);
+    };
+    if (PRE) {
+#pragma unroll
+        for (int d = 0; d < D; ++d)
+            if (d < n_my) load(d, wr[d], sr[d]);
+    }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // programmatic dependent launch: x (the previous kernel's output) only after the previous kernel has completed
+    // and its writes are visible (returns at once when launched without the attribute)
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    if (early) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+    if (!PRE) {
+#pragma unroll
+        for (int d = 0; d < D; ++d)
+            if (d < n_my) load(d, wr[d], sr[d]);
+    }
+
+    float acc[NT8][4];
+#pragma unroll
+    for (int nt = 0; nt < NT8; ++nt)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) acc[nt][q] = 0.f;
+
+    for (int i0 = 0; i0 < n_my; i0 += D) {
+#pragma unroll
+        for (int d = 0; d < D; ++d) {  // d: a constant in each copy, so every ring index is one
+            const int i = i0 + d;
+            if (i < n_my) {
+                const int ks = kw + S * i;
+                U4 xb[NT8][4];
+#pragma unroll
+                for (int nt = 0; nt < NT8; ++nt)
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) {
+                        xb[nt][j] = U4{0u, 0u, 0u, 0u};
+                        if (xok[nt]) xb[nt][j] = ldg_nc(xr[nt] + ks * 128 + j * 8);
+                    }
+                float tmp[NT8][4];
+#pragma unroll
+                for (int nt = 0; nt < NT8; ++nt)
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) tmp[nt][q] = 0.f;
+#pragma unroll
+                for (int jw = 0; jw < 8; ++jw) {  // word jw of rows g, g + 8: columns 32 c + 4 jw .. + 3
+                    u32 a0, a1, a2, a3;
+                    decode4(word_of(wr[d][jw >> 2], jw & 3), a0, a2);
+                    decode4(word_of(wr[d][2 + (jw >> 2)], jw & 3), a1, a3);
+#pragma unroll
+                    for (int nt = 0; nt < NT8; ++nt) {
+                        const U4& xv = xb[nt][jw >> 1];
+                        mma16816(tmp[nt], a0, a1, a2, a3, (jw & 1) ? xv.z : xv.x, (jw & 1) ? xv.w : xv.y);
+                    }
+                }
+                const u32 sv = sr[d];
+                const float sc = SF32 ? __uint_as_float(sv) : __uint_as_float(sv ? sv << 23 : 1u << 22);
+                if (i + D < n_my) load(i + D, wr[d], sr[d]);  // the slot's next step, in flight for D steps
+#pragma unroll
+                for (int nt = 0; nt < NT8; ++nt)
+#pragma unroll
+                    for (int q = 0; q < 4; ++q) acc[nt][q] = fmaf(tmp[nt][q], sc, acc[nt][q]);
+            }
+        }
+    }
+
+    if (S > 1) {  // the tile's S partial sums, added in warp order by its first warp
+#pragma unroll
+        for (int nt = 0; nt < NT8; ++nt)
+            red[warp][nt][lane] = make_float4(acc[nt][0], acc[nt][1], acc[nt][2], acc[nt][3]);
+        __syncthreads();
+        if (kw != 0) return;
+#pragma unroll
+        for (int nt = 0; nt < NT8; ++nt) {
+            float4 v = red[warp][nt][lane];
+#pragma unroll
+            for (int j = 1; j < S; ++j) {
+                const float4 u = red[warp + j][nt][lane];
+                v.x += u.x; v.y += u.y; v.z += u.z; v.w += u.w;
+            }
+            acc[nt][0] = v.x; acc[nt][1] = v.y; acc[nt][2] = v.z; acc[nt][3] = v.w;
+        }
+    }
+    if (!live) return;
+    // C fragment: rows g / g + 8, tokens 2c, 2c + 1 of each 8-token tile
+#pragma unroll
+    for (int nt = 0; nt < NT8; ++nt)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+            const int t = nt * 8 + 2 * c + (q & 1);
+            const int n = n0 + g + 8 * (q >> 1);
+            if (t < M) out[(long long)t * N + n] = to_bf16(acc[nt][q]);
+        }
+}
+"""
+
+
+def _source() -> str:
+    body = "\\n\"\n\"".join(line.strip() for line in FP8X4_PTX.replace("$", "%").strip().splitlines())
+    return fm.fill(fm.HELPERS) + _SRC.replace("FP8X4", '"' + body + '\\n"', 1)
+
+
+VARIANTS = [(1, s, d, sf32, pre) for s in SPLITS for d in DEPTHS for sf32 in (False, True) for pre in (False, True)]
+
+
+def _name(nt8: int, s: int, d: int, sf32: bool, pre: bool) -> str:
+    return f"fp8_gemv<{nt8}, {s}, {d}, {str(sf32).lower()}, {str(pre).lower()}>"
+
+
+PROGRAM = nvrtc.Program(_source(), "fp8_gemv.cu", [_name(*v) for v in VARIANTS])
+_KERNELS: dict = {}
+
+
+def _kernels(device: torch.device) -> dict:
+    key = str(device)
+    if key not in _KERNELS:
+        loaded = PROGRAM.kernels(device)
+        _KERNELS[key] = {v: loaded[_name(*v)] for v in VARIANTS}
+    return _KERNELS[key]
+
+
+def available(device: torch.device) -> bool:
+    """Whether the kernels are loaded on ``device`` (compute capability 8.0+, NVRTC present; built at the first ask
+    outside CUDA-graph capture; a failure is kept in ``PROGRAM.error`` and the other paths serve)."""
+    return PROGRAM.available(device)
+
+
+def eligible(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None) -> bool:
+    """bfloat16 x [M, K] on a CUDA device with 1 <= M <= 8, an e4m3 weight [N, K] with N a multiple of 16 and K of
+    128, block scales [ceil(N / 128), K / 128] (float32 or E8M0), x and W on 16-byte boundaries (the loads)."""
+    if w_scale is None or w.dim() != 2 or w_scale.dim() != 2 or x.dim() != 2:
+        return False
+    if w.dtype not in (torch.float8_e4m3fn, torch.uint8, torch.int8):
+        return False
+    if not (w_scale.dtype in (torch.float32, torch.uint8) or "e8m0" in str(w_scale.dtype)):
+        return False
+    n, k = w.shape
+    return (x.is_cuda and x.dtype == torch.bfloat16 and 0 < x.shape[0] <= MAX_ROWS and x.shape[1] == k
+            and n % 16 == 0 and k % K_STEP == 0 and n > 0
+            and tuple(w_scale.shape) == (-(-n // 128), k // K_STEP)
+            and x.is_contiguous() and w.is_contiguous() and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0)
+
+
+class LaunchPlan(NamedTuple):
+    s: int  # warps a row tile (K split inside the block)
+    d: int  # K steps in flight per warp
+    blocks: int
+
+
+def launch_plan(n: int, k: int, device: torch.device) -> LaunchPlan:
+    """K split and depth of an [m, k] x [n, k]^T call: the smallest split that gives at least 15/8 blocks an SM
+    (else 8), at most the K step count; 2 steps in flight at split 8, else 3; ``ATB_CUDA_FP8_GEMV_CFG`` overrides
+    (s, d)."""
+    steps = k // K_STEP
+    want = sm_count(device) * 15 // 8
+    s = next((v for v in SPLITS if -(-n // (16 * (WARPS // v))) >= want), SPLITS[-1])
+    s = max(v for v in SPLITS if v <= max(1, min(s, steps)))
+    cfg = env_overrides("ATB_CUDA_FP8_GEMV_CFG", {"s": s, "d": 2 if s == 8 else 3}, {"s": SPLITS, "d": DEPTHS})
+    return LaunchPlan(cfg["s"], cfg["d"], -(-n // (16 * (WARPS // cfg["s"]))))
+
+
+def weights_first() -> bool:
+    """Whether a PDL launch loads its first weight steps before waiting on the previous kernel
+    (``ATB_CUDA_FP8_GEMV_PRE``, default 1): right for weights no kernel writes (model parameters)."""
+    return env_choice("ATB_CUDA_FP8_GEMV_PRE", "1", ("0", "1")) == "1"
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """out = x @ W^T for bfloat16 x [M, K] (M <= 8) over an e4m3 weight [N, K] with 128 x 128 block scales
+    (callers check :func:`eligible`); bfloat16 [M, N]. Launched with programmatic dependent launch where it is on
+    (:func:`._util.pdl_enabled`)."""
+    m, k = x.shape
+    n = w.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    p = launch_plan(n, k, x.device)
+    sf32 = w_scale.dtype == torch.float32
+    on = pdl_enabled()
+    kern = _kernels(x.device)[(1, p.s, p.d, sf32, on and weights_first())]
+    args = [x, w.view(torch.uint8), w_scale.contiguous().view(torch.float32 if sf32 else torch.uint8), out, m, n, k,
+            int(on and PDL_EARLY.value)]
+    if on:
+        nvrtc.launch_pdl(kern, (p.blocks, 1, 1), (WARPS * 32, 1, 1), args)
+    else:
+        kern(grid=(p.blocks, 1, 1), block=(WARPS * 32, 1, 1), args=args)
+    return out
