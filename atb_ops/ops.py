@@ -292,15 +292,24 @@ def linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None = None
     return impl(x, w, w_scale, fmt)
 
 
-def group_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def group_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None = None,
+                 fmt: str = "dense") -> torch.Tensor:
     """Per-group (per-head) projection: out[t, g] = x[t, g] @ w[g]^T.
 
     x: [T, G, K]; w: [G, N, K] (any strides: a transposed view of a [G, K, N] weight works). The DeepSeek-V4
     grouped output projection ``wo_a`` (G = o_groups) and the DeepSeek-V3 absorbed-MLA ``W_UK`` / ``W_UV``
     products (G = heads). Same dtypes: computed in that dtype with float32 accumulation; otherwise in float32.
+    ``fmt="fp8_block"``: w is e4m3 [G, N, K] with w_scale [G, ceil(N/128), K/128] (float32 or E8M0), the weight
+    each group stands for being its dequantised matrix (:func:`dequantize_weight`) rounded to x's dtype -- what
+    a loader that dequantises the FP8 checkpoint weight gives (exact for E8M0 scales), so both storages give the
+    same results (DeepSeek-V4's ``wo_a``, kept in FP8 on CUDA by ``parallel.linear.compact_fp8_weights_``).
     Returns x.dtype [T, G, N].
     """
-    return resolve("group_linear", x)(x, w)
+    if fmt not in ("dense", "fp8_block"):
+        raise ValueError(f"group_linear: fmt must be 'dense' or 'fp8_block', got {fmt!r}")
+    if fmt == "dense":
+        return resolve("group_linear", x)(x, w)
+    return resolve("group_linear", x)(x, w, w_scale, fmt)
 
 
 def dequantize_weight(w: torch.Tensor, w_scale: torch.Tensor | None = None, fmt: str = "dense") -> torch.Tensor:

@@ -93,6 +93,33 @@ def compact_fp32_weights_(model: nn.Module) -> int:
     return freed
 
 
+@torch.no_grad()
+def compact_fp8_weights_(model: nn.Module) -> int:
+    """Store as FP8 (e4m3 with E8M0 128 x 128 block scales, ``fmt="fp8_block"``) the dense 16-bit weights of the
+    linears marked ``fp8_compact`` whose values are exactly that: DeepSeek-V4's ``wo_a``, FP8 in the official
+    checkpoint and dequantised at load for the dense ``group_linear``, which now takes either storage with the
+    same results (its consumer reads ``fmt`` and ``scale``). A weight with a value off that grid (random BF16, a
+    float32-scaled block) stays dense. Each block is requantised with the smallest power-of-two scale that holds
+    its largest value (``quant.fp8_block.quant_fp8_block``): exact for values that are e4m3 codes times a power of
+    two, which the dequantised checkpoint's are; the result is checked against the weight before it replaces it.
+    For backends with an FP8 kernel for it (CUDA: half the bytes a decode step reads for ``wo_a``); returns the
+    bytes freed."""
+    from quant.fp8_block import dequant_fp8_block, quant_fp8_block
+
+    freed = 0
+    for mod in model.modules():
+        w = getattr(mod, "weight", None)
+        if not (isinstance(mod, Linear) and getattr(mod, "fp8_compact", False) and mod.fmt == "dense"
+                and w is not None and w.dim() == 2 and w.dtype in (torch.bfloat16, torch.float16)
+                and w.shape[0] % 128 == 0 and w.shape[1] % 128 == 0 and w.numel()):
+            continue
+        q, s = quant_fp8_block(w, scale_fmt="ue8m0")
+        if torch.equal(dequant_fp8_block(q, s, dtype=torch.float32), w.float()):
+            mod.set_weight(q, s, "fp8_block")
+            freed += w.numel() * (w.element_size() - 1) - s.numel()
+    return freed
+
+
 @dataclass
 class _Stack:
     """One weight (and scale) buffer of linears that read the same input; each linear holds a row slice of it."""

@@ -53,7 +53,7 @@ from ascend_dsv4.engine.model_runner import ModelRunner, prepare_weights_for  # 
 from ascend_dsv4.models import build_model  # noqa: E402
 from parallel.linear import Linear  # noqa: E402
 from quant.fp4 import quant_fp4  # noqa: E402
-from quant.fp8_block import quant_fp8_block  # noqa: E402
+from quant.fp8_block import dequant_fp8_block, quant_fp8_block  # noqa: E402
 
 
 def flash3(n_experts: int = 64):
@@ -87,11 +87,15 @@ def init_on_device_(model: torch.nn.Module, seed: int = 0) -> None:
 
 @torch.no_grad()
 def to_official_formats_(model: torch.nn.Module) -> None:
-    """FP8 block-scaled attention / shared-expert linears, FP4 routed experts (kept in format)."""
+    """FP8 block-scaled attention / shared-expert linears, FP4 routed experts (kept in format); ``wo_a`` FP8 in the
+    checkpoint and dequantised at load (its values on the FP8 grid; the CUDA runner stores it back in FP8)."""
     for name, m in model.named_modules():
         if isinstance(m, Linear) and m.keep_checkpoint_format and (".attn." in name or "shared_experts" in name):
             q, s = quant_fp8_block(m.weight.float())
             m.set_weight(q, s, "fp8_block")
+        elif isinstance(m, Linear) and getattr(m, "fp8_compact", False) and m.fmt == "dense":
+            q, s = quant_fp8_block(m.weight.float())
+            m.weight.copy_(dequant_fp8_block(q, s, dtype=m.weight.dtype))
         if type(m).__name__ == "Experts":
             t = {}
             for n in ("w1", "w2", "w3"):

@@ -142,16 +142,33 @@ class PendingStep(NamedTuple):
     done: object  # torch.cuda.Event recorded after the copies (None off CUDA: the copies were synchronous)
 
 
+def wo_a_fp8() -> bool:
+    """``ASCEND_DSV4_WO_A_FP8``: 1 stores DeepSeek-V4's ``wo_a`` back in FP8 on CUDA where its values are the
+    checkpoint's FP8 blocks (H200, scripts/bench_results/h200_session38.txt: the op 1.27-1.55x cuBLAS BF16 at 1-16
+    tokens, 0.81x at 32, 0.43x at 64; the FP8 + FP4 decode step 0.02-0.03 ms shorter at batch 1 / 8, 0.01 ms longer
+    at 32, 0.07 ms at 64; half wo_a's memory); 0 (default) keeps it BF16. Another value is a ValueError naming the
+    variable."""
+    v = os.environ.get("ASCEND_DSV4_WO_A_FP8", "0")
+    if v not in ("0", "1"):
+        raise ValueError(f"ASCEND_DSV4_WO_A_FP8={v!r}: expected 0 or 1")
+    return v == "1"
+
+
 def prepare_weights_for(model: torch.nn.Module, device: torch.device, backend: str | None) -> None:
     """Weight storage for the op backend, once per model (create() and __init__ both ask). On CUDA: BF16 storage
     of the float32-compute linears whose values are BF16 (:func:`parallel.linear.compact_fp32_weights_`: the same
-    results, half their bytes), then one buffer per group of linears that read the same input
+    results, half their bytes), with ``ASCEND_DSV4_WO_A_FP8=1`` FP8 storage of the linears marked ``fp8_compact``
+    whose values are FP8 blocks (:func:`parallel.linear.compact_fp8_weights_`: V4's ``wo_a``, half its bytes; faster
+    decode at small batches, slower at large ones: off by default, :func:`wo_a_fp8`), then one buffer per group of
+    linears that read the same input
     (:func:`parallel.linear.stack_model_linears_`: one GEMM for e.g. the compressor's wkv / wgate, the shared
     expert's w1 / w3, attention's wq_a / wkv)."""
     if device.type == "cuda" and backend in (None, "cuda") and not getattr(model, "_weights_prepared", False):
-        from parallel.linear import compact_fp32_weights_, stack_model_linears_
+        from parallel.linear import compact_fp8_weights_, compact_fp32_weights_, stack_model_linears_
 
         compact_fp32_weights_(model)
+        if wo_a_fp8():
+            compact_fp8_weights_(model)
         stack_model_linears_(model)
         torch.cuda.empty_cache()  # the replaced copies go back to the device (memory sizing reads its free bytes)
         model._weights_prepared = True

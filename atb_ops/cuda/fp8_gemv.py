@@ -1,5 +1,6 @@
 """FP8-block linears of 1-8 rows (a decode step's) by a CUDA C kernel (NVRTC) that splits K inside the block, not
-over blocks: no float32 partials in global memory, no arrival counter, no last block adding them.
+over blocks: no float32 partials in global memory, no arrival counter, no last block adding them; and the FP8 form of
+``group_linear`` (every group's weight in one launch, up to 32 tokens).
 
 Same op as the ``fp8_block`` case of :func:`.gemm.linear`: out[m, :] = x[m, :] @ W^T, bfloat16 x [M, K] (M <= 8),
 W float8_e4m3fn [N, K] with one scale per 128 x 128 block (float32 or E8M0 bytes [ceil(N / 128), K / 128]),
@@ -23,7 +24,10 @@ shared memory in warp order (deterministic) and the block writes bfloat16.
   x[token][32 c + 4 j .. + 3] in natural order: a lane loads 64 bytes of its token's row per step (16-byte loads
   through L1: every block reads the same x, so an SM fetches it from L2 once);
 - each step's MMAs accumulate into a zeroed float32 tile that its block scale multiplies into the running sums
-  (one FFMA a value): float32 and E8M0 scales alike, no range rule.
+  (one FFMA a value): float32 and E8M0 scales alike, no range rule;
+- up to 4 token tiles of 8 (NT8) share each decoded word; with 4 the x chunks are loaded one 16-byte chunk at a time
+  (registers); :func:`group_linear` takes blockIdx.y as the group (x rows ``ldx`` apart, W, scales and out offset
+  per group).
 
 The block count is N / (16 R); S is the smallest of 1, 2, 4, 8 that gives at least 15/8 blocks an SM (else 8), at
 most the K step count; 2 steps in flight at S = 8, else 3 (the fastest measured). Products are exact (bf16 x bf16 into
@@ -40,7 +44,8 @@ this kernel at 1 and 8 rows): wq_a + wkv 1536 x 4096 6.9 / 4.6 and 7.1 / 5.4, wq
 14.0 / 13.4, wo_b 4096 x 8192 15.7 / 11.9 and 16.0 / 13.2, w13 4096 x 4096 10.8 / 7.5 and 10.8 / 7.9, w2 4096 x 2048
 6.6 / 4.4 and 6.8 / 5.0; without PDL 1.0-1.2 us slower a call, with the weights after the wait 0.5-0.9 us slower. The
 FP8 + FP4 decode step's replay at batch 1 / 8: 0.78 / 1.04-1.05 -> 0.76 / 1.03 ms. Two token tiles (9-16 rows) ran
-0.84-1.05x gemm_tc: tokens are capped at 8.
+0.84-1.05x gemm_tc: linears are capped at 8 rows. ``group_linear`` over Flash's wo_a (8 x 1024 x 4096): 12.2 / 13.6 /
+15.0 / 20.3 / 24.3 us at 1 / 8 / 16 / 24 / 32 tokens against cuBLAS BF16's 18.7-19.7.
 
 Built at first use by NVRTC for the device's compute capability (sm_80+); a failed build leaves the other paths
 serving (:func:`available`). ``ATB_CUDA_FP8_GEMV_CFG="s=4,d=3"`` overrides the K split and the steps in flight
@@ -60,7 +65,8 @@ from ._util import PDL_EARLY, env_choice, env_overrides, pdl_enabled, sm_count
 
 K_STEP = 128  # columns per K step: one scale block
 WARPS = 8
-MAX_ROWS = 8  # tokens of one call: one 8-token tile (two measured slower than gemm_tc at 9-16 rows)
+MAX_ROWS = 8  # tokens of a linear: one 8-token tile (two measured slower than gemm_tc at 9-16 rows)
+GROUP_MAX_ROWS = 32  # tokens of a group_linear call: up to four 8-token tiles
 SPLITS = (1, 2, 4, 8)  # warps of a row tile (K split inside the block)
 DEPTHS = (2, 3, 4)  # K steps in flight per warp
 
@@ -80,7 +86,7 @@ __device__ __forceinline__ u32 word_of(const U4& v, int j) { return j == 0 ? v.x
 template <int NT8, int S, int D, bool SF32, bool PRE>
 __global__ void __launch_bounds__(256, 2) fp8_gemv(
         const u16* __restrict__ x, const u8* __restrict__ w, const void* __restrict__ s, u16* __restrict__ out,
-        int M, int N, int K, int early) {
+        int M, int N, int K, int ldx, int ldo, int early) {
     constexpr int R = 8 / S;
     __shared__ float4 red[S > 1 ? 8 : 1][NT8][32];  // each warp's float32 tile (fragment order) for the sum
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -90,16 +96,22 @@ __global__ void __launch_bounds__(256, 2) fp8_gemv(
     const bool live = n0 < N;
     const int KS = K >> 7;
     const int n_my = live ? (KS - kw + S - 1) / S : 0;  // this warp's K steps: kw, kw + S, ...
+    // group blockIdx.y (group_linear: x [M, G, K] rows ldx apart, W [G, N, K], scales [G, N / 128, K / 128],
+    // out [M, G, N] rows ldo apart; one group for a linear)
+    const int grp = blockIdx.y;
+    x += (long long)grp * K;
+    w += (long long)grp * N * K;
+    out += (long long)grp * N;
     const u8* w0 = w + (long long)(live ? n0 + g : 0) * K + c * 32;
     const u8* w1 = w0 + 8LL * K;
-    const int srow = (n0 >> 7) * KS;
+    const int srow = (grp * ((N + 127) >> 7) + (n0 >> 7)) * KS;
     const u16* xr[NT8];
     bool xok[NT8];
 #pragma unroll
     for (int nt = 0; nt < NT8; ++nt) {
         const int t = g + 8 * nt;
         xok[nt] = t < M;
-        xr[nt] = x + (long long)(xok[nt] ? t : 0) * K + c * 32;
+        xr[nt] = x + (long long)(xok[nt] ? t : 0) * ldx + c * 32;
     }
     U4 wr[D][4];
     u32 sr[D];
@@ -141,14 +153,21 @@ __global__ void __launch_bounds__(256, 2) fp8_gemv(
             const int i = i0 + d;
             if (i < n_my) {
                 const int ks = kw + S * i;
-                U4 xb[NT8][4];
+                // x: 16-byte chunk j (columns 32 c + 8 j .. + 7) of each token tile; all 4 at the step's start, or
+                // (4 tiles: registers) each just before its two words
+                constexpr int XC = NT8 >= 4 ? 1 : 4;
+                U4 xb[NT8][XC];
+                auto load_x = [&](int j) {
 #pragma unroll
-                for (int nt = 0; nt < NT8; ++nt)
-#pragma unroll
-                    for (int j = 0; j < 4; ++j) {
-                        xb[nt][j] = U4{0u, 0u, 0u, 0u};
-                        if (xok[nt]) xb[nt][j] = ldg_nc(xr[nt] + ks * 128 + j * 8);
+                    for (int nt = 0; nt < NT8; ++nt) {
+                        xb[nt][j % XC] = U4{0u, 0u, 0u, 0u};
+                        if (xok[nt]) xb[nt][j % XC] = ldg_nc(xr[nt] + ks * 128 + j * 8);
                     }
+                };
+                if (XC == 4) {
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) load_x(j);
+                }
                 float tmp[NT8][4];
 #pragma unroll
                 for (int nt = 0; nt < NT8; ++nt)
@@ -156,12 +175,13 @@ __global__ void __launch_bounds__(256, 2) fp8_gemv(
                     for (int q = 0; q < 4; ++q) tmp[nt][q] = 0.f;
 #pragma unroll
                 for (int jw = 0; jw < 8; ++jw) {  // word jw of rows g, g + 8: columns 32 c + 4 jw .. + 3
+                    if (XC == 1 && (jw & 1) == 0) load_x(jw >> 1);
                     u32 a0, a1, a2, a3;
                     decode4(word_of(wr[d][jw >> 2], jw & 3), a0, a2);
                     decode4(word_of(wr[d][2 + (jw >> 2)], jw & 3), a1, a3);
 #pragma unroll
                     for (int nt = 0; nt < NT8; ++nt) {
-                        const U4& xv = xb[nt][jw >> 1];
+                        const U4& xv = xb[nt][(jw >> 1) % XC];
                         mma16816(tmp[nt], a0, a1, a2, a3, (jw & 1) ? xv.z : xv.x, (jw & 1) ? xv.w : xv.y);
                     }
                 }
@@ -201,7 +221,7 @@ __global__ void __launch_bounds__(256, 2) fp8_gemv(
         for (int q = 0; q < 4; ++q) {
             const int t = nt * 8 + 2 * c + (q & 1);
             const int n = n0 + g + 8 * (q >> 1);
-            if (t < M) out[(long long)t * N + n] = to_bf16(acc[nt][q]);
+            if (t < M) out[(long long)t * ldo + n] = to_bf16(acc[nt][q]);
         }
 }
 """
@@ -212,7 +232,8 @@ def _source() -> str:
     return fm.fill(fm.HELPERS) + _SRC.replace("FP8X4", '"' + body + '\\n"', 1)
 
 
-VARIANTS = [(1, s, d, sf32, pre) for s in SPLITS for d in DEPTHS for sf32 in (False, True) for pre in (False, True)]
+VARIANTS = [(nt8, s, d, sf32, pre) for nt8 in (1, 2, 4) for s in SPLITS for d in DEPTHS for sf32 in (False, True)
+            for pre in (False, True)]
 
 
 def _name(nt8: int, s: int, d: int, sf32: bool, pre: bool) -> str:
@@ -237,14 +258,16 @@ def available(device: torch.device) -> bool:
     return PROGRAM.available(device)
 
 
+def _dtypes_ok(w: torch.Tensor, w_scale: torch.Tensor) -> bool:
+    """An e4m3 weight (or its bytes) and float32 or E8M0 scales."""
+    return (w.dtype in (torch.float8_e4m3fn, torch.uint8, torch.int8)
+            and (w_scale.dtype in (torch.float32, torch.uint8) or "e8m0" in str(w_scale.dtype)))
+
+
 def eligible(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None) -> bool:
     """bfloat16 x [M, K] on a CUDA device with 1 <= M <= 8, an e4m3 weight [N, K] with N a multiple of 16 and K of
     128, block scales [ceil(N / 128), K / 128] (float32 or E8M0), x and W on 16-byte boundaries (the loads)."""
-    if w_scale is None or w.dim() != 2 or w_scale.dim() != 2 or x.dim() != 2:
-        return False
-    if w.dtype not in (torch.float8_e4m3fn, torch.uint8, torch.int8):
-        return False
-    if not (w_scale.dtype in (torch.float32, torch.uint8) or "e8m0" in str(w_scale.dtype)):
+    if w_scale is None or w.dim() != 2 or w_scale.dim() != 2 or x.dim() != 2 or not _dtypes_ok(w, w_scale):
         return False
     n, k = w.shape
     return (x.is_cuda and x.dtype == torch.bfloat16 and 0 < x.shape[0] <= MAX_ROWS and x.shape[1] == k
@@ -256,18 +279,19 @@ def eligible(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None) -> 
 class LaunchPlan(NamedTuple):
     s: int  # warps a row tile (K split inside the block)
     d: int  # K steps in flight per warp
-    blocks: int
+    blocks: int  # per group
 
 
-def launch_plan(n: int, k: int, device: torch.device) -> LaunchPlan:
-    """K split and depth of an [m, k] x [n, k]^T call: the smallest split that gives at least 15/8 blocks an SM
-    (else 8), at most the K step count; 2 steps in flight at split 8, else 3; ``ATB_CUDA_FP8_GEMV_CFG`` overrides
-    (s, d)."""
+def launch_plan(n: int, k: int, device: torch.device, groups: int = 1, nt8: int = 1) -> LaunchPlan:
+    """K split and depth of an [m, k] x [n, k]^T call (of each of ``groups`` weights, ``nt8`` token tiles): the
+    smallest split that gives at least 15/8 blocks an SM (else 8), at most the K step count; 2 steps in flight at
+    split 8 or with more than one token tile (registers), else 3; ``ATB_CUDA_FP8_GEMV_CFG`` overrides (s, d)."""
     steps = k // K_STEP
     want = sm_count(device) * 15 // 8
-    s = next((v for v in SPLITS if -(-n // (16 * (WARPS // v))) >= want), SPLITS[-1])
+    s = next((v for v in SPLITS if groups * -(-n // (16 * (WARPS // v))) >= want), SPLITS[-1])
     s = max(v for v in SPLITS if v <= max(1, min(s, steps)))
-    cfg = env_overrides("ATB_CUDA_FP8_GEMV_CFG", {"s": s, "d": 2 if s == 8 else 3}, {"s": SPLITS, "d": DEPTHS})
+    cfg = env_overrides("ATB_CUDA_FP8_GEMV_CFG", {"s": s, "d": 2 if s == 8 or nt8 > 1 else 3},
+                        {"s": SPLITS, "d": DEPTHS})
     return LaunchPlan(cfg["s"], cfg["d"], -(-n // (16 * (WARPS // cfg["s"]))))
 
 
@@ -277,6 +301,21 @@ def weights_first() -> bool:
     return env_choice("ATB_CUDA_FP8_GEMV_PRE", "1", ("0", "1")) == "1"
 
 
+def _launch(x, w, w_scale, out, m: int, n: int, k: int, groups: int) -> None:
+    """One launch over ``groups`` weights: x rows ``groups * k`` elements apart, out rows ``groups * n`` apart."""
+    nt8 = 1 if m <= 8 else 2 if m <= 16 else 4
+    p = launch_plan(n, k, x.device, groups, nt8)
+    sf32 = w_scale.dtype == torch.float32
+    on = pdl_enabled()
+    kern = _kernels(x.device)[(nt8, p.s, p.d, sf32, on and weights_first())]
+    args = [x, w.view(torch.uint8), w_scale.contiguous().view(torch.float32 if sf32 else torch.uint8), out, m, n, k,
+            groups * k, groups * n, int(on and PDL_EARLY.value)]
+    if on:
+        nvrtc.launch_pdl(kern, (p.blocks, groups, 1), (WARPS * 32, 1, 1), args)
+    else:
+        kern(grid=(p.blocks, groups, 1), block=(WARPS * 32, 1, 1), args=args)
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
     """out = x @ W^T for bfloat16 x [M, K] (M <= 8) over an e4m3 weight [N, K] with 128 x 128 block scales
     (callers check :func:`eligible`); bfloat16 [M, N]. Launched with programmatic dependent launch where it is on
@@ -284,14 +323,29 @@ def linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Ten
     m, k = x.shape
     n = w.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    p = launch_plan(n, k, x.device)
-    sf32 = w_scale.dtype == torch.float32
-    on = pdl_enabled()
-    kern = _kernels(x.device)[(1, p.s, p.d, sf32, on and weights_first())]
-    args = [x, w.view(torch.uint8), w_scale.contiguous().view(torch.float32 if sf32 else torch.uint8), out, m, n, k,
-            int(on and PDL_EARLY.value)]
-    if on:
-        nvrtc.launch_pdl(kern, (p.blocks, 1, 1), (WARPS * 32, 1, 1), args)
-    else:
-        kern(grid=(p.blocks, 1, 1), block=(WARPS * 32, 1, 1), args=args)
+    _launch(x, w, w_scale, out, m, n, k, 1)
+    return out
+
+
+def group_eligible(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None) -> bool:
+    """``group_linear``'s operands as :func:`group_linear` takes them: bfloat16 x [T, G, K] (1 <= T <= 32) on a CUDA
+    device, an e4m3 weight [G, N, K] with N a multiple of 128 and K of 128, scales [G, N / 128, K / 128] (float32
+    or E8M0); x and W contiguous on 16-byte boundaries."""
+    if w_scale is None or x.dim() != 3 or w.dim() != 3 or w_scale.dim() != 3 or not _dtypes_ok(w, w_scale):
+        return False
+    t, g, k = x.shape
+    return (x.is_cuda and x.dtype == torch.bfloat16 and 0 < t <= GROUP_MAX_ROWS and w.shape[0] == g and w.shape[2] == k
+            and w.shape[1] % 128 == 0 and k % K_STEP == 0 and g > 0
+            and tuple(w_scale.shape) == (g, w.shape[1] // 128, k // K_STEP)
+            and x.is_contiguous() and w.is_contiguous() and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0)
+
+
+def group_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """out[t, g] = x[t, g] @ W[g]^T for bfloat16 x [T, G, K] (T <= 32), e4m3 W [G, N, K] with 128 x 128 block scales
+    [G, N / 128, K / 128] (callers check :func:`group_eligible`): one launch, blockIdx.y the group; bfloat16
+    [T, G, N], contiguous."""
+    t, g, k = x.shape
+    n = w.shape[1]
+    out = torch.empty(t, g, n, dtype=x.dtype, device=x.device)
+    _launch(x, w, w_scale, out, t, n, k, g)
     return out

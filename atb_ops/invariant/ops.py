@@ -19,7 +19,7 @@ from .._registry import register
 from ..reference import quant_linear as ref_qlinear
 from ..reference import quant_sim as ref_quant
 from ..reference import rope as ref_rope
-from ..reference.linear import dequant_weight
+from ..reference.linear import dequant_weight, group_weight
 from ..reference.quant_sim import _hadamard_matrix
 from .primitives import BLOCK_N, bmm, matmul, row_sum
 
@@ -109,7 +109,8 @@ def linear(x, w, w_scale=None, fmt="dense"):
 
 
 @register("group_linear", "reference", batch_invariant=True)
-def group_linear(x, w):
+def group_linear(x, w, w_scale=None, fmt="dense"):
+    w = group_weight(w, w_scale, fmt, x.dtype)
     if x.dtype != w.dtype:
         x, w = x.float(), w.float()
     if x.shape[0] == 0:

@@ -45,8 +45,18 @@ def grouped_matmul(x, w, expert_ids, w_scale=None, fmt="dense"):
     return out
 
 
+def group_weight(w, w_scale, fmt, dtype):
+    """``group_linear``'s weight as a dense [G, N, K] matrix: ``fmt="fp8_block"`` dequantised per group and rounded
+    to ``dtype`` (a 16-bit x's; what loading the FP8 weight dequantised gives), ``dense`` as it is."""
+    if fmt == "dense":
+        return w
+    wd = torch.stack([dequant_weight(w[g], w_scale[g], fmt) for g in range(w.shape[0])]) if w.shape[0] else w.float()
+    return wd.to(dtype) if dtype in (torch.bfloat16, torch.float16) else wd
+
+
 @register("group_linear", "reference")
-def group_linear(x, w):
+def group_linear(x, w, w_scale=None, fmt="dense"):
+    w = group_weight(w, w_scale, fmt, x.dtype)
     if x.dtype == w.dtype:
         return torch.einsum("tgk,gnk->tgn", x, w)
     return torch.einsum("tgk,gnk->tgn", x.float(), w.float()).to(x.dtype)

@@ -239,3 +239,48 @@ def test_pdl_chain_in_cuda_graph_equals_plain(monkeypatch, pre):
         x.copy_(torch.randn(8, 2048, device=DEV, generator=g).to(torch.bfloat16))
         graph.replay()
         assert torch.equal(out, chain())
+
+
+def test_launch_plan_counts_every_group(monkeypatch):
+    """DeepSeek-V4-Flash's wo_a: 8 groups of 1024 x 4096 on 132 SMs take split 4 (256 blocks in all)."""
+    monkeypatch.delenv("ATB_CUDA_FP8_GEMV_CFG", raising=False)
+    monkeypatch.setattr(fg, "sm_count", lambda device: 132)
+    assert fg.launch_plan(1024, 4096, torch.device("cpu"), groups=8) == (4, 3, 32)
+
+
+def test_group_eligible_rules():
+    x = _fake((4, 8, 256), torch.bfloat16)
+    w = _fake((8, 256, 256), torch.float8_e4m3fn)
+    s = _fake((8, 2, 2), torch.uint8)
+    assert not fg.group_eligible(x, w, s)  # on the CPU
+    if DEV == "cuda":
+        xd, wd, sd = x.to(DEV), w.to(DEV), s.to(DEV)
+        assert fg.group_eligible(xd, wd, sd) and fg.group_eligible(xd, wd, sd.float())
+        assert fg.group_eligible(_fake((32, 8, 256), torch.bfloat16, DEV), wd, sd)
+        assert not fg.group_eligible(_fake((33, 8, 256), torch.bfloat16, DEV), wd, sd)  # 33 tokens
+        w144, s144 = _fake((8, 144, 256), torch.float8_e4m3fn, DEV), _fake((8, 2, 2), torch.uint8, DEV)
+        assert not fg.group_eligible(xd, w144, s144)  # N not a multiple of 128
+        assert not fg.group_eligible(xd[:, :4], wd[:4], sd[:4])  # x not contiguous
+        assert not fg.group_eligible(xd, wd, sd[:, :1])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("float_scale", [False, True])
+@pytest.mark.parametrize("t,g,n,k", [(1, 8, 1024, 4096), (8, 8, 1024, 4096), (3, 3, 384, 1408), (8, 1, 128, 128),
+                                     (5, 16, 256, 512), (9, 2, 384, 1408), (16, 8, 1024, 4096), (17, 3, 256, 640),
+                                     (32, 8, 1024, 4096), (29, 1, 128, 128)])
+def test_fp8_gemv_group_linear(t, g, n, k, float_scale):
+    """out[t, g] = x[t, g] @ W[g]^T over every group in one launch (blockIdx.y the group), DeepSeek-V4-Flash's wo_a
+    first: each group within one bfloat16 rounding of its float64 product and close to the reference op."""
+    _built()
+    gen = torch.Generator().manual_seed(t + g + n)
+    q, s = quant_fp8_block(torch.randn(g, n, k, generator=gen) * 0.05, scale_fmt=None if float_scale else "ue8m0")
+    q, s = q.to(DEV), s.to(DEV)
+    x = torch.randn(t, g, k, generator=gen).to(DEV, torch.bfloat16)
+    assert fg.group_eligible(x, q, s)
+    got = fg.group_linear(x, q, s)
+    assert got.shape == (t, g, n) and got.dtype == torch.bfloat16 and got.is_contiguous()
+    for j in range(g):
+        check_close(got[:, j].contiguous(), x[:, j].contiguous(), q[j], s[j], "fp8_block")
+    ref = atb_ops.implementations("group_linear")["reference"](x, q, s, "fp8_block")
+    assert float((got.float() - ref.float()).norm() / ref.float().norm()) < 1e-2

@@ -130,6 +130,9 @@ class Attention(nn.Module):
         # wo_a runs in BF16 in the official model (dequantised at load): no activation rounding
         self.wo_a = ColumnParallelLinear(H * D // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, dtype, tp)
         self.wo_a.keep_checkpoint_format = False  # used as a dense einsum weight (README.md §3.3)
+        # ... which the CUDA backend stores back in FP8 where its values are exactly FP8 (the checkpoint's E8M0
+        # blocks: parallel.linear.compact_fp8_weights_; group_linear takes both, with the same results)
+        self.wo_a.fp8_compact = cfg.o_lora_rank % 128 == 0
         self.wo_b = RowParallelLinear(cfg.o_groups * cfg.o_lora_rank, cfg.dim, dtype, tp, fp8_input=reference)
         self.attn_sink = fp32_param(H // tp.size)
         self.compressor = Compressor(cfg, self.ratio, D, False, dtype, reference) if self.ratio else None
@@ -186,5 +189,9 @@ class Attention(nn.Module):
         # grouped low-rank output: group g of heads -> o_lora_rank, then wo_b over all groups
         o = o.reshape(T, self.o_groups, -1)
         wo_a = self.wo_a.weight.view(self.o_groups, self.o_lora_rank, -1)
-        z = atb_ops.group_linear(o, wo_a)
+        if self.wo_a.fmt == "fp8_block":
+            scale = self.wo_a.scale.view(self.o_groups, self.o_lora_rank // 128, -1)
+            z = atb_ops.group_linear(o, wo_a, scale, "fp8_block")
+        else:
+            z = atb_ops.group_linear(o, wo_a)
         return self.wo_b(z.flatten(1))
