@@ -241,15 +241,10 @@ def _name(nt8: int, s: int, d: int, sf32: bool, pre: bool) -> str:
 
 
 PROGRAM = nvrtc.Program(_source(), "fp8_gemv.cu", [_name(*v) for v in VARIANTS])
-_KERNELS: dict = {}
 
 
 def _kernels(device: torch.device) -> dict:
-    key = str(device)
-    if key not in _KERNELS:
-        loaded = PROGRAM.kernels(device)
-        _KERNELS[key] = {v: loaded[_name(*v)] for v in VARIANTS}
-    return _KERNELS[key]
+    return PROGRAM.by_variant(device, VARIANTS, _name)
 
 
 def available(device: torch.device) -> bool:

@@ -187,6 +187,14 @@ class Program:
             self._loaded[key] = {name: loaded[lowered[name]] for name in self.names}
         return self._loaded[key]
 
+    def by_variant(self, device: torch.device, variants: list, name) -> dict:
+        """{variant: kernel} on ``device`` for the instances ``name(*variant)`` (the mapping made once per device)."""
+        key = ("by_variant", str(device))
+        if key not in self._loaded:
+            loaded = self.kernels(device)
+            self._loaded[key] = {v: loaded[name(*v)] for v in variants}
+        return self._loaded[key]
+
     def available(self, device: torch.device, min_cc: tuple[int, int] = (8, 0),
                   max_cc: tuple[int, int] = (99, 9)) -> bool:
         """Whether the kernels are loaded on ``device`` (compute capability ``min_cc`` .. ``max_cc``, NVRTC present).
