@@ -302,7 +302,8 @@ def group_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None 
     ``fmt="fp8_block"``: w is e4m3 [G, N, K] with w_scale [G, ceil(N/128), K/128] (float32 or E8M0), the weight
     each group stands for being its dequantised matrix (:func:`dequantize_weight`) rounded to x's dtype -- what
     a loader that dequantises the FP8 checkpoint weight gives (exact for E8M0 scales), so both storages give the
-    same results (DeepSeek-V4's ``wo_a``, kept in FP8 on CUDA by ``parallel.linear.compact_fp8_weights_``).
+    same results (DeepSeek-V4's ``wo_a``, stored back in FP8 on CUDA by ``parallel.linear.compact_fp8_weights_``
+    with ``ASCEND_DSV4_WO_A_FP8=1``).
     Returns x.dtype [T, G, N].
     """
     if fmt not in ("dense", "fp8_block"):

@@ -88,7 +88,8 @@ def init_on_device_(model: torch.nn.Module, seed: int = 0) -> None:
 @torch.no_grad()
 def to_official_formats_(model: torch.nn.Module) -> None:
     """FP8 block-scaled attention / shared-expert linears, FP4 routed experts (kept in format); ``wo_a`` FP8 in the
-    checkpoint and dequantised at load (its values on the FP8 grid; the CUDA runner stores it back in FP8)."""
+    checkpoint and dequantised at load (its values on the FP8 grid; with ASCEND_DSV4_WO_A_FP8=1 the CUDA runner
+    stores it back in FP8)."""
     for name, m in model.named_modules():
         if isinstance(m, Linear) and m.keep_checkpoint_format and (".attn." in name or "shared_experts" in name):
             q, s = quant_fp8_block(m.weight.float())

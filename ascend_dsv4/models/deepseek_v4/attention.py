@@ -130,8 +130,8 @@ class Attention(nn.Module):
         # wo_a runs in BF16 in the official model (dequantised at load): no activation rounding
         self.wo_a = ColumnParallelLinear(H * D // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, dtype, tp)
         self.wo_a.keep_checkpoint_format = False  # used as a dense einsum weight (README.md §3.3)
-        # ... which the CUDA backend stores back in FP8 where its values are exactly FP8 (the checkpoint's E8M0
-        # blocks: parallel.linear.compact_fp8_weights_; group_linear takes both, with the same results)
+        # ... which a CUDA runner stores back in FP8 with ASCEND_DSV4_WO_A_FP8=1 where its values are exactly FP8
+        # (the checkpoint's E8M0 blocks: parallel.linear.compact_fp8_weights_; group_linear takes both, same results)
         self.wo_a.fp8_compact = cfg.o_lora_rank % 128 == 0
         self.wo_b = RowParallelLinear(cfg.o_groups * cfg.o_lora_rank, cfg.dim, dtype, tp, fp8_input=reference)
         self.attn_sink = fp32_param(H // tp.size)
