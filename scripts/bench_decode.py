@@ -26,7 +26,7 @@ launched with step N's argmax as its input ids, on the device, before the host w
 time between consecutive steps' results: the host work hides behind the device. With ``--hf`` transformers' eager
 DeepseekV4ForCausalLM runs the same shapes (BF16) side by side at batch 8.
 
-One script of about 530 lines: the model set-up, the timing loops (synchronised, chained, replay, profiles) and the
+One script of about 550 lines: the model set-up, the timing loops (synchronised, chained, replay, profiles) and the
 table share the runner and the byte count, and run in one process per GPU call.
 
 Usage: python scripts/bench_decode.py [--batches 1,8,32,64] [--ctx 2048,8192] [--formats bf16,fp8] [--hf]

@@ -28,7 +28,11 @@ scales of at least :data:`DQ_LINEAR_ROWS` rows that would go to the tiled kernel
 ``tc`` / ``tcl`` / ``fp4moe`` /
 ``fp4mma`` / ``fp4f16`` / ``dq`` / ``tiled`` forces one path where it applies (benchmarks), ``auto`` (default)
 selects by shape (:data:`TCL_GROUPED_MIN_ROWS`, :data:`TCL_LINEAR_ROWS`, :data:`TC_LINEAR_ROWS`,
-:data:`TC_GROUPED_MIN_ROWS` / ``_MAX_ROWS``, :data:`DECODE_ROWS`).
+:data:`TC_GROUPED_MIN_ROWS` / ``_MAX_ROWS``, :data:`DECODE_ROWS`, :data:`FP8_GEMV_MAX_ROWS`).
+
+One module of about 530 lines: the routing of every fp8_block / fp4 linear and grouped matmul to its kernel module
+(each rule beside the measurement that set it, so that one file shows the whole dispatch) and the tiled Triton
+kernel that serves the rest; the kernels themselves live in their own modules.
 """
 
 from __future__ import annotations
