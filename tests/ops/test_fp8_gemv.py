@@ -24,6 +24,7 @@ from atb_ops.cuda import gemm  # noqa: E402
 from quant.fp8_block import quant_fp8_block  # noqa: E402
 
 from test_gemm_decode import _bf16_bits_to_f32, check_close, run_ptx  # noqa: E402
+from test_pdl import assert_pdl_graph_equals_plain  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -228,17 +229,8 @@ def test_pdl_chain_in_cuda_graph_equals_plain(monkeypatch, pre):
         return y
 
     monkeypatch.setenv("ATB_CUDA_FP8_GEMV_PRE", pre)
-    monkeypatch.setenv("ATB_CUDA_PDL", "1")
-    chain()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = chain()
-    monkeypatch.setenv("ATB_CUDA_PDL", "0")
-    for _ in range(3):
-        x.copy_(torch.randn(8, 2048, device=DEV, generator=g).to(torch.bfloat16))
-        graph.replay()
-        assert torch.equal(out, chain())
+    assert_pdl_graph_equals_plain(chain, lambda: x.copy_(torch.randn(8, 2048, device=DEV, generator=g).bfloat16()),
+                                  monkeypatch)
 
 
 def test_launch_plan_counts_every_group(monkeypatch):

@@ -177,6 +177,14 @@ def test_pdl_chain_in_cuda_graph_equals_plain(monkeypatch):
             y = norm(y, None, 1e-6)
         return y
 
+    assert_pdl_graph_equals_plain(chain, lambda: x.copy_(torch.randn(64, 4096, device="cuda", generator=g)),
+                                  monkeypatch)
+
+
+def assert_pdl_graph_equals_plain(chain, new_input, monkeypatch, replays: int = 3):
+    """``chain()`` captured in a CUDA graph with PDL on, then ``replays`` times: ``new_input()`` refills the chain's
+    static input, the graph replays, and its output must equal the same chain launched eagerly with PDL off (a read
+    before the predecessor finished would change the bits)."""
     monkeypatch.setenv("ATB_CUDA_PDL", "1")
     chain()  # compile outside the capture
     torch.cuda.synchronize()
@@ -184,7 +192,7 @@ def test_pdl_chain_in_cuda_graph_equals_plain(monkeypatch):
     with torch.cuda.graph(graph):
         out = chain()
     monkeypatch.setenv("ATB_CUDA_PDL", "0")
-    for _ in range(3):
-        x.copy_(torch.randn(64, 4096, device="cuda", generator=g))
+    for _ in range(replays):
+        new_input()
         graph.replay()
         assert torch.equal(out, chain())
