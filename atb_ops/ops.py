@@ -310,6 +310,14 @@ def group_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor | None 
         raise ValueError(f"group_linear: fmt must be 'dense' or 'fp8_block', got {fmt!r}")
     if fmt == "dense":
         return resolve("group_linear", x)(x, w)
+    if w.dim() != 3:
+        raise ValueError(f"group_linear: fp8_block weight w must be [G, N, K], got shape {tuple(w.shape)}")
+    g, n, k = w.shape
+    want = (g, -(-n // 128), -(-k // 128))
+    if w_scale is None or tuple(w_scale.shape) != want:
+        got = None if w_scale is None else tuple(w_scale.shape)
+        raise ValueError(f"group_linear: fp8_block w_scale must be {want} ([G, ceil(N/128), ceil(K/128)] for w "
+                         f"{tuple(w.shape)}), got {got}")
     return resolve("group_linear", x)(x, w, w_scale, fmt)
 
 

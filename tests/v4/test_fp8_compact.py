@@ -81,6 +81,9 @@ def test_group_linear_fp8_reference_is_the_dequantised_weight():
         assert torch.equal(atb_ops.group_linear(x, q, s, "fp8_block"), atb_ops.group_linear(x, wd))
     with pytest.raises(ValueError, match="group_linear: fmt"):
         atb_ops.group_linear(x, q, s, "fp4")
+    for bad in (None, s[:1], s[:, :1]):  # a missing or misshaped scale grid: named, with the shape it must have
+        with pytest.raises(ValueError, match=r"group_linear: fp8_block w_scale must be \(3, 3, 2\)"):
+            atb_ops.group_linear(x, q, bad, "fp8_block")
 
 
 def test_wo_a_fp8_switch(monkeypatch):
