@@ -49,8 +49,9 @@ attn_seesaw(const u16* __restrict__ q, const u16* __restrict__ kv, const void* _
             const u16* __restrict__ kv2, const void* __restrict__ idx2, const float* __restrict__ sink,
             u16* __restrict__ out, u16* __restrict__ part, float* __restrict__ ml,
             int T, int H, int K1, int K2, int stride_kv, int stride_kv2, double scale2_d,
-            int chunks_per_split, int n_split, int has_sink) {
+            int chunks_per_split, int n_split, int has_sink, int pdl_early) {
     const float scale2 = (float)scale2_d;
+    pdl_wait(pdl_early);  // q, the index lists and the pools: the previous kernels' outputs
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     unsigned char* smem = smem_raw + ((1024u - ((u32)__cvta_generic_to_shared(smem_raw) & 1023u)) & 1023u);
     unsigned char* s_q = smem;                                   // HB x D, 8 column blocks of [64][128 B]
@@ -291,7 +292,7 @@ attn_seesaw(const u16* __restrict__ q, const u16* __restrict__ kv, const void* _
 
 
 def _source() -> str:
-    return WD.HEAD + WD.wgmma_ss(W.BN) + WD.wgmma_rs() + WD.WGMMA_SS_PV + WD.RESCALE_PV + _KERNEL
+    return WD.HEAD + nvrtc.PDL_DEVICE + WD.wgmma_ss(W.BN) + WD.wgmma_rs() + WD.WGMMA_SS_PV + WD.RESCALE_PV + _KERNEL
 
 
 def name(idx64: bool) -> str:

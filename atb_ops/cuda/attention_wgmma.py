@@ -61,9 +61,10 @@ attn_wgmma(const u16* __restrict__ q, const u16* __restrict__ kv, const void* __
            const u16* __restrict__ kv2, const void* __restrict__ idx2, const float* __restrict__ sink,
            u16* __restrict__ out, u16* __restrict__ part, float* __restrict__ ml,
            int T, int H, int K1, int K2, int stride_kv, int stride_kv2, double scale2_d,
-           int chunks_per_split, int n_split, int has_sink) {
+           int chunks_per_split, int n_split, int has_sink, int pdl_early) {
     // (scalar arguments as torch's module loader passes them: Python ints as 32-bit int, floats as double)
     const float scale2 = (float)scale2_d;
+    pdl_wait(pdl_early);  // q, the index lists and the pools: the previous kernels' outputs
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     // the swizzle pattern repeats every 1024 bytes: align the tiles to it (an offset from the shared array, so
     // that the compiler keeps shared-memory instructions for the accesses below)
@@ -255,7 +256,7 @@ attn_wgmma(const u16* __restrict__ q, const u16* __restrict__ kv, const void* __
 
 
 def _source() -> str:
-    return WD.HEAD + WD.wgmma_ss(BN) + WD.wgmma_rs() + _KERNEL
+    return WD.HEAD + nvrtc.PDL_DEVICE + WD.wgmma_ss(BN) + WD.wgmma_rs() + _KERNEL
 
 
 def _name(bn: int, st: int, idx64: bool) -> str:
@@ -340,9 +341,10 @@ def run(q1, kv, idx, kv2, idx2, sink, scale, n_sm: int, seesaw: bool = False):
         ml = torch.empty(n_split, t_count, h_count, 2, dtype=torch.float32, device=q1.device)
     else:
         part, ml = out, out
-    kern(grid=(programs * n_split, 1, 1), block=(NT, 1, 1), shared_mem=smem,
-         args=[q1c, kv, idxc, kv2c, idx2c, sinkc, out, part, ml, t_count, h_count, k1, k2, kv.stride(0),
-               kv2c.stride(0), float(scale) * attention_v2.LOG2E, cps, n_split, int(sink is not None)])
+    nvrtc.launch(kern, (programs * n_split, 1, 1), (NT, 1, 1),
+                 [q1c, kv, idxc, kv2c, idx2c, sinkc, out, part, ml, t_count, h_count, k1, k2, kv.stride(0),
+                  kv2c.stride(0), float(scale) * attention_v2.LOG2E, cps, n_split, int(sink is not None)],
+                 shared_mem=smem)
     if n_split > 1:
         # attention_v2's merge, MERGE_COLS columns a program
         nd = D // MERGE_COLS

@@ -120,7 +120,7 @@ template <int NT, int MT, bool SPLIT, bool IDS64>
 __global__ void __launch_bounds__(128, MINB) fp4_moe_f16(
         const u16* __restrict__ x, const float* __restrict__ xsc, const u8* __restrict__ w, const u8* __restrict__ s,
         const void* __restrict__ ids, u16* __restrict__ out, float* __restrict__ part, int* __restrict__ ctr,
-        int M, int N, int K, int E, int n_slots, int steps_per_split, int n_split, int max_pass) {
+        int M, int N, int K, int E, int n_slots, int steps_per_split, int n_split, int max_pass, int pdl_early) {
     __shared__ int s_rows[1024];
     __shared__ u32 s_bits[32];
     __shared__ int s_e, s_cnt, s_nact, s_last;
@@ -283,7 +283,8 @@ MIN_BLOCKS = 0  # __launch_bounds__ minimum blocks per SM (0: no register bound)
 
 
 def _source() -> str:
-    return (fm.fill(fm.HELPERS + _KERNEL).replace("XROW", str(fm.X_ROW)).replace("XSEG", str(fm.X_SEG))
+    return (fm.fill(fm.HELPERS + nvrtc.PDL_DEVICE + _KERNEL).replace("XROW", str(fm.X_ROW))
+            .replace("XSEG", str(fm.X_SEG))
             .replace("STAGES", str(STAGES)).replace("MINB", str(MIN_BLOCKS)))
 
 
@@ -395,7 +396,8 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor, w
     xh, xs = scale_act(x)
     part = torch.empty(p.split, m, n, dtype=torch.float32, device=x.device) if p.split > 1 else out
     kern = _kernel(x.device, p.nt, p.mt, p.split > 1, p.ids64)
-    kern(grid=p.grid, block=(fm.WARPS * 32, 1, 1), shared_mem=smem_bytes(p.nt, p.mt),
-         args=[xh, xs, w.view(torch.uint8), w_scale.view(torch.uint8), p.ids, out, part,
-               p.ctr if p.ctr is not None else out, m, n, k, w.shape[0], p.n_slots, p.sps, p.split, p.max_pass])
+    nvrtc.launch(kern, p.grid, (fm.WARPS * 32, 1, 1),
+                 [xh, xs, w.view(torch.uint8), w_scale.view(torch.uint8), p.ids, out, part,
+                  p.ctr if p.ctr is not None else out, m, n, k, w.shape[0], p.n_slots, p.sps, p.split, p.max_pass],
+                 shared_mem=smem_bytes(p.nt, p.mt), early=False)  # (as fp4_moe_mma's: nvrtc.launch)
     return out

@@ -163,7 +163,8 @@ __device__ __forceinline__ u32 scale2b(u32 sv, int half) {
 # the block's expert slot and its rows (s_ids, s_rows, s_bits, s_e, s_cnt, s_nact: shared; e, cnt, row_block);
 # the slot past the last active expert writes the zero rows and returns
 SLOT_ROWS = r"""
-    // ---- this slot's expert and its rows
+    // ---- this slot's expert and its rows (the ids and x: the previous kernels' outputs)
+    pdl_wait(pdl_early);
     if (tid < 32) s_bits[tid] = 0u;
     __syncthreads();
     for (int m = tid; m < M; m += 128) {
@@ -279,7 +280,7 @@ template <int NT, int MT, bool SPLIT, bool IDS64>
 __global__ void __launch_bounds__(128, (NT == 1 && MT == 2) ? 4 : 0) fp4_moe_mma(
         const u16* __restrict__ x, const u8* __restrict__ w, const u8* __restrict__ s, const void* __restrict__ ids,
         u16* __restrict__ out, float* __restrict__ part, int* __restrict__ ctr,
-        int M, int N, int K, int E, int n_slots, int steps_per_split, int n_split, int max_pass) {
+        int M, int N, int K, int E, int n_slots, int steps_per_split, int n_split, int max_pass, int pdl_early) {
     __shared__ int s_ids[1024];
     __shared__ int s_rows[1024];
     __shared__ u32 s_bits[32];
@@ -476,7 +477,8 @@ def fill(src: str) -> str:
 
 
 def _source() -> str:
-    return fill(_SRC).replace("XSTAGES", str(X_STAGES)).replace("XROW", str(X_ROW)).replace("XSEG", str(X_SEG))
+    return (fill(nvrtc.PDL_DEVICE + _SRC).replace("XSTAGES", str(X_STAGES)).replace("XROW", str(X_ROW))
+            .replace("XSEG", str(X_SEG)))
 
 
 # ---- build (NVRTC, :mod:`.nvrtc`) ----------------------------------------------------------------------------
@@ -613,7 +615,8 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, expert_ids: torch.Tensor, w
     xp = x.contiguous() if p.nt == 1 else x.contiguous().view(m, k // 8, 2, 4).transpose(2, 3).contiguous()
     part = torch.empty(p.split, m, n, dtype=torch.float32, device=x.device) if p.split > 1 else out
     kern = _kernels(x.device)[(p.nt, p.mt, p.split > 1, p.ids64)]
-    kern(grid=p.grid, block=(WARPS * 32, 1, 1),
-         args=[xp, w.view(torch.uint8), w_scale.view(torch.uint8), p.ids, out, part,
-               p.ctr if p.ctr is not None else out, m, n, k, w.shape[0], p.n_slots, p.sps, p.split, p.max_pass])
+    nvrtc.launch(kern, p.grid, (WARPS * 32, 1, 1),
+                 [xp, w.view(torch.uint8), w_scale.view(torch.uint8), p.ids, out, part,
+                  p.ctr if p.ctr is not None else out, m, n, k, w.shape[0], p.n_slots, p.sps, p.split, p.max_pass],
+                 early=False)  # (the next kernel launched early: the decode step 0.5-1 % slower at batch 32-64)
     return out

@@ -1,6 +1,7 @@
 """FP8-block linears of 1-8 rows (a decode step's) by a CUDA C kernel (NVRTC) that splits K inside the block, not
-over blocks: no float32 partials in global memory, no arrival counter, no last block adding them; and the FP8 form of
-``group_linear`` (every group's weight in one launch, up to 32 tokens).
+over blocks: no float32 partials in global memory, no arrival counter, no last block adding them; the FP8 form of
+``group_linear`` (every group's weight in one launch, up to 32 tokens); and BF16-weight linears with a float32 output
+(the BF16 form, below).
 
 Same op as the ``fp8_block`` case of :func:`.gemm.linear`: out[m, :] = x[m, :] @ W^T, bfloat16 x [M, K] (M <= 8),
 W float8_e4m3fn [N, K] with one scale per 128 x 128 block (float32 or E8M0 bytes [ceil(N / 128), K / 128]),
@@ -34,9 +35,15 @@ most the K step count; 2 steps in flight at S = 8, else 3 (the fastest measured)
 float32); results differ from the reference op (float32 dequantised weight) by summation order and the scale applied
 per 128 columns.
 
-Launched with programmatic dependent launch where it is on (:func:`.nvrtc.launch_pdl`): the block loads its first D
-weight steps, then waits (``griddepcontrol.wait``) before it reads x, so the weights' first trip from HBM overlaps
-the kernel before it. That is right only for weights no kernel writes just before (model parameters);
+The BF16 form (template ``BF``: :func:`linear_f32`) serves DeepSeek-V4's float32-compute projections stored in BF16
+(``parallel.linear.compact_fp32_weights_``: the compressors' wkv + wgate) on a BF16 input of 1-8 rows: the same
+blocks and split, the weight's bfloat16 pairs fed to the MMAs as they lie (words 2 j, 2 j + 1 of a lane's 64 bytes a
+row and step), no block scale, float32 out. On an H200 1.07-1.24x cuBLAS's float32-output GEMM on the compressor
+shapes, 0.91x on the head's 129280 x 4096 (which :mod:`.gemm` keeps on cuBLAS: ``BF16_GEMV_MAX_N``).
+
+Launched with programmatic dependent launch where it is on (:func:`.nvrtc.launch`): the block loads its first D
+weight steps, then waits (``pdl_wait``: ``griddepcontrol.wait``) before it reads x, so the weights' first trip from
+HBM overlaps the kernel before it. That is right only for weights no kernel writes just before (model parameters);
 ``ATB_CUDA_FP8_GEMV_PRE=0`` loads them after the wait.
 
 Measured on a lent H200 (scripts/bench_results/h200_session38.txt; us a call, weights rotated past L2, gemm_tc /
@@ -61,7 +68,7 @@ import torch
 from . import fp4_moe_mma as fm
 from . import gemm_tc as tc
 from . import nvrtc
-from ._util import PDL_EARLY, env_choice, env_overrides, pdl_enabled, sm_count
+from ._util import env_choice, env_overrides, sm_count
 
 K_STEP = 128  # columns per K step: one scale block
 WARPS = 8
@@ -69,6 +76,7 @@ MAX_ROWS = 8  # tokens of a linear: one 8-token tile (two measured slower than g
 GROUP_MAX_ROWS = 32  # tokens of a group_linear call: up to four 8-token tiles
 SPLITS = (1, 2, 4, 8)  # warps of a row tile (K split inside the block)
 DEPTHS = (2, 3, 4)  # K steps in flight per warp
+BF16_DEPTHS = (1, 2)  # the same for BF16 weights (a step is twice the bytes, 32 registers: 3 would spill)
 
 # e4m3 word (4 codes) -> two bfloat16 pairs (codes 0, 1) and (codes 2, 3), exact: gemm_tc's pair decoder twice
 FP8X4_PTX = "{\n" + tc._FP8_HEAD + tc._e4m3_pair("$0", "$2", "0x1404") + tc._e4m3_pair("$1", "$2", "0x3424") + "}"
@@ -82,12 +90,16 @@ __device__ __forceinline__ u32 word_of(const U4& v, int j) { return j == 0 ? v.x
 
 // NT8 token tiles of 8, S warps a row tile (R = 8 / S row tiles of 16 a block), D K steps in flight a warp, SF32:
 // float32 block scales (else E8M0 bytes), PRE: the first D steps' weights loaded before the PDL wait (the weights
-// are not written by the kernels before this one: model parameters); early: let the next kernel launch after the wait
-template <int NT8, int S, int D, bool SF32, bool PRE>
+// are not written by the kernels before this one: model parameters); pdl_early: let the next kernel launch after the
+// wait; BF: BF16 weights without scales and a float32 output (the float32-compute projections), else e4m3 + scales
+// and a bfloat16 output
+template <int NT8, int S, int D, bool SF32, bool PRE, bool BF>
 __global__ void __launch_bounds__(256, 2) fp8_gemv(
-        const u16* __restrict__ x, const u8* __restrict__ w, const void* __restrict__ s, u16* __restrict__ out,
-        int M, int N, int K, int ldx, int ldo, int early) {
+        const u16* __restrict__ x, const u8* __restrict__ w, const void* __restrict__ s, void* __restrict__ out,
+        int M, int N, int K, int ldx, int ldo, int pdl_early) {
     constexpr int R = 8 / S;
+    constexpr int EB = BF ? 2 : 1;  // weight bytes an element
+    constexpr int WL = BF ? 4 : 2;  // 16-byte loads a row and K step (128 columns)
     __shared__ float4 red[S > 1 ? 8 : 1][NT8][32];  // each warp's float32 tile (fragment order) for the sum
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, c = lane & 3;
@@ -100,10 +112,10 @@ __global__ void __launch_bounds__(256, 2) fp8_gemv(
     // out [M, G, N] rows ldo apart; one group for a linear)
     const int grp = blockIdx.y;
     x += (long long)grp * K;
-    w += (long long)grp * N * K;
-    out += (long long)grp * N;
-    const u8* w0 = w + (long long)(live ? n0 + g : 0) * K + c * 32;
-    const u8* w1 = w0 + 8LL * K;
+    w += (long long)grp * N * K * EB;
+    const long long o0 = (long long)grp * N;  // out's offset (elements)
+    const u8* w0 = w + (long long)(live ? n0 + g : 0) * K * EB + c * 32 * EB;
+    const u8* w1 = w0 + 8LL * K * EB;
     const int srow = (grp * ((N + 127) >> 7) + (n0 >> 7)) * KS;
     const u16* xr[NT8];
     bool xok[NT8];
@@ -113,15 +125,17 @@ __global__ void __launch_bounds__(256, 2) fp8_gemv(
         xok[nt] = t < M;
         xr[nt] = x + (long long)(xok[nt] ? t : 0) * ldx + c * 32;
     }
-    U4 wr[D][4];
+    U4 wr[D][2 * WL];  // rows g (loads 0 .. WL - 1), g + 8 (WL ..)
     u32 sr[D];
-    auto load = [&](int i, U4 (&wd)[4], u32& sd) {
+    auto load = [&](int i, U4 (&wd)[2 * WL], u32& sd) {
         const int ks = kw + S * i;
-        wd[0] = ldg_stream(w0 + ks * 128);
-        wd[1] = ldg_stream(w0 + ks * 128 + 16);
-        wd[2] = ldg_stream(w1 + ks * 128);
-        wd[3] = ldg_stream(w1 + ks * 128 + 16);
-        if (SF32) sd = __float_as_uint(__ldg((const float*)s + srow + ks));
+#pragma unroll
+        for (int j = 0; j < WL; ++j) {
+            wd[j] = ldg_stream(w0 + ks * 128 * EB + 16 * j);
+            wd[WL + j] = ldg_stream(w1 + ks * 128 * EB + 16 * j);
+        }
+        if (BF) sd = 0u;
+        else if (SF32) sd = __float_as_uint(__ldg((const float*)s + srow + ks));
         else sd = __ldg((const u8*)s + srow + ks);
     };
     if (PRE) {
@@ -129,12 +143,7 @@ __global__ void __launch_bounds__(256, 2) fp8_gemv(
         for (int d = 0; d < D; ++d)
             if (d < n_my) load(d, wr[d], sr[d]);
     }
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    // programmatic dependent launch: x (the previous kernel's output) only after the previous kernel has completed
-    // and its writes are visible (returns at once when launched without the attribute)
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-    if (early) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
+    pdl_wait(pdl_early);  // x (the previous kernel's output) only after the previous kernel has completed
     if (!PRE) {
 #pragma unroll
         for (int d = 0; d < D; ++d)
@@ -174,24 +183,35 @@ __global__ void __launch_bounds__(256, 2) fp8_gemv(
 #pragma unroll
                     for (int q = 0; q < 4; ++q) tmp[nt][q] = 0.f;
 #pragma unroll
-                for (int jw = 0; jw < 8; ++jw) {  // word jw of rows g, g + 8: columns 32 c + 4 jw .. + 3
+                for (int jw = 0; jw < 8; ++jw) {  // columns 32 c + 4 jw .. + 3 of rows g, g + 8: one MMA
                     if (XC == 1 && (jw & 1) == 0) load_x(jw >> 1);
                     u32 a0, a1, a2, a3;
-                    decode4(word_of(wr[d][jw >> 2], jw & 3), a0, a2);
-                    decode4(word_of(wr[d][2 + (jw >> 2)], jw & 3), a1, a3);
+                    if (BF) {  // bfloat16 pairs as they lie: words 2 jw, 2 jw + 1 of each row's 64 bytes
+                        a0 = word_of(wr[d][jw >> 1], (2 * jw) & 3);
+                        a2 = word_of(wr[d][jw >> 1], (2 * jw + 1) & 3);
+                        a1 = word_of(wr[d][WL + (jw >> 1)], (2 * jw) & 3);
+                        a3 = word_of(wr[d][WL + (jw >> 1)], (2 * jw + 1) & 3);
+                    } else {  // word jw of 4 e4m3 codes -> two bfloat16 pairs
+                        decode4(word_of(wr[d][jw >> 2], jw & 3), a0, a2);
+                        decode4(word_of(wr[d][WL + (jw >> 2)], jw & 3), a1, a3);
+                    }
 #pragma unroll
                     for (int nt = 0; nt < NT8; ++nt) {
                         const U4& xv = xb[nt][(jw >> 1) % XC];
-                        mma16816(tmp[nt], a0, a1, a2, a3, (jw & 1) ? xv.z : xv.x, (jw & 1) ? xv.w : xv.y);
+                        // BF: no block scale, straight into the running sums
+                        mma16816(BF ? acc[nt] : tmp[nt], a0, a1, a2, a3, (jw & 1) ? xv.z : xv.x,
+                                 (jw & 1) ? xv.w : xv.y);
                     }
                 }
                 const u32 sv = sr[d];
                 const float sc = SF32 ? __uint_as_float(sv) : __uint_as_float(sv ? sv << 23 : 1u << 22);
                 if (i + D < n_my) load(i + D, wr[d], sr[d]);  // the slot's next step, in flight for D steps
+                if (!BF) {
 #pragma unroll
-                for (int nt = 0; nt < NT8; ++nt)
+                    for (int nt = 0; nt < NT8; ++nt)
 #pragma unroll
-                    for (int q = 0; q < 4; ++q) acc[nt][q] = fmaf(tmp[nt][q], sc, acc[nt][q]);
+                        for (int q = 0; q < 4; ++q) acc[nt][q] = fmaf(tmp[nt][q], sc, acc[nt][q]);
+                }
             }
         }
     }
@@ -221,7 +241,9 @@ __global__ void __launch_bounds__(256, 2) fp8_gemv(
         for (int q = 0; q < 4; ++q) {
             const int t = nt * 8 + 2 * c + (q & 1);
             const int n = n0 + g + 8 * (q >> 1);
-            if (t < M) out[(long long)t * ldo + n] = to_bf16(acc[nt][q]);
+            if (t >= M) continue;
+            if (BF) ((float*)out)[o0 + (long long)t * ldo + n] = acc[nt][q];
+            else ((u16*)out)[o0 + (long long)t * ldo + n] = to_bf16(acc[nt][q]);
         }
 }
 """
@@ -229,15 +251,16 @@ __global__ void __launch_bounds__(256, 2) fp8_gemv(
 
 def _source() -> str:
     body = "\\n\"\n\"".join(line.strip() for line in FP8X4_PTX.replace("$", "%").strip().splitlines())
-    return fm.fill(fm.HELPERS) + _SRC.replace("FP8X4", '"' + body + '\\n"', 1)
+    return fm.fill(fm.HELPERS) + nvrtc.PDL_DEVICE + _SRC.replace("FP8X4", '"' + body + '\\n"', 1)
 
 
-VARIANTS = [(nt8, s, d, sf32, pre) for nt8 in (1, 2, 4) for s in SPLITS for d in DEPTHS for sf32 in (False, True)
-            for pre in (False, True)]
+VARIANTS = ([(nt8, s, d, sf32, pre, False) for nt8 in (1, 2, 4) for s in SPLITS for d in DEPTHS
+             for sf32 in (False, True) for pre in (False, True)]
+            + [(1, s, d, False, pre, True) for s in SPLITS for d in BF16_DEPTHS for pre in (False, True)])
 
 
-def _name(nt8: int, s: int, d: int, sf32: bool, pre: bool) -> str:
-    return f"fp8_gemv<{nt8}, {s}, {d}, {str(sf32).lower()}, {str(pre).lower()}>"
+def _name(nt8: int, s: int, d: int, sf32: bool, pre: bool, bf: bool) -> str:
+    return f"fp8_gemv<{nt8}, {s}, {d}, {str(sf32).lower()}, {str(pre).lower()}, {str(bf).lower()}>"
 
 
 PROGRAM = nvrtc.Program(_source(), "fp8_gemv.cu", [_name(*v) for v in VARIANTS])
@@ -277,16 +300,18 @@ class LaunchPlan(NamedTuple):
     blocks: int  # per group
 
 
-def launch_plan(n: int, k: int, device: torch.device, groups: int = 1, nt8: int = 1) -> LaunchPlan:
+def launch_plan(n: int, k: int, device: torch.device, groups: int = 1, nt8: int = 1,
+                bf16: bool = False) -> LaunchPlan:
     """K split and depth of an [m, k] x [n, k]^T call (of each of ``groups`` weights, ``nt8`` token tiles): the
     smallest split that gives at least 15/8 blocks an SM (else 8), at most the K step count; 2 steps in flight at
-    split 8 or with more than one token tile (registers), else 3; ``ATB_CUDA_FP8_GEMV_CFG`` overrides (s, d)."""
+    split 8 or with more than one token tile (registers), else 3 (BF16 weights: 1 at split 8, else 2);
+    ``ATB_CUDA_FP8_GEMV_CFG`` overrides (s, d)."""
     steps = k // K_STEP
     want = sm_count(device) * 15 // 8
     s = next((v for v in SPLITS if groups * -(-n // (16 * (WARPS // v))) >= want), SPLITS[-1])
     s = max(v for v in SPLITS if v <= max(1, min(s, steps)))
-    cfg = env_overrides("ATB_CUDA_FP8_GEMV_CFG", {"s": s, "d": 2 if s == 8 or nt8 > 1 else 3},
-                        {"s": SPLITS, "d": DEPTHS})
+    d = (1 if s == 8 else 2) if bf16 else 2 if s == 8 or nt8 > 1 else 3
+    cfg = env_overrides("ATB_CUDA_FP8_GEMV_CFG", {"s": s, "d": d}, {"s": SPLITS, "d": BF16_DEPTHS if bf16 else DEPTHS})
     return LaunchPlan(cfg["s"], cfg["d"], -(-n // (16 * (WARPS // cfg["s"]))))
 
 
@@ -297,28 +322,47 @@ def weights_first() -> bool:
 
 
 def _launch(x, w, w_scale, out, m: int, n: int, k: int, groups: int) -> None:
-    """One launch over ``groups`` weights: x rows ``groups * k`` elements apart, out rows ``groups * n`` apart."""
+    """One launch over ``groups`` weights: x rows ``groups * k`` elements apart, out rows ``groups * n`` apart
+    (``w_scale`` None: BF16 weights, a float32 out)."""
     nt8 = 1 if m <= 8 else 2 if m <= 16 else 4
-    p = launch_plan(n, k, x.device, groups, nt8)
-    sf32 = w_scale.dtype == torch.float32
-    on = pdl_enabled()
-    kern = _kernels(x.device)[(nt8, p.s, p.d, sf32, on and weights_first())]
-    args = [x, w.view(torch.uint8), w_scale.contiguous().view(torch.float32 if sf32 else torch.uint8), out, m, n, k,
-            groups * k, groups * n, int(on and PDL_EARLY.value)]
-    if on:
-        nvrtc.launch_pdl(kern, (p.blocks, groups, 1), (WARPS * 32, 1, 1), args)
-    else:
-        kern(grid=(p.blocks, groups, 1), block=(WARPS * 32, 1, 1), args=args)
+    bf = w_scale is None
+    p = launch_plan(n, k, x.device, groups, nt8, bf)
+    sf32 = not bf and w_scale.dtype == torch.float32
+    on = nvrtc.pdl_on()
+    kern = _kernels(x.device)[(nt8, p.s, p.d, sf32, on and weights_first(), bf)]
+    s = w if bf else w_scale.contiguous().view(torch.float32 if sf32 else torch.uint8)
+    nvrtc.launch(kern, (p.blocks, groups, 1), (WARPS * 32, 1, 1),
+                 [x, w.view(torch.uint8), s, out, m, n, k, groups * k, groups * n], pdl=on)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
     """out = x @ W^T for bfloat16 x [M, K] (M <= 8) over an e4m3 weight [N, K] with 128 x 128 block scales
     (callers check :func:`eligible`); bfloat16 [M, N]. Launched with programmatic dependent launch where it is on
-    (:func:`._util.pdl_enabled`)."""
+    (:func:`.nvrtc.pdl_on`)."""
     m, k = x.shape
     n = w.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     _launch(x, w, w_scale, out, m, n, k, 1)
+    return out
+
+
+def bf16_eligible(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """:func:`linear_f32`'s operands: bfloat16 x [M, K] on a CUDA device with 1 <= M <= 8, a bfloat16 weight [N, K]
+    with N a multiple of 16 and K of 128, both contiguous on 16-byte boundaries."""
+    return (x.dim() == 2 and w.dim() == 2 and x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
+            and 0 < x.shape[0] <= MAX_ROWS and x.shape[1] == w.shape[1] and w.shape[0] % 16 == 0 and w.shape[0] > 0
+            and w.shape[1] % K_STEP == 0 and x.is_contiguous() and w.is_contiguous()
+            and x.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0)
+
+
+def linear_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """out = x @ W^T in float32 for bfloat16 x [M, K] (M <= 8) and a bfloat16 weight [N, K] (callers check
+    :func:`bf16_eligible`): every product exact in float32, float32 sums -- DeepSeek-V4's float32-compute
+    projections stored in BF16 (``parallel.linear.compact_fp32_weights_``) on a BF16 input; float32 [M, N]."""
+    m, k = x.shape
+    n = w.shape[0]
+    out = torch.empty(m, n, dtype=torch.float32, device=x.device)
+    _launch(x, w, None, out, m, n, k, 1)
     return out
 
 

@@ -30,7 +30,11 @@ scales of at least :data:`DQ_LINEAR_ROWS` rows that would go to the tiled kernel
 selects by shape (:data:`TCL_GROUPED_MIN_ROWS`, :data:`TCL_LINEAR_ROWS`, :data:`TC_LINEAR_ROWS`,
 :data:`TC_GROUPED_MIN_ROWS` / ``_MAX_ROWS``, :data:`DECODE_ROWS`, :data:`FP8_GEMV_MAX_ROWS`).
 
-One module of about 530 lines: the routing of every fp8_block / fp4 linear and grouped matmul to its kernel module
+BF16-weight linears with a float32 output (``linear_float32_from_16bit``: DeepSeek-V4's compressor projections) of up to
+:data:`FP8_GEMV_MAX_ROWS` rows and :data:`BF16_GEMV_MAX_N` columns go to :mod:`.fp8_gemv`'s BF16 form
+(``ATB_CUDA_BF16_GEMV=0``: cuBLAS).
+
+One module of about 550 lines: the routing of every fp8_block / fp4 linear and grouped matmul to its kernel module
 (each rule beside the measurement that set it, so that one file shows the whole dispatch) and the tiled Triton
 kernel that serves the rest; the kernels themselves live in their own modules.
 """
@@ -417,11 +421,28 @@ def linear_float32_from_16bit(x: torch.Tensor, w: torch.Tensor, w_scale: torch.T
     float32 GEMM of the upcast input -- what :func:`_bf16x3` computes for a float32 x, whose second and third BF16
     parts are zero here -- in one launch instead of four (the upcast, the split, the GEMM, the sum). Other
     inputs: the upcast, then :func:`linear`."""
-    if (fmt == "dense" and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and x.numel() and not INTERPRET
-            and _mm_f32()):
+    if fmt == "dense" and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and x.numel() and not INTERPRET:
         x2 = x.reshape(-1, x.shape[-1])
-        return torch.mm(x2, w.t(), out_dtype=torch.float32).view(*x.shape[:-1], w.shape[0])
+        if _bf16_gemv_ok(x2, w):
+            return fp8_gemv.linear_f32(x2, w).view(*x.shape[:-1], w.shape[0])
+        if _mm_f32():
+            return torch.mm(x2, w.t(), out_dtype=torch.float32).view(*x.shape[:-1], w.shape[0])
     return linear(x.float(), w, w_scale, fmt)
+
+
+# BF16-weight float32-output linears (DeepSeek-V4's compressor projections on a BF16 input) of up to
+# FP8_GEMV_MAX_ROWS rows and this many output columns go to fp8_gemv.py's BF16 form instead of cuBLAS (H200, us at 1 /
+# 8 rows, weights rotated past L2, h200_session39.txt: 2048 x 4096 9.0 / 9.6 -> 7.8 / 8.9, 1024 x 4096 7.8 / 7.9 ->
+# 6.4 / 6.7, 512 x 4096 7.3 / 7.4 -> 5.9 / 6.3); the head (129280 x 4096) stays on cuBLAS: 240 / 247 against 260 / 272
+BF16_GEMV_MAX_N = 8192
+
+
+def _bf16_gemv_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether fp8_gemv.py's BF16 form serves a float32-output BF16 linear: ``ATB_CUDA_BF16_GEMV`` unset or 1
+    (``0``: cuBLAS, as before), up to :func:`gemv_rows` rows and :data:`BF16_GEMV_MAX_N` columns, eligible, built."""
+    if env_choice("ATB_CUDA_BF16_GEMV", "1", ("0", "1")) == "0" or w.shape[0] > BF16_GEMV_MAX_N:
+        return False
+    return x.shape[0] <= gemv_rows() and fp8_gemv.bf16_eligible(x, w) and fp8_gemv.available(x.device)
 
 
 linear.float32_from_16bit = linear_float32_from_16bit  # atb_ops.linear(..., out_dtype=torch.float32)

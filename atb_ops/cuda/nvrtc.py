@@ -16,8 +16,12 @@ fragment stores, 8 rows a warp instruction, cost ~6 of its 41 us); a producer wa
 released by mbarriers beat copies issued by the compute warps behind a CTA barrier. CUDA's ``compute-sanitizer``
 (racecheck, synccheck, memcheck) runs on them as on any kernel: ``--kernel-name kns=<name>`` selects one.
 
-:func:`launch_pdl` launches a loaded kernel with programmatic dependent launch (``cuLaunchKernelEx`` through ctypes:
-torch's loader takes no launch attributes); :mod:`.fp8_gemv` uses it.
+:func:`launch` starts every one of them, with programmatic dependent launch where it is on (:func:`launch_pdl`:
+``cuLaunchKernelEx`` through ctypes, torch's loader taking no launch attributes): each kernel's first statement is
+``pdl_wait(pdl_early)`` (:data:`PDL_DEVICE`). :mod:`.fp8_gemv` since session 38; the MoE, attention and top-k kernels
+since session 39 (before, each broke the chain of PDL launches on both sides). The FP4 MoE kernels launch theirs
+without the early launch of the next kernel: with it the FP8 + FP4 decode step was 0.5-1 % slower at batch 32-64
+(H200, scripts/bench_results/h200_session39.txt).
 
 Cache: ``$ATB_CUDA_CACHE_DIR`` or ``~/.cache/ascend_dsv4``, one cubin + one JSON of lowered names per (source,
 architecture, torch's CUDA version, instance list); a cache that cannot be written costs a rebuild next time.
@@ -35,12 +39,17 @@ import torch
 
 
 def _library() -> ctypes.CDLL:
-    major = int(str(torch.version.cuda).split(".")[0])
-    names = [f"libnvrtc.so.{major}", "libnvrtc.so"]
-    import nvidia  # noqa: F401  (pip CUDA wheels: nvidia/*/lib)
-
+    """NVRTC of torch's CUDA major version (a CPU-only torch: 13 or 12, for the PTX checks of the tests), from the
+    loader's path or the pip CUDA wheels (nvidia/*/lib)."""
+    majors = [int(str(torch.version.cuda).split(".")[0])] if torch.version.cuda else [13, 12]
+    names = [f"libnvrtc.so.{m}" for m in majors] + ["libnvrtc.so"]
+    try:
+        import nvidia
+    except ImportError:
+        nvidia = None
     for root in getattr(nvidia, "__path__", []):
-        names += sorted(glob.glob(os.path.join(root, "*", "lib", f"libnvrtc.so.{major}*")))
+        for m in majors:
+            names += sorted(glob.glob(os.path.join(root, "*", "lib", f"libnvrtc.so.{m}*")))
     for name in names:
         try:
             return ctypes.CDLL(name)
@@ -52,6 +61,16 @@ def _library() -> ctypes.CDLL:
 def compile_cubin(source: str, filename: str, names: list[str], arch: str) -> tuple[bytes, dict]:
     """One NVRTC program instantiating every name expression: (cubin, {name expression: lowered name}). A compile
     error is a RuntimeError carrying NVRTC's log (file name ``filename``)."""
+    return _compile(source, filename, names, arch, ptx=False)
+
+
+def compile_ptx(source: str, filename: str, names: list[str], arch: str) -> tuple[str, dict]:
+    """As :func:`compile_cubin`, the PTX text instead (tests read the order of its instructions)."""
+    text, lowered = _compile(source, filename, names, arch, ptx=True)
+    return text.rstrip(b"\0").decode(), lowered
+
+
+def _compile(source: str, filename: str, names: list[str], arch: str, ptx: bool) -> tuple[bytes, dict]:
     lib = _library()
     lib.nvrtcGetErrorString.restype = ctypes.c_char_p
     prog = ctypes.c_void_p()
@@ -73,9 +92,10 @@ def compile_cubin(source: str, filename: str, names: list[str], arch: str) -> tu
         lib.nvrtcGetProgramLog(prog, log)
         raise RuntimeError(f"NVRTC compile of {filename} failed:\n{log.value.decode(errors='replace')}")
     size = ctypes.c_size_t()
-    ok(lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "cubin size")
+    kind = "PTX" if ptx else "CUBIN"
+    ok(getattr(lib, f"nvrtcGet{kind}Size")(prog, ctypes.byref(size)), f"{kind} size")
     binary = ctypes.create_string_buffer(size.value)
-    ok(lib.nvrtcGetCUBIN(prog, binary), "cubin")
+    ok(getattr(lib, f"nvrtcGet{kind}")(prog, binary), kind)
     lowered = {}
     for name in names:
         low = ctypes.c_char_p()
@@ -121,6 +141,52 @@ def kernel_args(args: list) -> tuple:
     for i, v in enumerate(keep):
         arr[i] = ctypes.cast(ctypes.byref(v), ctypes.c_void_p)
     return arr, keep
+
+
+# The device side of :func:`launch`: the first statement of every CUDA C kernel here (``pdl_wait(pdl_early)``, its
+# last parameter), before it reads or writes anything a previous kernel may still touch (model parameters may be read
+# before it: :mod:`.fp8_gemv` loads its first weight steps there).
+PDL_DEVICE = r"""
+// programmatic dependent launch (sm_90+): wait until the previous kernel in the stream has completed and its writes
+// are visible (at once when this grid was launched without the attribute), then, with `early`, let the next kernel's
+// blocks launch (they wait in turn)
+__device__ __forceinline__ void pdl_wait(int early) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    if (early) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+"""
+
+
+def pdl_on() -> bool:
+    """Whether the CUDA C kernels launch with PDL: :func:`._util.pdl_enabled` (``ATB_CUDA_PDL``, a Hopper GPU) and
+    ``ATB_CUDA_NVRTC_PDL`` unset or 1 (``0``: plain launches for them, the Triton kernels keeping theirs;
+    benchmarks)."""
+    from ._util import env_choice, pdl_enabled
+
+    return env_choice("ATB_CUDA_NVRTC_PDL", "1", ("0", "1")) == "1" and pdl_enabled()
+
+
+def _pdl_early() -> bool:
+    """``ATB_CUDA_PDL_EARLY`` (read once, with the Triton kernels' own constant)."""
+    from ._util import PDL_EARLY
+
+    return bool(PDL_EARLY.value)
+
+
+def launch(kernel, grid: tuple, block: tuple, args: list, shared_mem: int = 0, pdl: bool | None = None,
+           early: bool = True) -> None:
+    """Launch a loaded kernel whose last parameter is ``int pdl_early`` and whose first statement is
+    ``pdl_wait(pdl_early)`` (:data:`PDL_DEVICE`): with programmatic dependent launch where :func:`pdl_on` (``pdl``
+    overrides), ``pdl_early`` 1 -- the next kernel may launch right after this one's wait, as after a Triton kernel
+    -- unless ``early`` is False or ``ATB_CUDA_PDL_EARLY=0``; else a plain launch (``pdl_early`` 0)."""
+    on = pdl_on() if pdl is None else pdl
+    args = list(args) + [int(on and early and _pdl_early())]
+    if on:
+        launch_pdl(kernel, grid, block, args, shared_mem)
+    else:
+        kernel(grid=grid, block=block, args=args, shared_mem=shared_mem)
 
 
 def launch_pdl(kernel, grid: tuple, block: tuple, args: list, shared_mem: int = 0) -> None:

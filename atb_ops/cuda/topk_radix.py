@@ -149,7 +149,7 @@ __device__ __forceinline__ int count_above_run(const u64* q, int L, u64 x) {
 template <int KPT, bool VEC, bool HIST>
 __global__ void __launch_bounds__(NT) topk_radix(const int* __restrict__ keys, const int* __restrict__ hist, int hs,
                                                   const long long* __restrict__ cand, long long* __restrict__ out,
-                                                  int N, int KW, int HB) {
+                                                  int N, int KW, int HB, int pdl_early) {
     __shared__ __align__(16) int s_h[4096];  // histograms; the sort's second buffer (2048 composites)
     __shared__ u64 s_v[MAXP];  // the keys taken, as composites
     __shared__ int s_w[NWARP];
@@ -157,6 +157,7 @@ __global__ void __launch_bounds__(NT) topk_radix(const int* __restrict__ keys, c
     const int tid = threadIdx.x, lane = tid & 31;
     const long long t = blockIdx.x;
     const int* krow = keys + t * N;
+    pdl_wait(pdl_early);  // the keys and histograms: the score kernel's outputs
 
     u32 u[KPT];
     if (VEC) {
@@ -305,7 +306,7 @@ def _name(kpt: int, vec: bool, hist: bool) -> str:
     return f"topk_radix<{kpt}, {str(vec).lower()}, {str(hist).lower()}>"
 
 
-PROGRAM = nvrtc.Program(_SRC, "topk_radix.cu", [_name(*v) for v in VARIANTS])
+PROGRAM = nvrtc.Program(nvrtc.PDL_DEVICE + _SRC, "topk_radix.cu", [_name(*v) for v in VARIANTS])
 
 
 def eligible(cand: torch.Tensor, k: int) -> bool:
@@ -331,7 +332,7 @@ def select(keys: torch.Tensor, cand: torch.Tensor, k: int, hist: torch.Tensor | 
     keys = keys.contiguous()
     vec = kpt >= 4 and n % 4 == 0 and keys.data_ptr() % 16 == 0
     kern = PROGRAM.kernels(keys.device)[_name(kpt, vec, hist is not None)]
-    kern(grid=(t_count, 1, 1), block=(THREADS, 1, 1),
-         args=[keys, hist if hist is not None else keys, hist.stride(0) if hist is not None else 0,
-               cand.contiguous(), out, n, k, hb])
+    nvrtc.launch(kern, (t_count, 1, 1), (THREADS, 1, 1),
+                 [keys, hist if hist is not None else keys, hist.stride(0) if hist is not None else 0,
+                  cand.contiguous(), out, n, k, hb])
     return out

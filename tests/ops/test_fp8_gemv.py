@@ -276,3 +276,125 @@ def test_fp8_gemv_group_linear(t, g, n, k, float_scale):
         check_close(got[:, j].contiguous(), x[:, j].contiguous(), q[j], s[j], "fp8_block")
     ref = atb_ops.implementations("group_linear")["reference"](x, q, s, "fp8_block")
     assert float((got.float() - ref.float()).norm() / ref.float().norm()) < 1e-2
+
+
+# ---- the BF16 form: float32-output linears over BF16 weights (the float32-compute projections) -----------------
+
+def test_bf16_eligible_rules_and_plan(monkeypatch):
+    """bfloat16 x of 1..8 rows and a bfloat16 weight, N a multiple of 16, K of 128, both contiguous and aligned;
+    one step in flight at split 8, else two (three would spill: 32 registers a step)."""
+    w, x = _fake((144, 256), torch.bfloat16), _fake((8, 256), torch.bfloat16)
+    assert not fg.bf16_eligible(x, w)  # on the CPU
+    if DEV == "cuda":
+        xd, wd = x.to(DEV), w.to(DEV)
+        assert fg.bf16_eligible(xd, wd)
+        assert not fg.bf16_eligible(_fake((9, 256), torch.bfloat16, DEV), wd)
+        assert not fg.bf16_eligible(xd.float(), wd) and not fg.bf16_eligible(xd, wd.float())
+        assert not fg.bf16_eligible(xd, _fake((152, 256), torch.bfloat16, DEV))  # N = 152
+        assert not fg.bf16_eligible(_fake((8, 264), torch.bfloat16, DEV)[:, 8:], wd)  # not contiguous
+    monkeypatch.delenv("ATB_CUDA_FP8_GEMV_CFG", raising=False)
+    monkeypatch.setattr(fg, "sm_count", lambda device: 132)
+    assert fg.launch_plan(2048, 4096, torch.device("cpu"), bf16=True) == (8, 1, 128)  # the CSA compressor's
+    assert fg.launch_plan(32768, 1024, torch.device("cpu"), bf16=True) == (1, 2, 256)
+    monkeypatch.setenv("ATB_CUDA_FP8_GEMV_CFG", "d=3")
+    with pytest.raises(ValueError, match="ATB_CUDA_FP8_GEMV_CFG"):
+        fg.launch_plan(2048, 4096, torch.device("cpu"), bf16=True)
+
+
+def _check_f32(x, w, got):
+    """Within float32 summation noise of the exact float64 product (every BF16 product is exact in float32)."""
+    want = x.double() @ w.double().t()
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    bound = 1e-5 * (x.double().abs() @ w.double().abs().t()) + 1e-30  # (a bfloat16 rounding: 4e-3)
+    assert bool(((got.double() - want).abs() <= bound).all()), float(((got.double() - want).abs() / bound).max())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("pre", ["0", "1"])
+@pytest.mark.parametrize("cfg", ["", "s=1,d=1", "s=1,d=2", "s=2,d=2", "s=4,d=1", "s=8,d=2"])
+@pytest.mark.parametrize("m", [1, 5, 8])
+def test_bf16_gemv_random(m, cfg, pre, monkeypatch):
+    """N = 400 (a block's last row tiles empty), K = 1408 (11 steps, uneven per warp); rows of zeros; every split
+    and depth, the weights loaded before the PDL wait or after."""
+    _built()
+    monkeypatch.setenv("ATB_CUDA_FP8_GEMV_CFG", cfg)
+    monkeypatch.setenv("ATB_CUDA_FP8_GEMV_PRE", pre)
+    g = torch.Generator().manual_seed(91 + m)
+    w = (torch.randn(400, 1408, generator=g) * 0.05).to(DEV, torch.bfloat16)
+    x = torch.randn(m, 1408, generator=g).to(DEV, torch.bfloat16)
+    x[m // 2] = 0
+    assert fg.bf16_eligible(x, w)
+    _check_f32(x, w, fg.linear_f32(x, w))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("n,k", [(16, 128), (2048, 4096), (1024, 4096), (512, 4096), (129280 // 8, 4096)])
+@pytest.mark.parametrize("m", [1, 8])
+def test_bf16_gemv_shapes_and_extremes(n, k, m):
+    """One row tile and one K step; DeepSeek-V4-Flash's compressor projections (CSA, HCA, the indexer's; wkv and
+    wgate stacked) and a slice of its head; BF16 weights from 2^-60 to 2^60, inputs scaled against them."""
+    _built()
+    g = torch.Generator(device=DEV).manual_seed(n + k + m)
+    w = (torch.randn(n, k, device=DEV, generator=g) * 0.05).to(torch.bfloat16)
+    x = torch.randn(m, k, device=DEV, generator=g).to(torch.bfloat16)
+    _check_f32(x, w, fg.linear_f32(x, w))
+    e = torch.randint(-60, 61, (n, k), device=DEV, generator=g).float()
+    w2 = (torch.randn(n, k, device=DEV, generator=g).sign() * torch.exp2(e)).to(torch.bfloat16)
+    x2 = (torch.randn(m, k, device=DEV, generator=g) * torch.exp2(-e[:m] / 4)).to(torch.bfloat16)
+    _check_f32(x2, w2, fg.linear_f32(x2, w2))
+
+
+@pytest.mark.cuda
+def test_float32_output_linear_routes_here_and_graph_replay_equals_eager(monkeypatch):
+    """atb_ops.linear(..., out_dtype=torch.float32) of a BF16 input and weight: this kernel up to 8 rows (the same
+    bits as the direct call), cuBLAS beyond 8 rows, beyond BF16_GEMV_MAX_N columns and with ATB_CUDA_BF16_GEMV=0
+    (within float32 noise of it); a CUDA-graph replay equals the eager call."""
+    _built()
+    g = torch.Generator(device=DEV).manual_seed(7)
+    w = (torch.randn(1024, 4096, device=DEV, generator=g) * 0.05).to(torch.bfloat16)
+    x = torch.randn(8, 4096, device=DEV, generator=g).to(torch.bfloat16)
+    f32 = gemm.linear_float32_from_16bit
+    monkeypatch.delenv("ATB_CUDA_BF16_GEMV", raising=False)
+    got = f32(x, w)
+    assert torch.equal(got, fg.linear_f32(x, w))
+    assert torch.equal(f32(x[:3].view(1, 3, 4096), w)[0], fg.linear_f32(x[:3].contiguous(), w))  # [..., K] inputs
+    monkeypatch.setenv("ATB_CUDA_BF16_GEMV", "0")
+    _check_f32(x, w, f32(x, w))
+    monkeypatch.setenv("ATB_CUDA_BF16_GEMV", "yes")
+    with pytest.raises(ValueError, match="ATB_CUDA_BF16_GEMV"):
+        f32(x, w)
+    monkeypatch.delenv("ATB_CUDA_BF16_GEMV")
+    x9 = torch.randn(9, 4096, device=DEV, generator=g).to(torch.bfloat16)
+    calls = []
+    monkeypatch.setattr(fg, "linear_f32", lambda *a: calls.append(a) or 1 / 0)
+    _check_f32(x9, w, f32(x9, w))  # 9 rows: cuBLAS
+    monkeypatch.setattr(gemm, "BF16_GEMV_MAX_N", 512)
+    _check_f32(x, w, f32(x, w))  # more columns than BF16_GEMV_MAX_N (the head's case): cuBLAS
+    assert not calls
+    monkeypatch.undo()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = f32(x, w)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, got)
+
+
+@pytest.mark.cuda
+def test_bf16_pdl_chain_in_cuda_graph_equals_plain(monkeypatch):
+    """16 dependent pairs (the Triton RMSNorm, PDL with early launch, then this kernel's BF16 form reading the
+    norm's output, float32), captured with PDL and replayed on new inputs, equal the chain without PDL."""
+    _built()
+    norm = atb_ops.implementations("rms_norm")["cuda"]
+    g = torch.Generator(device=DEV).manual_seed(0)
+    w = (torch.randn(2048, 2048, device=DEV, generator=g) * 0.05).to(torch.bfloat16)
+    x = torch.randn(8, 2048, device=DEV, generator=g).to(torch.bfloat16)
+
+    def chain():
+        y = x
+        for _ in range(16):
+            y = fg.linear_f32(norm(y, None, 1e-6), w).to(torch.bfloat16)
+        return y
+
+    assert_pdl_graph_equals_plain(chain, lambda: x.copy_(torch.randn(8, 2048, device=DEV, generator=g).bfloat16()),
+                                  monkeypatch)
