@@ -95,7 +95,7 @@ def mma(a, b, PREC: tl.constexpr):
 # kernel's first statement (``pdl_wait(PDL)``, tests/ops/test_pdl.py checks each kernel) and both the wait and the
 # launch attribute come from one dict, :func:`pdl`. A kernel that waits, completes after its predecessor, so the
 # order is transitive along the stream; kernels launched without PDL (torch's) wait as always. The CUDA C kernels
-# (NVRTC) wait the same way since session 39 (:func:`.nvrtc.launch`; by default without the early launch below).
+# (NVRTC) wait the same way since session 39 (:func:`.nvrtc.launch`; the FP4 MoE ones without the early launch below).
 # Right after its wait, a kernel lets its own dependents launch (``griddepcontrol.launch_dependents``): the next
 # PDL kernel's programs become resident while this one still runs and sit in their own wait, so the next launch is
 # off the critical path entirely instead of overlapping only this kernel's tail. (Issuing it was measured slower in

@@ -38,8 +38,10 @@ per 128 columns.
 The BF16 form (template ``BF``: :func:`linear_f32`) serves DeepSeek-V4's float32-compute projections stored in BF16
 (``parallel.linear.compact_fp32_weights_``: the compressors' wkv + wgate) on a BF16 input of 1-8 rows: the same
 blocks and split, the weight's bfloat16 pairs fed to the MMAs as they lie (words 2 j, 2 j + 1 of a lane's 64 bytes a
-row and step), no block scale, float32 out. On an H200 1.07-1.24x cuBLAS's float32-output GEMM on the compressor
-shapes, 0.91x on the head's 129280 x 4096 (which :mod:`.gemm` keeps on cuBLAS: ``BF16_GEMV_MAX_N``).
+row and step), no block scale, float32 out, one step in flight at split 8 (faster than two there). On an H200
+(scripts/bench_results/h200_session39.txt, weights rotated past L2) 1.20-1.43x cuBLAS's float32-output GEMM on the
+compressor shapes (2048 / 1024 / 512 x 4096 at one row: 7.2 / 5.5 / 5.2 against 9.0 / 7.9 / 7.3 us), 0.91x on the
+head's 129280 x 4096 (which :mod:`.gemm` keeps on cuBLAS: ``BF16_GEMV_MAX_N``).
 
 Launched with programmatic dependent launch where it is on (:func:`.nvrtc.launch`): the block loads its first D
 weight steps, then waits (``pdl_wait``: ``griddepcontrol.wait``) before it reads x, so the weights' first trip from

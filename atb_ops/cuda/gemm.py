@@ -432,8 +432,9 @@ def linear_float32_from_16bit(x: torch.Tensor, w: torch.Tensor, w_scale: torch.T
 
 # BF16-weight float32-output linears (DeepSeek-V4's compressor projections on a BF16 input) of up to
 # FP8_GEMV_MAX_ROWS rows and this many output columns go to fp8_gemv.py's BF16 form instead of cuBLAS (H200, us at 1 /
-# 8 rows, weights rotated past L2, h200_session39.txt: 2048 x 4096 9.0 / 9.6 -> 7.8 / 8.9, 1024 x 4096 7.8 / 7.9 ->
-# 6.4 / 6.7, 512 x 4096 7.3 / 7.4 -> 5.9 / 6.3); the head (129280 x 4096) stays on cuBLAS: 240 / 247 against 260 / 272
+# 8 rows, weights rotated past L2, h200_session39.txt call 6: 2048 x 4096 9.0 / 9.6 -> 7.2 / 8.0, 1024 x 4096 7.9 /
+# 7.9 -> 5.5 / 6.1, 512 x 4096 7.3 / 7.5 -> 5.2 / 5.5); the head (129280 x 4096) stays on cuBLAS: 240 / 244 against
+# 261 / 269
 BF16_GEMV_MAX_N = 8192
 
 
