@@ -11,10 +11,10 @@ A kernel launched with PDL may start while the kernel before it still runs; it i
   before ``griddepcontrol.wait``, except read-only weight loads in fp8_gemv's ``PRE`` instances (its first weight
   steps before the wait, by design); ``griddepcontrol.launch_dependents`` only after the wait.
 - On a GPU: chains of dependent launches (a Triton kernel with PDL and early launch, then the CUDA C kernel reading
-  its output) captured in a CUDA graph with PDL (the CUDA C kernels with their early launch and without) equal the
-  same chains launched eagerly without it -- the FP4 MoE
-  kernels (bf16 and f16 MMAs, K split with its arrival counters), the wgmma / seesaw attention (split, with the
-  merge after it) and the indexer's top-k block (topk_radix after the score kernel).
+  its output) captured in a CUDA graph with PDL equal the same chains launched eagerly without it: the FP4 MoE
+  kernels (bf16 and f16 MMAs, unsplit and K split with its arrival counters), the wgmma / seesaw attention (split
+  with the merge after it, and unsplit) and the indexer's top-k block (topk_radix after the score kernel), the last
+  two with their early launch and without.
 """
 
 from __future__ import annotations
