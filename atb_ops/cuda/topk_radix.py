@@ -332,7 +332,27 @@ def select(keys: torch.Tensor, cand: torch.Tensor, k: int, hist: torch.Tensor | 
     keys = keys.contiguous()
     vec = kpt >= 4 and n % 4 == 0 and keys.data_ptr() % 16 == 0
     kern = PROGRAM.kernels(keys.device)[_name(kpt, vec, hist is not None)]
+    on = nvrtc.pdl_on()
     nvrtc.launch(kern, (t_count, 1, 1), (THREADS, 1, 1),
                  [keys, hist if hist is not None else keys, hist.stride(0) if hist is not None else 0,
-                  cand.contiguous(), out, n, k, hb])
+                  cand.contiguous(), out, n, k, hb], shared_mem=one_block_per_sm(kern, keys.device) if on else 0,
+                 pdl=on)
     return out
+
+
+_PAD: dict = {}
+
+
+def one_block_per_sm(kern, device: torch.device) -> int:
+    """Bytes of dynamic shared memory (unused) that keep ``kern`` at one block an SM (over half an SM's shared
+    memory with the static part), allowed once per kernel. Launched with programmatic dependent launch, this
+    kernel's blocks become resident while the score kernel before it still runs, and the block scheduler then put
+    two of them on one SM where it had room -- this issue-bound block then shares its SM: on an H200 at T = 32,
+    N = 2048, 19.0 us a call against 15.0-15.6 launched plainly and 14.5 with one block an SM (N = 16384: 49.3 /
+    51.1 / 49.6; scripts/bench_results/h200_session39.txt)."""
+    key = (str(device), id(kern))
+    if key not in _PAD:
+        pad = torch.cuda.get_device_properties(device).shared_memory_per_multiprocessor // 2 + 1024
+        kern.set_shared_memory_config(pad)
+        _PAD[key] = pad
+    return _PAD[key]

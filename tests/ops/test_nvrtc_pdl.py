@@ -118,6 +118,27 @@ def test_fp4_moe_kernels_launch_without_the_early_launch():
         assert len(calls) == 1 and any(k.arg == "early" and ast.unparse(k.value) == "False" for k in calls[0].keywords)
 
 
+def test_topk_radix_keeps_one_block_an_sm_under_pdl(monkeypatch):
+    """Over half an SM's shared memory reserved (with the static part: one block an SM), allowed once per kernel."""
+    from atb_ops.cuda import topk_radix
+
+    class Props:
+        shared_memory_per_multiprocessor = 233472  # H100 / H200
+
+    class Kernel:
+        configured = []
+
+        def set_shared_memory_config(self, n):
+            self.configured.append(n)
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props())
+    monkeypatch.setattr(topk_radix, "_PAD", {})
+    kern = Kernel()
+    pad = topk_radix.one_block_per_sm(kern, torch.device("cuda", 0))
+    assert pad > Props.shared_memory_per_multiprocessor // 2 and pad <= 227 * 1024 - 48 * 1024  # (static part)
+    assert topk_radix.one_block_per_sm(kern, torch.device("cuda", 0)) == pad and Kernel.configured == [pad]
+
+
 def test_nvrtc_pdl_switch(monkeypatch):
     from atb_ops.cuda import _util
 
