@@ -21,7 +21,9 @@ released by mbarriers beat copies issued by the compute warps behind a CTA barri
 ``pdl_wait(pdl_early)`` (:data:`PDL_DEVICE`). :mod:`.fp8_gemv` since session 38; the MoE, attention and top-k kernels
 since session 39 (before, each broke the chain of PDL launches on both sides). The FP4 MoE kernels launch theirs
 without the early launch of the next kernel: with it the FP8 + FP4 decode step was 0.5-1 % slower at batch 32-64
-(H200, scripts/bench_results/h200_session39.txt).
+(H200, scripts/bench_results/h200_session39.txt). A block launched early becomes resident wherever the kernel before
+it leaves room, several to an SM if they fit: :mod:`.topk_radix` (issue-bound, one block a token) reserves shared
+memory so that its blocks stay one an SM (:func:`.topk_radix.one_block_per_sm`).
 
 Cache: ``$ATB_CUDA_CACHE_DIR`` or ``~/.cache/ascend_dsv4``, one cubin + one JSON of lowered names per (source,
 architecture, torch's CUDA version, instance list); a cache that cannot be written costs a rebuild next time.
