@@ -39,6 +39,8 @@ import os
 
 import torch
 
+from ._util import PDL_EARLY, env_choice, pdl_enabled
+
 
 def _library() -> ctypes.CDLL:
     """NVRTC of torch's CUDA major version (a CPU-only torch: 13 or 12, for the PTX checks of the tests), from the
@@ -165,15 +167,11 @@ def pdl_on() -> bool:
     """Whether the CUDA C kernels launch with PDL: :func:`._util.pdl_enabled` (``ATB_CUDA_PDL``, a Hopper GPU) and
     ``ATB_CUDA_NVRTC_PDL`` unset or 1 (``0``: plain launches for them, the Triton kernels keeping theirs;
     benchmarks)."""
-    from ._util import env_choice, pdl_enabled
-
     return env_choice("ATB_CUDA_NVRTC_PDL", "1", ("0", "1")) == "1" and pdl_enabled()
 
 
 def _pdl_early() -> bool:
     """``ATB_CUDA_PDL_EARLY`` (read once, with the Triton kernels' own constant)."""
-    from ._util import PDL_EARLY
-
     return bool(PDL_EARLY.value)
 
 

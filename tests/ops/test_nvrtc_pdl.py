@@ -50,16 +50,20 @@ def _programs():
     return out
 
 
+def _braced(text: str, start: int) -> int:
+    """The index just past the brace that closes the block whose opening brace ends at ``start``."""
+    depth, i = 1, start
+    while depth:
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        i += 1
+    return i
+
+
 def _kernels(source: str):
     """(name, parameter text, body text) of every ``__global__`` function of a CUDA source."""
-    out = []
-    for m in re.finditer(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)\s*\(([^{]*)\)\s*\{", source):
-        depth, i = 1, m.end()
-        while depth:
-            depth += {"{": 1, "}": -1}.get(source[i], 0)
-            i += 1
-        out.append((m.group(1), m.group(2), source[m.end():i]))
-    return out
+    return [(m.group(1), m.group(2), source[m.end():_braced(source, m.end())])
+            for m in re.finditer(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)\s*\(([^{]*)\)\s*\{",
+                                 source)]
 
 
 def test_every_cuda_c_program_is_found():
@@ -140,9 +144,7 @@ def test_topk_radix_keeps_one_block_an_sm_under_pdl(monkeypatch):
 
 
 def test_nvrtc_pdl_switch(monkeypatch):
-    from atb_ops.cuda import _util
-
-    monkeypatch.setattr(_util, "pdl_enabled", lambda: True)
+    monkeypatch.setattr(nvrtc, "pdl_enabled", lambda: True)
     monkeypatch.delenv("ATB_CUDA_NVRTC_PDL", raising=False)
     assert nvrtc.pdl_on()
     monkeypatch.setenv("ATB_CUDA_NVRTC_PDL", "0")
@@ -151,7 +153,7 @@ def test_nvrtc_pdl_switch(monkeypatch):
     with pytest.raises(ValueError, match="ATB_CUDA_NVRTC_PDL"):
         nvrtc.pdl_on()
     monkeypatch.setenv("ATB_CUDA_NVRTC_PDL", "1")
-    monkeypatch.setattr(_util, "pdl_enabled", lambda: False)  # ATB_CUDA_PDL=0 or no Hopper GPU: never
+    monkeypatch.setattr(nvrtc, "pdl_enabled", lambda: False)  # ATB_CUDA_PDL=0 or no Hopper GPU: never
     assert not nvrtc.pdl_on()
 
 
@@ -172,11 +174,7 @@ def _entries(ptx: str):
     out = {}
     for m in re.finditer(r"\.entry\s+(\w+)\s*\(", ptx):
         start = ptx.index("{", ptx.index(")", m.end()))
-        depth, i = 1, start + 1
-        while depth:
-            depth += {"{": 1, "}": -1}.get(ptx[i], 0)
-            i += 1
-        out[m.group(1)] = ptx[start:i]
+        out[m.group(1)] = ptx[start:_braced(ptx, start + 1)]
     return out
 
 
